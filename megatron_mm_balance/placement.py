@@ -133,6 +133,12 @@ def solve_placement(costs, *, sync: str = "microstep",
         # One rank: nothing to exchange. One micro-step: the slowest pack sets both
         # objectives whoever computes it, so moving anything only costs bandwidth.
         return Placement.identity(D, G)
+    if sync == "step":
+        # Only rank totals count: keep every pack home and swap pairs between the
+        # heaviest and lightest ranks until the totals are even.
+        pl = Placement.identity(D, G)
+        _even_rank_totals(c, pl.src_rank, pl.src_index, balance_tolerance, same_step=False)
+        return pl
 
     order = np.argsort(-c, axis=1, kind="stable")        # own packs, heaviest first
     cs = np.take_along_axis(c, order, axis=1)             # [D, G] sorted costs
@@ -166,7 +172,7 @@ def solve_placement(costs, *, sync: str = "microstep",
         if n > D:
             _drop(chosen, forced, deadline, cs, flat_rank, flat_pos, n - D)
         elif n < D:
-            _fill(chosen, unplaced, cs, flat_rank, flat_pos, D - n)
+            _fill(chosen, unplaced, cs, flat_rank, flat_pos, D - n, G - k)
         if sync == "microstep" and k + 1 < G:
             _repair(chosen, forced, unplaced, deadline, cs, flat_rank, flat_pos, k, D, G)
 
@@ -208,46 +214,59 @@ def solve_placement(costs, *, sync: str = "microstep",
     return Placement(src_rank, src_index)
 
 
-def _even_rank_totals(c, src_rank, src_index, tolerance, max_rounds=64):
-    """Swap packs between two ranks inside one micro-step until no rank total exceeds
-    the mean by more than ``tolerance`` (or no swap lowers an over-full rank).
+def _even_rank_totals(c, src_rank, src_index, tolerance, *, same_step=True, max_rounds=64):
+    """Swap packs between two ranks until no rank total exceeds the mean by more than
+    ``tolerance`` (or no swap lowers an over-full rank). In place.
 
-    A swap within a micro-step leaves that micro-step's slowest pack, hence the
-    micro-step objective, unchanged. Each round pairs the over-full ranks, heaviest
-    first, with the lightest ranks and gives each pair the single swap that brings
-    both closest to their midpoint, preferring swaps that send packs home. In place;
-    O(P * G) per round for P over-full ranks.
+    ``same_step=True`` swaps only inside one micro-step, which leaves every
+    micro-step's slowest pack, hence the micro-step objective, unchanged;
+    ``same_step=False`` swaps any two packs (``step`` mode, where only totals count).
+    Each round pairs the over-full ranks, heaviest first, with the lightest ranks
+    and gives each pair the one swap that brings both closest to their midpoint,
+    preferring swaps that send packs home. O(P * G) per round for P over-full
+    ranks (O(P * G^2) with ``same_step=False``).
     """
     D, G = c.shape
     a = c[src_rank, src_index]
     totals = a.sum(axis=1)
     limit = totals.mean() * (1.0 + tolerance)
+    home = np.arange(D)
     for _ in range(max_rounds):
         heavy = np.flatnonzero(totals > limit)
         if len(heavy) == 0:
             return
         heavy = heavy[np.lexsort((heavy, -totals[heavy]))]
-        light = np.lexsort((np.arange(D), totals))[: len(heavy)]
+        light = np.lexsort((home, totals))[: len(heavy)]
         keep = totals[light] < totals[heavy]
         h, l = heavy[keep], light[keep]
         if len(h) == 0:
             return
-        gap = (totals[h] - totals[l])[:, None]
-        delta = a[h] - a[l]                              # [P, G]
+        P = len(h)
+        gap = (totals[h] - totals[l])[:, None, None]
+        if same_step:
+            i_of = np.broadcast_to(np.arange(G)[None, :, None], (P, G, 1))
+            j_of = i_of
+        else:
+            i_of = np.broadcast_to(np.arange(G)[None, :, None], (P, G, G))
+            j_of = np.broadcast_to(np.arange(G)[None, None, :], (P, G, G))
+        rows = np.arange(P)[:, None, None]
+        delta = a[h][rows, i_of] - a[l][rows, j_of]          # [P, G, G or 1]
         valid = (delta > 0) & (delta < gap)
         score = np.abs(2 * delta - gap)
-        gain = ((src_rank[h] == l[:, None]).astype(np.int64) + (src_rank[l] == h[:, None])
-                - (src_rank[h] == h[:, None]) - (src_rank[l] == l[:, None]))
-        # best column per pair: smallest score, then largest gain, then lowest step
-        key = np.where(valid, score * 8 + (2 - gain), np.iinfo(np.int64).max)  # gain in [-2, 2]
-        m = np.argmin(key, axis=1)
-        ok = valid[np.arange(len(h)), m]
+        sh, sl = src_rank[h][rows, i_of], src_rank[l][rows, j_of]
+        hh, ll = h[:, None, None], l[:, None, None]
+        gain = ((sh == ll).astype(np.int64) + (sl == hh) - (sh == hh) - (sl == ll))
+        key = np.where(valid, score * 8 + (2 - gain), np.iinfo(np.int64).max).reshape(P, -1)
+        best = np.argmin(key, axis=1)                          # smallest score, then gain, then index
+        ok = valid.reshape(P, -1)[np.arange(P), best]
         if not ok.any():
             return
-        h, l, m = h[ok], l[ok], m[ok]
-        d = a[h, m] - a[l, m]
+        width = key.shape[1] // G
+        h, l, best = h[ok], l[ok], best[ok]
+        i, j = best // width, (best % width if not same_step else best // width)
+        d = a[h, i] - a[l, j]
         for arr in (src_rank, src_index, a):
-            arr[h, m], arr[l, m] = arr[l, m], arr[h, m].copy()
+            arr[h, i], arr[l, j] = arr[l, j], arr[h, i].copy()
         totals[h] -= d
         totals[l] += d
 
@@ -265,10 +284,18 @@ def _drop(chosen, forced, deadline, cs, flat_rank, flat_pos, count):
     chosen.ravel()[idx[key[:count]]] = False
 
 
-def _fill(chosen, unplaced, cs, flat_rank, flat_pos, count):
-    """Pull in the ``count`` heaviest unplaced packs not yet chosen (earliest deadline)."""
-    idx = _key_heaviest_first(cs, flat_rank, flat_pos, unplaced & ~chosen)
-    chosen.ravel()[idx[:count]] = True
+def _fill(chosen, unplaced, cs, flat_rank, flat_pos, count, slots_left):
+    """Pull in ``count`` unplaced packs not yet chosen: first from ranks holding more
+    packs than they have slots left (they must export anyway), then the heaviest
+    (earliest deadline). Each such rank offers only as many packs as its surplus."""
+    rest = unplaced & ~chosen
+    surplus = unplaced.sum(axis=1) - slots_left
+    exportable = rest & (np.cumsum(rest, axis=1) <= surplus[:, None])
+    idx = _key_heaviest_first(cs, flat_rank, flat_pos, exportable)[:count]
+    if len(idx) < count:
+        more = _key_heaviest_first(cs, flat_rank, flat_pos, rest & ~exportable)
+        idx = np.concatenate([idx, more[: count - len(idx)]])
+    chosen.ravel()[idx] = True
 
 
 def _repair(chosen, forced, unplaced, deadline, cs, flat_rank, flat_pos, k, D, G):

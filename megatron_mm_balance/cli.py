@@ -1,0 +1,281 @@
+"""``mm-balance``: pack traces, place global batches, simulate, benchmark, demo.
+
+Every bad input ends in one line on stderr (``mm-balance: error: ...``) and a
+non-zero exit, never a traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+from . import mixtures, packing, placement
+from .traces import DEFAULT_TOKENS_PER_TILE, TraceError, load_trace
+
+# Modules that add subcommands through ``register(subparsers)``.
+EXTENSIONS = ("megatron_mm_balance.sim.cli", "megatron_mm_balance.runtime.bench")
+
+
+class CliError(Exception):
+    """A user-facing error: printed as one line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, no usage dump
+        raise CliError(f"{self.prog}: {message}")
+
+
+# ---------------------------------------------------------------------------
+# inputs
+
+def read_samples(trace: str, tokens_per_tile: int):
+    """A trace file, or the name of a built-in mixture (see ``mixtures.MIXTURES``)."""
+    if not os.path.exists(trace) and trace in mixtures.MIXTURES:
+        return mixtures.make_mixture(trace)
+    if not os.path.exists(trace):
+        raise CliError(f"{trace}: no such file (nor a built-in mixture: {', '.join(mixtures.MIXTURES)})")
+    return load_trace(trace, tokens_per_tile=tokens_per_tile)
+
+
+def read_pack_costs(path: str) -> np.ndarray:
+    """Image tokens of every pack in a PACKS.jsonl file, validated line by line."""
+    if not os.path.exists(path):
+        raise CliError(f"{path}: no such file")
+    costs = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise CliError(f"{path}:{lineno}: malformed JSON line ({exc.msg})") from None
+            if not isinstance(rec, dict):
+                raise CliError(f"{path}:{lineno}: expected a JSON object")
+            if "image_tokens" in rec:
+                v = rec["image_tokens"]
+            elif "images" in rec:
+                v = rec["images"]
+                if not isinstance(v, list) or not all(isinstance(n, int) and not isinstance(n, bool) for n in v):
+                    raise CliError(f"{path}:{lineno}: 'images' must be a list of integers")
+                if any(n < 0 for n in v):
+                    raise CliError(f"{path}:{lineno}: negative image token count")
+                v = sum(v)
+            else:
+                raise CliError(f"{path}:{lineno}: missing 'image_tokens' (or 'images')")
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise CliError(f"{path}:{lineno}: 'image_tokens' must be an integer, got {v!r}")
+            if v < 0:
+                raise CliError(f"{path}:{lineno}: 'image_tokens' must be >= 0, got {v}")
+            costs.append(v)
+    return np.asarray(costs, dtype=np.int64)
+
+
+# ---------------------------------------------------------------------------
+# pack
+
+def cmd_pack(args) -> int:
+    if args.seq_len < 1:
+        raise CliError(f"--seq-len must be >= 1, got {args.seq_len}")
+    if args.buffer < 1:
+        raise CliError(f"--buffer must be >= 1, got {args.buffer}")
+    if args.packer == "budget" and args.image_budget is None:
+        raise CliError("--packer budget needs --image-budget N")
+    if args.image_budget is not None and args.image_budget < 0:
+        raise CliError(f"--image-budget must be >= 0, got {args.image_budget}")
+    samples = read_samples(args.trace, args.tokens_per_tile)
+    budget = args.image_budget if args.packer == "budget" else None
+    result = packing.pack_greedy(samples, args.seq_len, buffer_size=args.buffer,
+                                 image_budget=budget, on_overlong=args.on_overlong)
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as f:
+            for p in result.packs:
+                f.write(json.dumps(p.to_json()) + "\n")
+    report = {"trace": args.trace, "packer": args.packer, "image_budget": budget, **result.report()}
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(f"{report['samples']} samples -> {report['packs']} packs of {args.seq_len} tokens, "
+              f"efficiency {report['efficiency']:.4f}, dropped {report['dropped']} overlong; "
+              f"image tokens per pack mean {report['image_tokens_per_pack_mean']:.0f}, "
+              f"max {report['image_tokens_per_pack_max']}")
+    return 0
+
+
+# ---------------------------------------------------------------------------
+# place
+
+def place_batches(costs: np.ndarray, dp: int, ga: int, sync: str, tolerance: float,
+                  out=None) -> dict:
+    """Solve consecutive global batches of ``costs`` (batch b, rank r, index m holds
+    pack ``b*dp*ga + r*ga + m``) and aggregate the metrics."""
+    per = dp * ga
+    n_batches = len(costs) // per
+    times, moved, ms_num, rank_ratio, base_ms_num, base_rank, denom, vs_opt = [], 0, 0, [], 0, [], 0.0, []
+    for b in range(n_batches):
+        c = costs[b * per:(b + 1) * per].reshape(dp, ga)
+        t0 = time.perf_counter()
+        pl = placement.solve_placement(c, sync=sync, balance_tolerance=tolerance)
+        times.append((time.perf_counter() - t0) * 1000.0)
+        after = pl.apply(c)
+        moved += int(pl.moved().sum())
+        ms_num += placement.microstep_objective(after)
+        base_ms_num += placement.microstep_objective(c)
+        denom += c.sum() / dp
+        opt = placement.sorted_grouping_optimum(c)
+        vs_opt.append(placement.microstep_objective(after) / opt if opt else 1.0)
+        rt, brt = after.sum(axis=1), c.sum(axis=1)
+        rank_ratio.append(rt.max() / rt.mean() if rt.mean() else 1.0)
+        base_rank.append(brt.max() / brt.mean() if brt.mean() else 1.0)
+        if out is not None:
+            out.write(json.dumps({"batch": b, "slots": pl.slots().tolist()}) + "\n")
+    return {
+        "dp": dp, "ga": ga, "sync": sync, "balance_tolerance": tolerance,
+        "packs": int(len(costs)), "global_batches": n_batches,
+        "skipped_packs": int(len(costs) - n_batches * per),
+        "solver_ms_p50": float(np.median(times)), "solver_ms_max": float(np.max(times)),
+        "moved_fraction": moved / (n_batches * per),
+        "microstep_ratio": float(ms_num / denom) if denom else 1.0,
+        "rank_ratio": float(np.max(rank_ratio)),
+        "baseline_microstep_ratio": float(base_ms_num / denom) if denom else 1.0,
+        "baseline_rank_ratio": float(np.max(base_rank)),
+        "microstep_vs_optimum_max": float(np.max(vs_opt)),
+    }
+
+
+def cmd_place(args) -> int:
+    if args.dp < 1 or args.ga < 1:
+        raise CliError(f"--dp and --ga must be >= 1, got --dp {args.dp} --ga {args.ga}")
+    if args.balance_tolerance < 0:
+        raise CliError(f"--balance-tolerance must be >= 0, got {args.balance_tolerance}")
+    costs = read_pack_costs(args.packs)
+    if len(costs) < args.dp * args.ga:
+        raise CliError(f"{args.packs}: {len(costs)} packs, fewer than one global batch "
+                       f"(--dp {args.dp} x --ga {args.ga} = {args.dp * args.ga})")
+    out = open(args.out, "w", encoding="utf-8") if args.out else None
+    try:
+        report = place_batches(costs, args.dp, args.ga, args.sync, args.balance_tolerance, out)
+    finally:
+        if out is not None:
+            out.close()
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(_place_summary(report))
+    return 0
+
+
+def _place_summary(r: dict) -> str:
+    lines = [
+        f"{r['global_batches']} global batches of DP={r['dp']} x GA={r['ga']} packs (sync={r['sync']}), "
+        f"{r['skipped_packs']} trailing packs skipped",
+        f"  micro-step objective / ideal : {r['baseline_microstep_ratio']:.4f} -> {r['microstep_ratio']:.4f}"
+        f"  (optimum reached within {r['microstep_vs_optimum_max']:.4f})",
+        f"  max rank total / mean        : {r['baseline_rank_ratio']:.4f} -> {r['rank_ratio']:.4f}",
+        f"  packs moved                  : {100 * r['moved_fraction']:.1f}%",
+        f"  solver time                  : p50 {r['solver_ms_p50']:.2f} ms, max {r['solver_ms_max']:.2f} ms",
+    ]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------
+# demo
+
+def cmd_demo(args) -> int:
+    print(f"== pack: built-in mixture 'mixed' (AI2D + ChartQA real statistics, 40% text-only, "
+          f"10% multi-image documents) into {args.seq_len}-token sequences")
+    samples = mixtures.mixed(seed=0)
+    greedy = packing.pack_greedy(samples, args.seq_len)
+    rep = greedy.report()
+    print(f"   {rep['samples']} samples -> {rep['packs']} packs, efficiency {rep['efficiency']:.4f}, "
+          f"image tokens per pack: mean {rep['image_tokens_per_pack_mean']:.0f}, "
+          f"min {rep['image_tokens_per_pack_min']}, max {rep['image_tokens_per_pack_max']}")
+    budget = int(round(rep["image_tokens_per_pack_mean"]))
+    b = packing.pack_budget(samples, args.seq_len, budget)
+    img = np.array([p.image_tokens for p in b.packs])
+    print(f"   2D packing baseline (image budget {budget}/pack): efficiency {b.efficiency:.4f}, "
+          f"image tokens per pack max {img.max()} (the seed's trade-off)")
+    costs = np.array([p.image_tokens for p in greedy.packs], dtype=np.int64)
+    for dp, ga in ((args.dp, args.ga),):
+        if len(costs) < dp * ga:
+            raise CliError(f"demo: {len(costs)} packs are fewer than DP={dp} x GA={ga}")
+        for sync in ("microstep", "step"):
+            print(f"== place: DP={dp}, GA={ga}, sync={sync}")
+            r = place_batches(costs, dp, ga, sync, placement.DEFAULT_BALANCE_TOLERANCE)
+            print(_place_summary(r))
+    if args.train:
+        train = importlib.import_module("megatron_mm_balance.testing.train_demo")
+        return int(train.main(args.train_args) or 0)
+    return 0
+
+
+# ---------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="mm-balance", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    pk = sub.add_parser("pack", help="pack a trace into fixed-length sequences")
+    pk.add_argument("trace", help="trace file (JSON Lines or OmniBal JSON array) or mixture name")
+    pk.add_argument("--seq-len", type=int, default=8192)
+    pk.add_argument("--packer", choices=("greedy", "budget"), default="greedy")
+    pk.add_argument("--image-budget", type=int, default=None, help="image tokens per pack (budget packer)")
+    pk.add_argument("--buffer", type=int, default=packing.DEFAULT_BUFFER, help="packing buffer, samples")
+    pk.add_argument("--tokens-per-tile", type=int, default=DEFAULT_TOKENS_PER_TILE)
+    pk.add_argument("--on-overlong", choices=("drop", "error"), default="drop")
+    pk.add_argument("--out", help="write PACKS.jsonl")
+    pk.add_argument("--json", action="store_true", help="print one JSON object")
+    pk.set_defaults(func=cmd_pack)
+
+    pl = sub.add_parser("place", help="balance consecutive global batches of packs")
+    pl.add_argument("packs", help="PACKS.jsonl (from 'mm-balance pack --out')")
+    pl.add_argument("--dp", type=int, required=True, help="data-parallel ranks")
+    pl.add_argument("--ga", type=int, required=True, help="micro-batches per global batch")
+    pl.add_argument("--sync", choices=placement.SYNC_MODES, default="microstep")
+    pl.add_argument("--balance-tolerance", type=float, default=placement.DEFAULT_BALANCE_TOLERANCE)
+    pl.add_argument("--out", help="write PLACEMENT.jsonl")
+    pl.add_argument("--json", action="store_true", help="print one JSON object")
+    pl.set_defaults(func=cmd_place)
+
+    dm = sub.add_parser("demo", help="the main job on the embedded default")
+    dm.add_argument("--seq-len", type=int, default=8192)
+    dm.add_argument("--dp", type=int, default=64)
+    dm.add_argument("--ga", type=int, default=16)
+    dm.add_argument("--train", action=argparse.BooleanOptionalAction, default=False,
+                    help="also train the tiny CPU VLM+MoE with balancing off vs on")
+    dm.add_argument("train_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    dm.set_defaults(func=cmd_demo)
+
+    for name in EXTENSIONS:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name is None or not name.startswith(exc.name):
+                raise
+            continue
+        module.register(sub)
+    return p
+
+
+def main(argv=None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        return args.func(args)
+    except (CliError, TraceError, packing.OverlongSampleError, ValueError, OSError) as exc:
+        msg = str(exc)
+        if not msg.startswith("mm-balance"):
+            msg = f"mm-balance: error: {msg}"
+        print(msg.splitlines()[0] if msg else "mm-balance: error", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

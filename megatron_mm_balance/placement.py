@@ -224,7 +224,7 @@ def _even_rank_totals(c, src_rank, src_index, tolerance, *, same_step=True, max_
     Each round pairs the over-full ranks, heaviest first, with the lightest ranks
     and gives each pair the one swap that brings both closest to their midpoint,
     preferring swaps that send packs home. O(P * G) per round for P over-full
-    ranks (O(P * G^2) with ``same_step=False``).
+    ranks (O(P * G log(P * G)) with ``same_step=False``, by binary search).
     """
     D, G = c.shape
     a = c[src_rank, src_index]
@@ -242,33 +242,52 @@ def _even_rank_totals(c, src_rank, src_index, tolerance, *, same_step=True, max_
         if len(h) == 0:
             return
         P = len(h)
-        gap = (totals[h] - totals[l])[:, None, None]
-        if same_step:
-            i_of = np.broadcast_to(np.arange(G)[None, :, None], (P, G, 1))
-            j_of = i_of
-        else:
-            i_of = np.broadcast_to(np.arange(G)[None, :, None], (P, G, G))
-            j_of = np.broadcast_to(np.arange(G)[None, None, :], (P, G, G))
-        rows = np.arange(P)[:, None, None]
-        delta = a[h][rows, i_of] - a[l][rows, j_of]          # [P, G, G or 1]
+        gap = (totals[h] - totals[l])[:, None]
+        ii, jj = (_same_step_candidates(P, G) if same_step
+                  else _nearest_candidates(a[h], a[l], gap))
+        rows = np.arange(P)[:, None]
+        delta = a[h][rows, ii] - a[l][rows, jj]              # [P, K] candidate swaps
         valid = (delta > 0) & (delta < gap)
         score = np.abs(2 * delta - gap)
-        sh, sl = src_rank[h][rows, i_of], src_rank[l][rows, j_of]
-        hh, ll = h[:, None, None], l[:, None, None]
+        sh, sl = src_rank[h][rows, ii], src_rank[l][rows, jj]
+        hh, ll = h[:, None], l[:, None]
         gain = ((sh == ll).astype(np.int64) + (sl == hh) - (sh == hh) - (sl == ll))
-        key = np.where(valid, score * 8 + (2 - gain), np.iinfo(np.int64).max).reshape(P, -1)
+        key = np.where(valid, score * 8 + (2 - gain), np.iinfo(np.int64).max)
         best = np.argmin(key, axis=1)                          # smallest score, then gain, then index
-        ok = valid.reshape(P, -1)[np.arange(P), best]
+        ok = valid[np.arange(P), best]
         if not ok.any():
             return
-        width = key.shape[1] // G
-        h, l, best = h[ok], l[ok], best[ok]
-        i, j = best // width, (best % width if not same_step else best // width)
+        h, l = h[ok], l[ok]
+        i, j = ii[np.arange(P), best][ok], jj[np.arange(P), best][ok]
         d = a[h, i] - a[l, j]
         for arr in (src_rank, src_index, a):
             arr[h, i], arr[l, j] = arr[l, j], arr[h, i].copy()
         totals[h] -= d
         totals[l] += d
+
+
+def _same_step_candidates(P, G):
+    steps = np.broadcast_to(np.arange(G), (P, G))
+    return steps, steps
+
+
+def _nearest_candidates(ah, al, gap):
+    """For every pack i of the heavy rank, the two packs j of the light rank whose
+    cost is nearest to ``ah[i] - gap/2`` (the swap that meets at the midpoint).
+    Batched binary search over all pairs at once: O(P * G log(P * G))."""
+    P, G = ah.shape
+    order = np.argsort(al, axis=1, kind="stable")
+    s2 = 2 * np.take_along_axis(al, order, axis=1)            # doubled: stays integral
+    t2 = 2 * ah - gap                                          # [P, G] doubled targets
+    width = int(max(s2.max(), t2.max()) - min(0, t2.min())) + 2
+    shift = np.arange(P)[:, None] * width - min(0, int(t2.min()))
+    pos = np.searchsorted((s2 + shift).ravel(), (t2 + shift).ravel()).reshape(P, G)
+    pos -= np.arange(P)[:, None] * G                           # position inside the row
+    lo = np.clip(pos - 1, 0, G - 1)
+    hi = np.clip(pos, 0, G - 1)
+    jj = np.take_along_axis(order, np.concatenate([lo, hi], axis=1), axis=1)
+    ii = np.concatenate([np.broadcast_to(np.arange(G), (P, G))] * 2, axis=1)
+    return ii, jj
 
 
 def _key_heaviest_first(cs, flat_rank, flat_pos, mask):

@@ -1,0 +1,16 @@
+"""Thin Megatron-LM glue for image-token load balancing (``--mm-balance``).
+
+Modules, each importable without Megatron, megatron-energon,
+transformer-engine or apex (those are imported inside functions):
+
+* :mod:`.arguments` — the ``--mm-balance-*`` flags (``add_mm_balance_args``,
+  usable as or chained with Megatron's ``extra_args_provider``);
+* :mod:`.checks` — refuses settings under which balancing would change the loss;
+* :mod:`.groups` — the exchange's own process groups, created on all ranks;
+* :mod:`.iterator` — ``wrap_train_data_iterator``: the hook the training.py patch calls;
+* :mod:`.sampler` — index-reassigning batch sampler (no tensor exchange) for
+  datasets that report a sample's image tokens by index;
+* :mod:`.energon` — a megatron-energon ``TaskEncoder`` mixin that packs with our
+  best-fit packer and records per-pack ``image_tokens``;
+* :mod:`.telemetry` — balance statistics to the log and TensorBoard/W&B.
+"""

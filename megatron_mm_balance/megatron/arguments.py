@@ -1,0 +1,101 @@
+"""The ``--mm-balance`` command-line flags, in Megatron-LM style.
+
+Registered two ways, both ending in :func:`add_mm_balance_args`:
+
+* the ``patches/`` diff to ``megatron/training/arguments.py`` calls it from
+  ``add_megatron_arguments``, so every Megatron entry point knows the flags;
+* on an unpatched checkout a training script passes it (or
+  :func:`with_mm_balance_args` chaining the script's own provider) as
+  ``pretrain(..., extra_args_provider=...)``.
+
+Registering twice is harmless: the second call sees ``--mm-balance`` and returns.
+"""
+from __future__ import annotations
+
+import argparse
+from typing import Callable, Optional
+
+SYNC_CHOICES = ("auto", "microstep", "step")
+COST_CHOICES = ("image-tokens", "model")
+MODE_CHOICES = ("auto", "exchange", "sampler")
+
+
+def add_mm_balance_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the ``mm-balance`` argument group to ``parser`` and return the parser."""
+    if "--mm-balance" in parser._option_string_actions:  # already registered (patch + provider)
+        return parser
+    group = parser.add_argument_group(title="mm-balance (image-token load balancing)")
+    group.add_argument("--mm-balance", action="store_true",
+                       help="Balance image tokens across data-parallel ranks every global batch "
+                            "by moving whole micro-batches (packs) between ranks.")
+    group.add_argument("--mm-balance-overlap", dest="mm_balance_overlap", action="store_true",
+                       default=True,
+                       help="Gather costs and exchange packs for the next global batch on a "
+                            "background thread, overlapped with compute (default).")
+    group.add_argument("--no-mm-balance-overlap", dest="mm_balance_overlap", action="store_false",
+                       help="Balance synchronously when the global batch is first read.")
+    group.add_argument("--mm-balance-sync", choices=SYNC_CHOICES, default="auto",
+                       help="Objective: 'microstep' balances every micro-step (needed when "
+                            "expert-parallel all-to-alls synchronise ranks each micro-step), "
+                            "'step' balances per-rank totals (pure data parallel). 'auto' picks "
+                            "microstep when --expert-model-parallel-size > 1, else step.")
+    group.add_argument("--mm-balance-cost", choices=COST_CHOICES, default="image-tokens",
+                       help="Cost of a pack: its image tokens, or a calibrated cost model read "
+                            "from --mm-balance-cost-file.")
+    group.add_argument("--mm-balance-cost-file", type=str, default=None,
+                       help="Cost file (JSON, format mm-balance-cost/v1) for --mm-balance-cost model.")
+    group.add_argument("--mm-balance-mode", choices=MODE_CHOICES, default="auto",
+                       help="'exchange' moves packed tensors between ranks; 'sampler' reassigns "
+                            "sample indices before loading (needs --dataloader-type single and a "
+                            "dataset with mm_balance_image_tokens(idx)); 'auto' uses the sampler "
+                            "when it applies, else the exchange.")
+    group.add_argument("--mm-balance-log-interval", type=int, default=None,
+                       help="Write balance statistics every this many iterations "
+                            "(default: --log-interval).")
+    group.add_argument("--mm-balance-tolerance", type=float, default=None,
+                       help="Relative imbalance below which no pack is moved (solver default if unset).")
+    group.add_argument("--mm-balance-timeout", type=float, default=300.0,
+                       help="Seconds the exchange waits on its collectives before failing.")
+    return parser
+
+
+def with_mm_balance_args(provider: Optional[Callable] = None) -> Callable:
+    """Chain ``provider`` (a script's own ``extra_args_provider``) with ours.
+
+    ``pretrain(..., extra_args_provider=with_mm_balance_args(add_multimodal_extra_args))``.
+    """
+    def _provider(parser):
+        if provider is not None:
+            parser = provider(parser)
+        return add_mm_balance_args(parser)
+    _provider.__name__ = f"with_mm_balance_args({getattr(provider, '__name__', provider)})"
+    return _provider
+
+
+def validate_mm_balance_args(args) -> None:
+    """Raise ``ValueError`` (one line, naming the flag) on invalid or unsupported settings.
+
+    A no-op unless ``--mm-balance`` is set. Delegates the Megatron-setting checks
+    to :func:`megatron_mm_balance.megatron.checks.check_args`.
+    """
+    if not getattr(args, "mm_balance", False):
+        return
+    from .checks import check_args
+    check_args(args)
+
+
+def resolve_sync(args) -> str:
+    """``--mm-balance-sync`` with ``auto`` resolved: microstep under expert parallel."""
+    sync = getattr(args, "mm_balance_sync", "auto") or "auto"
+    if sync != "auto":
+        return sync
+    ep = getattr(args, "expert_model_parallel_size", 1) or 1
+    return "microstep" if ep > 1 else "step"
+
+
+def log_interval(args) -> int:
+    """``--mm-balance-log-interval``, defaulting to Megatron's ``--log-interval`` (or 100)."""
+    value = getattr(args, "mm_balance_log_interval", None)
+    if value is None:
+        value = getattr(args, "log_interval", None) or 100
+    return int(value)

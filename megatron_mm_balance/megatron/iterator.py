@@ -1,0 +1,287 @@
+"""``wrap_train_data_iterator``: the one call the training.py patch makes.
+
+Megatron's contracts, and how the wrapper keeps them:
+
+* Megatron gets back a ``RerunDataIterator`` (rewind/replay for the rerun state
+  machine keep working) around a :class:`BalancedTrainIterable`, which yields
+  the balanced micro-batches; ``None`` (ranks without data) stays ``None``; a
+  list (virtual pipeline, one iterator per model chunk) stays a list.
+* Each global batch is exactly ``get_num_microbatches()`` items, read at the
+  first micro-batch of every global batch (batch-size ramp-up works).
+* The same multiset of micro-batches is consumed per step, so
+  ``consumed_train_samples`` is untouched.
+* ``train_iterator.iterable.save_state()`` (energon's dataloader checkpoint) is
+  still there; the balancer reads a global batch from the loader only when the
+  training loop starts it, so between steps the loader state is the consumed one.
+
+Only ranks that read data are wrapped: first/last pipeline stage, tensor rank 0
+(see :mod:`.groups`); other ranks' iterators are returned unchanged.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+from .arguments import log_interval, resolve_sync
+
+
+class MicrobatchSchedule:
+    """Zero-arg callable: the number of micro-batches of the next global batch.
+
+    The balanced iterator reads it at the first ``next()`` of every global batch,
+    after Megatron's training loop has called ``update_num_microbatches`` for that
+    step, so by default it simply returns ``get_num_microbatches()``.
+
+    Readers that run ahead of the training loop (the sampler mode's batch
+    sampler, prefetched by the DataLoader) pass ``predict=True``: under
+    ``--rampup-batch-size`` it then runs a private copy of Megatron's calculator
+    on the samples consumed by the global batches it has already handed out.
+    """
+
+    def __init__(self, args=None, *, predict: bool = False,
+                 consumed_samples: Optional[int] = None):
+        self._calc = None
+        self._consumed = 0
+        if predict and args is not None and getattr(args, "rampup_batch_size", None):
+            from megatron.core.num_microbatches_calculator import _build_num_microbatches_calculator
+            self._calc = _build_num_microbatches_calculator(
+                rank=1,  # not 0: keep the copy from logging
+                rampup_batch_size=args.rampup_batch_size,
+                global_batch_size=args.global_batch_size,
+                micro_batch_size=args.micro_batch_size,
+                data_parallel_size=args.data_parallel_size,
+                decrease_batch_size_if_needed=getattr(args, "decrease_batch_size_if_needed", False),
+            )
+            self._consumed = int(consumed_samples if consumed_samples is not None
+                                 else getattr(args, "consumed_train_samples", 0) or 0)
+            self._samples_per_mb = args.micro_batch_size * args.data_parallel_size
+
+    def __call__(self) -> int:
+        if self._calc is None:
+            from megatron.core.num_microbatches_calculator import get_num_microbatches
+            return int(get_num_microbatches())
+        self._calc.update(self._consumed, False)
+        n = int(self._calc.get())
+        self._consumed += n * self._samples_per_mb
+        return n
+
+
+class BalancedTrainIterable:
+    """What Megatron's ``RerunDataIterator`` wraps: balanced micro-batches plus ``save_state``.
+
+    ``save_state()`` is the loader's own: the balancer pulls a global batch from
+    the loader only when the training loop asks for its first micro-batch, so
+    between steps (where Megatron checkpoints) the loader has read exactly the
+    micro-batches consumed so far on this rank.
+    """
+
+    def __init__(self, balanced, source, telemetry=None):
+        self.balancer = balanced
+        self.source = source
+        self._telemetry = telemetry
+        self.delivered = 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        item = next(self.balancer)
+        self.delivered += 1
+        if self._telemetry is not None:
+            self._telemetry.on_item()
+        return item
+
+    @property
+    def save_state(self) -> Callable[[], Any]:
+        """The loader's ``save_state`` (absent, as on the loader, if it has none)."""
+        fn = getattr(self.source, "save_state", None)
+        if not callable(fn):
+            raise AttributeError(f"{type(self.source).__name__} has no save_state")
+        return fn
+
+    @property
+    def stats(self):
+        return self.balancer.stats
+
+    def close(self) -> None:
+        self.balancer.close()
+
+
+def _tokens_per_tile(args) -> Optional[int]:
+    """Image embeddings per tile for examples/multimodal arguments (None if not a VLM run)."""
+    if args is None or getattr(args, "img_h", None) is None:
+        return None
+    from megatron.core.models.vision.clip_vit_model import get_num_image_embeddings
+    return int(get_num_image_embeddings(
+        args.img_h, args.img_w, args.patch_dim, args.vision_model_type,
+        args.disable_vision_class_token, 1, getattr(args, "pixel_shuffle", False),
+        getattr(args, "use_tile_tags", False), getattr(args, "max_num_tiles", 1),
+        getattr(args, "tokenizer_prompt_format", None)))
+
+
+def _to_ints(value) -> list:
+    if value is None:
+        return []
+    if hasattr(value, "tolist"):
+        value = value.tolist()
+    if isinstance(value, (list, tuple)):
+        out = []
+        for v in value:
+            out.extend(_to_ints(v))
+        return out
+    return [int(value)]
+
+
+def image_counts(batch, tokens_per_tile: Optional[int] = None) -> list:
+    """Per-image token counts of a micro-batch (``image_tokens``, else ``num_tiles``)."""
+    if not isinstance(batch, dict):
+        raise TypeError(f"mm-balance: micro-batch is a {type(batch).__name__}, expected a dict")
+    if "image_token_counts" in batch:
+        return _to_ints(batch["image_token_counts"])
+    if "image_tokens" in batch:
+        return _to_ints(batch["image_tokens"])
+    if "num_tiles" in batch:
+        tiles = _to_ints(batch["num_tiles"])
+        return [t * (tokens_per_tile or 1) for t in tiles]
+    raise KeyError("mm-balance: micro-batch has neither 'image_tokens' nor 'num_tiles'; record "
+                   "them in the task encoder (megatron_mm_balance.megatron.energon."
+                   "BalancedPackingMixin) or pass a cost_fn")
+
+
+class ImageTokensCost:
+    """``--mm-balance-cost image-tokens``: a micro-batch's image tokens.
+
+    Reads ``image_token_counts`` or ``image_tokens`` (our task encoder), else
+    ``num_tiles`` x embeddings per tile (stock examples/multimodal batches; the
+    embeddings per tile follow from ``--img-h/--img-w/--patch-dim/...``). A
+    micro-batch with none of these keys (text only) costs 0, as in the runtime's
+    default. Sums over every pack of the micro-batch, so it also serves
+    ``--micro-batch-size`` > 1.
+    """
+
+    def __init__(self, tokens_per_tile: Optional[int] = None):
+        self.tokens_per_tile = tokens_per_tile
+
+    @property
+    def identity(self) -> str:
+        return f"megatron_mm_balance.megatron.image_tokens(tokens_per_tile={self.tokens_per_tile})"
+
+    def __call__(self, batch) -> int:
+        if not isinstance(batch, dict) or not any(k in batch for k in _IMAGE_KEYS):
+            return 0
+        return int(sum(image_counts(batch, self.tokens_per_tile)))
+
+
+class ModelCost:
+    """``--mm-balance-cost model``: a calibrated :class:`~megatron_mm_balance.cost.CostModel`
+    on per-image tokens and per-sample lengths (from ``cu_lengths``)."""
+
+    def __init__(self, path: str, tokens_per_tile: Optional[int] = None):
+        from ..cost import load_cost_file
+        self.model = load_cost_file(path)
+        self.tokens_per_tile = tokens_per_tile
+
+    @property
+    def identity(self) -> str:
+        return f"megatron_mm_balance.megatron.model_cost({self.model.to_json()}, {self.tokens_per_tile})"
+
+    def __call__(self, batch) -> int:
+        from ..cost import PackFeatures
+        if not isinstance(batch, dict):
+            return 0
+        images = ()
+        if any(k in batch for k in _IMAGE_KEYS):
+            images = tuple(image_counts(batch, self.tokens_per_tile))
+        cu = _to_ints(batch.get("cu_lengths"))
+        lengths = tuple(b - a for a, b in zip(cu, cu[1:]) if b > a)
+        return self.model.cost(PackFeatures(images, lengths))
+
+
+_IMAGE_KEYS = ("image_token_counts", "image_tokens", "num_tiles")
+
+
+def make_cost_fn(args=None):
+    """The cost function ``--mm-balance-cost`` asks for."""
+    tpt = _tokens_per_tile(args)
+    if getattr(args, "mm_balance_cost", "image-tokens") == "model":
+        return ModelCost(args.mm_balance_cost_file, tpt)
+    return ImageTokensCost(tpt)
+
+
+def _wrap_one(iterator, group, args, *, num_microbatches, cost_fn, chunk: int):
+    from megatron.core.rerun_state_machine import RerunDataIterator
+    from ..runtime import BalancedDataIterator
+    from .telemetry import Telemetry
+
+    source = iterator.iterable if isinstance(iterator, RerunDataIterator) else iterator
+    if not hasattr(source, "__next__"):
+        source = iter(source)
+    balanced = BalancedDataIterator(
+        source,
+        num_microbatches=num_microbatches,
+        group=group,
+        exchange_group=group,
+        cost_fn=cost_fn,
+        sync=resolve_sync(args),
+        overlap=bool(getattr(args, "mm_balance_overlap", True)),
+        timeout=float(getattr(args, "mm_balance_timeout", 300.0)),
+        device=None,   # packs stay where the loader put them; get_batch moves them
+        balance_tolerance=getattr(args, "mm_balance_tolerance", None),
+    )
+    telemetry = Telemetry(balanced, args, interval=log_interval(args), group=group, chunk=chunk)
+    return RerunDataIterator(BalancedTrainIterable(balanced, source, telemetry))
+
+
+def wrap_train_data_iterator(train_data_iterator, args=None, *, num_microbatches=None,
+                             cost_fn=None, layout=None):
+    """Wrap Megatron's train iterator(s) for ``--mm-balance``; a no-op when the flag is off.
+
+    Call on **every** rank at the same point (it creates the exchange groups,
+    collectively over the world). Accepts what ``build_train_valid_test_data_iterators``
+    returns: a ``RerunDataIterator``, a plain iterator, ``None``, or a list of
+    these (virtual pipeline). Returns the same shape.
+
+    Keyword overrides (for harnesses not running Megatron's ``pretrain``):
+    ``num_microbatches`` (int or zero-arg callable, default :class:`MicrobatchSchedule`),
+    ``cost_fn`` (default :func:`make_cost_fn`), ``layout`` (this rank's
+    ``{"holds_data", "dp_ranks"}``, default from ``megatron.core.parallel_state``).
+    """
+    if args is None:
+        from megatron.training import get_args
+        args = get_args()
+    if not getattr(args, "mm_balance", False):
+        return train_data_iterator
+    from .checks import check_args
+    from .groups import init_exchange_groups
+    from .sampler import train_sampler_installed
+
+    check_args(args)
+    is_list = isinstance(train_data_iterator, list)
+    iterators = train_data_iterator if is_list else [train_data_iterator]
+    groups = init_exchange_groups(layout, num_chunks=len(iterators),
+                                  timeout=float(getattr(args, "mm_balance_timeout", 300.0)))
+    if train_sampler_installed():
+        # Sampler mode: indices were reassigned before loading; nothing to exchange.
+        return train_data_iterator
+    if cost_fn is None:
+        cost_fn = make_cost_fn(args)
+    wrapped = []
+    for chunk, (it, group) in enumerate(zip(iterators, groups)):
+        if it is None or group is None:
+            wrapped.append(it)
+        else:
+            # One schedule per chunk: each balancer calls it once per global batch.
+            schedule = num_microbatches if num_microbatches is not None else MicrobatchSchedule(args)
+            wrapped.append(_wrap_one(it, group, args, num_microbatches=schedule,
+                                     cost_fn=cost_fn, chunk=chunk))
+    return wrapped if is_list else wrapped[0]
+
+
+def balancers(train_data_iterator) -> list:
+    """The ``BalancedDataIterator`` objects inside a wrapped iterator (or list); for stats."""
+    its = train_data_iterator if isinstance(train_data_iterator, list) else [train_data_iterator]
+    out = []
+    for it in its:
+        inner = getattr(it, "iterable", None)
+        if isinstance(inner, BalancedTrainIterable):
+            out.append(inner.balancer)
+    return out

@@ -1,0 +1,160 @@
+"""Balance statistics every ``--mm-balance-log-interval`` iterations.
+
+The balancer keeps one dict of statistics per global batch (``.stats``: image-token
+max/mean per micro-step before and after, packs and bytes moved, exposed wait
+and solver milliseconds, as the runtime names them). Every interval the numeric
+entries of the global batches since the last report are averaged and written
+
+* to the log (one line, on the lowest rank of each exchange group, chunk 0), and
+* as ``mm-balance/<key>`` scalars through Megatron's TensorBoard and W&B writers
+  when this rank has them (Megatron creates them on the last rank only; with
+  tensor parallel > 1 that rank reads no data, so the report rank opens its own
+  TensorBoard writer in ``--tensorboard-dir`` with the suffix ``.mm_balance``,
+  which TensorBoard shows alongside the run's own events).
+
+Statistics are identical on every rank of a group (they come from the
+all-gathered costs), so one rank per group suffices.
+"""
+from __future__ import annotations
+
+import logging
+import numbers
+from typing import Dict, Iterable, Optional
+
+logger = logging.getLogger("megatron_mm_balance")
+
+
+def summarize(entries: Iterable[dict]) -> Dict[str, float]:
+    """Mean of every numeric (possibly nested, dotted-key) entry over ``entries``."""
+    sums: Dict[str, float] = {}
+    counts: Dict[str, int] = {}
+
+    def visit(prefix, value):
+        if isinstance(value, bool):
+            value = int(value)
+        if isinstance(value, numbers.Number):
+            sums[prefix] = sums.get(prefix, 0.0) + float(value)
+            counts[prefix] = counts.get(prefix, 0) + 1
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                visit(f"{prefix}.{k}" if prefix else str(k), v)
+
+    n = 0
+    for e in entries:
+        visit("", e)
+        n += 1
+    out = {k: sums[k] / counts[k] for k in sorted(sums)}
+    if n:
+        out["global_batches"] = float(n)
+    return out
+
+
+def format_line(iteration: int, summary: Dict[str, float], chunk: int = 0) -> str:
+    parts = [f"{k}: {v:.6g}" for k, v in summary.items()]
+    where = f" chunk {chunk}" if chunk else ""
+    return f"[mm-balance] iteration {iteration}{where} | " + " | ".join(parts)
+
+
+def _megatron_writers():
+    try:
+        from megatron.training.global_vars import get_tensorboard_writer, get_wandb_writer
+    except Exception:   # Megatron-LM not importable (megatron-core only, tests)
+        return None, None
+    return get_tensorboard_writer(), get_wandb_writer()
+
+
+class Telemetry:
+    """Reports a balancer's stats; driven by ``on_item`` (each delivered micro-batch)."""
+
+    def __init__(self, balanced, args=None, *, interval: int = 100, group=None, chunk: int = 0,
+                 tb_writer=None, wandb_writer=None, reporter: Optional[bool] = None):
+        self.balanced = balanced
+        self.args = args
+        self.interval = max(1, int(interval))
+        self.chunk = chunk
+        self._last_entry = None
+        self._items = 0
+        self._last_iteration = None
+        if reporter is None:
+            reporter = chunk == 0 and _is_lowest_rank(group)
+        self.reporter = reporter
+        if tb_writer is None and wandb_writer is None and reporter:
+            tb_writer, wandb_writer = _megatron_writers()
+            if (tb_writer is None and getattr(args, "tensorboard_dir", None)
+                    and _on_last_stage_cp0()):
+                tb_writer = _own_tensorboard_writer(args.tensorboard_dir)
+        self.tb_writer = tb_writer
+        self.wandb_writer = wandb_writer
+        self.lines = []   # the log lines written, newest last (bounded)
+
+    def _iteration(self) -> int:
+        it = getattr(self.args, "curr_iteration", None) if self.args is not None else None
+        return int(it) if it is not None else self._items
+
+    def on_item(self) -> None:
+        self._items += 1
+        if not self.reporter:
+            return
+        it = self._iteration()
+        if it != self._last_iteration:
+            self._last_iteration = it
+            if it > 0 and it % self.interval == 0:
+                self.report(it)
+
+    def _new_entries(self) -> list:
+        entries = list(self.balanced.stats)
+        if self._last_entry is not None:
+            for i in range(len(entries) - 1, -1, -1):
+                if entries[i] is self._last_entry:
+                    entries = entries[i + 1:]
+                    break
+        if entries:
+            self._last_entry = entries[-1]
+        return entries
+
+    def report(self, iteration: int) -> Dict[str, float]:
+        """Summarise the global batches since the last report and write them out."""
+        summary = summarize(self._new_entries())
+        if not summary:
+            return summary
+        line = format_line(iteration, summary, self.chunk)
+        logger.info(line)
+        print(line, flush=True)
+        self.lines = (self.lines + [line])[-64:]
+        prefix = "mm-balance" if not self.chunk else f"mm-balance/chunk{self.chunk}"
+        if self.tb_writer is not None:
+            for k, v in summary.items():
+                self.tb_writer.add_scalar(f"{prefix}/{k}", v, iteration)
+        if self.wandb_writer is not None:
+            self.wandb_writer.log({f"{prefix}/{k}": v for k, v in summary.items()}, iteration)
+        return summary
+
+
+def _is_lowest_rank(group) -> bool:
+    try:
+        import torch.distributed as dist
+        if not dist.is_initialized():
+            return True
+        if group is None:
+            return dist.get_rank() == 0
+        return dist.get_rank() == min(dist.get_process_group_ranks(group))
+    except Exception:
+        return True
+
+
+def _on_last_stage_cp0() -> bool:
+    """One TensorBoard stream per run: the last pipeline stage, context-parallel rank 0."""
+    try:
+        from megatron.core import parallel_state as mpu
+        return (mpu.is_pipeline_last_stage(ignore_virtual=True)
+                and mpu.get_context_parallel_rank() == 0)
+    except Exception:
+        return True
+
+
+def _own_tensorboard_writer(log_dir: str):
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except Exception:     # tensorboard not installed: log only
+        return None
+    return SummaryWriter(log_dir=log_dir, filename_suffix=".mm_balance")

@@ -444,14 +444,29 @@ def summarize(results: dict, layout: str) -> dict:
         return statistics.mean(imbalance([res[i]["seen"][s] for i in readers],
                                           [res[i]["dp_rank"] for i in readers]) for s in range(steps))
 
+    def total_imb(res):
+        ratios = []
+        for s in range(steps):
+            tot = [sum(c for _, c in res[i]["seen"][s]) for i in readers]
+            if sum(tot):
+                ratios.append(max(tot) * len(tot) / sum(tot))
+        return statistics.mean(ratios) if ratios else 1.0
+
     def step_time(res):
         return statistics.median(max(r["times"][s] for r in res) for s in range(1, steps))
 
+    # Every data-holding rank of a data-parallel rank (first and last stage) ran the same packs.
+    stages_agree = all(
+        [[p for p, _ in st] for st in res[i]["seen"]] == [[p for p, _ in st] for st in res[j]["seen"]]
+        for res in (off, on) for i in range(len(off)) for j in range(len(off))
+        if res[i]["has_data"] and res[j]["has_data"] and res[i]["dp_rank"] == res[j]["dp_rank"])
     runtime_moved = sum(st.get("packs_moved", 0) for st in on[readers[0]]["stats"])
     return {"layout": layout, "steps": steps, "loss_rel": loss_rel, "param_rel": param_rel,
             "consumed_off": consumed[False], "consumed_on": consumed[True], "same_packs": same_packs,
+            "stages_agree": stages_agree,
             "packs_moved": moved, "runtime_packs_moved": runtime_moved,
             "imbalance_off": imb(off), "imbalance_on": imb(on),
+            "rank_total_imbalance_off": total_imb(off), "rank_total_imbalance_on": total_imb(on),
             "step_s_off": step_time(off), "step_s_on": step_time(on),
             "losses_off": off[last]["losses"], "losses_on": on[last]["losses"]}
 

@@ -1,0 +1,362 @@
+"""One rank's side of one global batch: pull, agree, place, exchange.
+
+:class:`Engine` has two operations, used either synchronously from ``next()``
+(``overlap=False``) or from the background thread (``overlap=True``):
+
+* :meth:`Engine.start_batch` pulls ``num_microbatches`` packs from the source,
+  all-gathers a fixed 8-integer record (global batch index, num_microbatches,
+  packs pulled, settings hash, status) and then the integer costs, checks that
+  every rank agrees, and solves the placement (identical on every rank);
+* :meth:`Engine.step` performs micro-step ``k``'s exchange: this rank posts the
+  sends of every pack some peer computes at step ``k`` and receives the one pack
+  it computes itself (if that pack lives elsewhere). Only moved packs travel.
+
+All collectives run on the dedicated exchange group and every wait is bounded by
+``timeout``; a failure names the global batch, the micro-step and the peer.
+"""
+from __future__ import annotations
+
+import datetime
+import time
+import zlib
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ..placement import DEFAULT_BALANCE_TOLERANCE, Placement, microstep_objective, solve_placement
+from . import wire
+from .costs import to_int_cost
+from .device import CudaMover
+from .errors import InconsistentConfig, PeerFailure
+
+MAGIC = 0x6D6D62                       # "mmb"
+PROTOCOL = 1
+OK, SOURCE_ERROR, COST_ERROR = 0, 1, 2
+RECORD = 8
+
+
+def settings_string(sync: str, tolerance, cost_identity: str) -> str:
+    return f"protocol={PROTOCOL} sync={sync} balance_tolerance={tolerance!r} cost_fn={cost_identity}"
+
+
+def settings_hash(text: str) -> int:
+    return zlib.crc32(text.encode()) & 0x7FFFFFFF
+
+
+def order_steps(placement: Placement) -> Placement:
+    """Put the micro-step that moves the fewest packs first (ties: earliest).
+
+    Every later micro-step's exchange hides behind the previous step's compute;
+    the first one of a global batch cannot, so it should move as little as
+    possible. Permuting micro-steps changes neither objective.
+    """
+    moved = placement.moved().sum(axis=0)
+    first = int(np.argmin(moved))
+    if first == 0:
+        return placement
+    G = placement.shape[1]
+    cols = [first] + [c for c in range(G) if c != first]
+    return Placement(placement.src_rank[:, cols], placement.src_index[:, cols])
+
+
+def plan_placement(costs, *, sync: str = "microstep", balance_tolerance=None) -> Placement:
+    """The placement the runtime delivers for an all-gathered cost matrix."""
+    tol = DEFAULT_BALANCE_TOLERANCE if balance_tolerance is None else balance_tolerance
+    return order_steps(solve_placement(costs, sync=sync, balance_tolerance=tol))
+
+
+class SourceExhausted(StopIteration):
+    """Some rank's source could not fill the global batch (all ranks stop here).
+
+    ``pulled[i]``: packs group rank ``i`` had drawn for this batch; none of them
+    is delivered."""
+
+    def __init__(self, global_batch: int, pulled: list[int]):
+        super().__init__(f"data source exhausted at global batch {global_batch}: packs pulled per "
+                         f"rank {pulled}, {sum(pulled)} pulled but not delivered")
+        self.global_batch = global_batch
+        self.pulled = pulled
+
+
+@dataclass
+class BatchPlan:
+    global_batch: int
+    num_microbatches: int
+    packs: list                        # this rank's pulled packs (None once sent/used)
+    placement: Placement
+    stats: dict = field(default_factory=dict)
+
+
+@dataclass
+class Item:
+    """One delivered micro-batch, plus what the consumer must wait on."""
+
+    pack: object
+    event: object = None
+    buffers: tuple = ()
+    last: bool = False
+    stats: dict | None = None
+
+
+def _gather_stats(costs: np.ndarray, placement: Placement, me: int) -> dict:
+    after = placement.apply(costs)
+    moved = placement.moved()
+    return {
+        "microstep_cost_before": microstep_objective(costs),
+        "microstep_cost_after": microstep_objective(after),
+        "rank_total_max_before": int(costs.sum(axis=1).max()),
+        "rank_total_max_after": int(after.sum(axis=1).max()),
+        "rank_total_mean": float(costs.sum(axis=1).mean()),
+        "step_max_before": [int(x) for x in costs.max(axis=0)],
+        "step_max_after": [int(x) for x in after.max(axis=0)],
+        "step_mean_before": [float(x) for x in costs.mean(axis=0)],
+        "step_mean_after": [float(x) for x in after.mean(axis=0)],
+        "packs_moved": int(moved.sum()),
+        "packs_sent": int(((placement.src_rank == me) & moved).sum()),
+        "packs_received": int(moved[me].sum()),
+        "my_costs": [int(x) for x in after[me]],
+    }
+
+
+class Engine:
+    """Exchange state of one rank (see module docstring). Not thread-safe: one
+    thread (the consumer or the background thread) drives it."""
+
+    def __init__(self, source, *, ranks, rank_index, exchange_group, cost_fn, cost_identity,
+                 sync, balance_tolerance, device, timeout, board):
+        self.source = source
+        self.ranks = list(ranks)
+        self.me = rank_index
+        self.world = len(self.ranks)
+        self.group = exchange_group
+        self.cost_fn = cost_fn
+        self.sync = sync
+        self.tolerance = DEFAULT_BALANCE_TOLERANCE if balance_tolerance is None else float(balance_tolerance)
+        self.settings = settings_string(sync, self.tolerance, cost_identity)
+        self.hash = settings_hash(self.settings)
+        self.device = device
+        self.timeout = float(timeout)
+        self.board = board
+        self._cuda_mover = CudaMover(device) if device is not None and device.type == "cuda" else None
+        self.heartbeat = time.monotonic()
+        self.phase = "idle"
+
+    # -- helpers -----------------------------------------------------------
+    def _beat(self, phase: str) -> None:
+        self.phase = phase
+        self.heartbeat = time.monotonic()
+
+    def _wait(self, work, what: str, gb: int, peers=(), step=None) -> None:
+        t0 = time.monotonic()
+        try:
+            work.wait(datetime.timedelta(seconds=self.timeout))
+        except Exception as e:
+            where = f"global batch {gb}" + (f", micro-step {step}" if step is not None else "")
+            peer_txt = (" with rank " + ", ".join(str(p) for p in peers)) if peers else ""
+            me = self.ranks[self.me]
+            diag = self.board.diagnose(me, gb) if self.board else ""
+            first = (str(e).splitlines() or [""])[0][:300]
+            msg = (f"rank {me}: {what}{peer_txt} failed at {where} after "
+                   f"{time.monotonic() - t0:.1f}s ({type(e).__name__}: {first}); {diag}")
+            if self.board:                           # lets peers name the root cause
+                self.board.post_error(me, f"{what}{peer_txt} failed at {where}")
+            raise PeerFailure(msg, global_batch=gb, peers=peers) from e
+
+    def _all_gather(self, t: torch.Tensor, what: str, gb: int) -> torch.Tensor:
+        out = torch.empty(self.world * t.numel(), dtype=t.dtype)
+        outs = list(out.view(self.world, -1).unbind(0))
+        work = dist.all_gather(outs, t, group=self.group, async_op=True)
+        self._wait(work, what, gb)
+        return out.view(self.world, -1)
+
+    # -- start of a global batch ---------------------------------------------
+    def start_batch(self, gb: int, G: int) -> BatchPlan:
+        self._beat("pulling packs from the data source")
+        packs, costs, status, err = [], [], OK, None
+        try:
+            for _ in range(G):
+                try:
+                    packs.append(next(self.source))
+                except StopIteration:
+                    break
+                self.heartbeat = time.monotonic()
+        except Exception as e:                       # reported to peers via the record
+            status, err = SOURCE_ERROR, e
+        if status == OK:
+            try:
+                costs = [to_int_cost(self.cost_fn(p), f" for a pack at global batch {gb}") for p in packs]
+            except Exception as e:
+                status, err = COST_ERROR, e
+        pulled = len(packs)
+        if self.world == 1:
+            if err is not None:
+                raise err
+            if pulled < G:
+                raise SourceExhausted(gb, [pulled])
+            return self._plan(gb, G, packs, np.asarray([costs], dtype=np.int64), 0.0, 0.0)
+
+        me_global = self.ranks[self.me]
+        if err is not None and self.board:
+            self.board.post_error(me_global, f"data source raised at global batch {gb}: "
+                                  f"{type(err).__name__}: {err}" if status == SOURCE_ERROR else
+                                  f"cost_fn raised at global batch {gb}: {type(err).__name__}: {err}")
+        if self.board:
+            self.board.post_progress(me_global, gb)
+        self._beat("all-gathering pack costs")
+        t0 = time.perf_counter()
+        rec = torch.tensor([MAGIC, gb, G, pulled, self.hash, status, 0, 0], dtype=torch.int64)
+        recs = self._all_gather(rec, "all-gather of the per-batch record", gb).numpy()
+        self._check_records(recs, gb, G, err)
+        if (recs[:, 3] < recs[:, 2]).any():
+            raise SourceExhausted(gb, [int(x) for x in recs[:, 3]])
+        c = torch.tensor(costs, dtype=torch.int64)
+        all_costs = self._all_gather(c, "all-gather of pack costs", gb).numpy().copy()
+        gather_ms = (time.perf_counter() - t0) * 1e3
+        self._beat("solving placement")
+        t0 = time.perf_counter()
+        placement = plan_placement(all_costs, sync=self.sync, balance_tolerance=self.tolerance)
+        solve_ms = (time.perf_counter() - t0) * 1e3
+        return self._plan(gb, G, packs, all_costs, gather_ms, solve_ms, placement)
+
+    def _plan(self, gb, G, packs, costs, gather_ms, solve_ms, placement=None) -> BatchPlan:
+        if placement is None:
+            placement = Placement.identity(self.world, G)
+        st = _gather_stats(costs, placement, self.me)
+        st.update(global_batch=gb, num_microbatches=G, allgather_ms=gather_ms, solver_ms=solve_ms,
+                  bytes_sent=0, bytes_received=0, exchange_ms=0.0, consumer_wait_ms=0.0)
+        return BatchPlan(gb, G, list(packs), placement, st)
+
+    def _check_records(self, recs: np.ndarray, gb: int, G: int, err) -> None:
+        me = self.ranks[self.me]
+        bad = [self.ranks[i] for i in range(self.world) if recs[i, 0] != MAGIC]
+        if bad:
+            raise InconsistentConfig(f"rank {me}: ranks {bad} sent a malformed record at global batch "
+                                     f"{gb} (different runtime version?)", global_batch=gb, peers=bad)
+        failed = [i for i in range(self.world) if recs[i, 5] != OK]
+        if failed:
+            if err is not None:
+                raise err                               # this rank's own error, unchanged
+            msgs = []
+            for i in failed:
+                what = "data source" if recs[i, 5] == SOURCE_ERROR else "cost_fn"
+                msgs.append(f"rank {self.ranks[i]}'s {what} raised"
+                            + self._peer_message(self.ranks[i]))
+            raise PeerFailure(f"rank {me}: global batch {gb} aborted: " + "; ".join(msgs),
+                              global_batch=gb, peers=[self.ranks[i] for i in failed])
+        gbs = recs[:, 1]
+        if (gbs != gb).any():
+            raise InconsistentConfig(
+                f"rank {me}: ranks are at different global batches "
+                f"{dict(zip(self.ranks, map(int, gbs)))} (iterators created out of step?)",
+                global_batch=gb)
+        gs = recs[:, 2]
+        if (gs != G).any():
+            raise InconsistentConfig(
+                f"rank {me}: num_microbatches differs across ranks at global batch {gb}: "
+                f"{dict(zip(self.ranks, map(int, gs)))}", global_batch=gb,
+                peers=[self.ranks[i] for i in np.flatnonzero(gs != G)])
+        hs = recs[:, 4]
+        if (hs != self.hash).any():
+            odd = [self.ranks[i] for i in np.flatnonzero(hs != self.hash)]
+            raise InconsistentConfig(
+                f"rank {me}: solver settings differ across ranks at global batch {gb}: ranks {odd} "
+                f"disagree with this rank's [{self.settings}]", global_batch=gb, peers=odd)
+
+    def _peer_message(self, rank: int) -> str:
+        store = self.board.store if self.board else None
+        if store is None:
+            return ""
+        key = self.board._key("err", rank)
+        try:
+            store.wait([key], datetime.timedelta(seconds=min(5.0, self.timeout)))
+            return ": " + store.get(key).decode(errors="replace")
+        except Exception:
+            return ""
+
+    # -- one micro-step's exchange -------------------------------------------
+    def step(self, plan: BatchPlan, k: int) -> Item:
+        t0 = time.perf_counter()
+        gb, P, me = plan.global_batch, plan.placement, self.me
+        st = plan.stats
+        src_r, src_i = int(P.src_rank[me, k]), int(P.src_index[me, k])
+        sends = []
+        if self.world > 1:
+            self._beat(f"exchange of micro-step {k}")
+            for dst in range(self.world):
+                if dst != me and int(P.src_rank[dst, k]) == me:
+                    pack = plan.packs[int(P.src_index[dst, k])]
+                    plan.packs[int(P.src_index[dst, k])] = None
+                    buf, hlen = wire.encode(pack)
+                    meta = torch.tensor([hlen, buf.numel()], dtype=torch.int64)
+                    peer = self.ranks[dst]
+                    sends.append((peer, dist.isend(meta, dst=peer, group=self.group),
+                                  dist.isend(buf, dst=peer, group=self.group), buf, meta))
+                    st["bytes_sent"] += buf.numel() + 16
+        if src_r == me:
+            pack = plan.packs[src_i]
+            plan.packs[src_i] = None
+            item = self._local(pack)
+        else:
+            item = self._receive(gb, k, self.ranks[src_r], st)
+        for peer, w_meta, w_buf, _buf, _meta in sends:
+            self._wait(w_meta, "sending a pack header", gb, (peer,), k)
+            self._wait(w_buf, "sending a pack", gb, (peer,), k)
+        st["exchange_ms"] += (time.perf_counter() - t0) * 1e3
+        item.last = k == plan.num_microbatches - 1
+        self._beat("idle")
+        return item
+
+    def _receive(self, gb: int, k: int, peer: int, st: dict) -> Item:
+        meta = torch.empty(2, dtype=torch.int64)
+        self._wait(dist.irecv(meta, src=peer, group=self.group), "receiving a pack header", gb, (peer,), k)
+        hlen, total = int(meta[0]), int(meta[1])
+        if not (0 < hlen <= total):
+            raise PeerFailure(f"rank {self.ranks[self.me]}: corrupt pack header from rank {peer} "
+                              f"at global batch {gb}, micro-step {k}", global_batch=gb, peers=(peer,))
+        buf = torch.empty(total, dtype=torch.uint8, pin_memory=self._pin_for_receive())
+        self._wait(dist.irecv(buf, src=peer, group=self.group), "receiving a pack", gb, (peer,), k)
+        st["bytes_received"] += total + 16
+        header = wire.read_header(buf, hlen)
+        return self._place(buf, hlen, header)
+
+    def _pin_for_receive(self) -> bool:
+        return self._cuda_mover is not None
+
+    def _local(self, pack) -> Item:
+        if self.device is None or _all_on(pack, self.device):
+            return Item(pack)
+        buf, hlen = wire.encode(pack, pin_memory=self.device.type == "cuda")
+        return self._place(buf, hlen, wire.read_header(buf, hlen))
+
+    def _place(self, buf, hlen, header) -> Item:
+        """Decode a host buffer onto the target device(s)."""
+        if self.device is not None:
+            target_cuda = self.device.type == "cuda"
+        else:                                        # keep each tensor's device type
+            target_cuda = "cuda" in wire.device_types(header)
+        if not target_cuda:
+            return Item(wire.decode(header, hlen, lambda ref: buf))
+        mover = self._cuda()
+        dev, event = mover.to_device(buf)
+        if self.device is not None:
+            return Item(wire.decode(header, hlen, lambda ref: dev), event, (dev,))
+        pack = wire.decode(header, hlen, lambda ref: dev if ref.device_type == "cuda" else buf)
+        return Item(pack, event, (dev,))
+
+    def _cuda(self) -> CudaMover:
+        if self._cuda_mover is None:
+            if not torch.cuda.is_available():
+                raise RuntimeError("a peer sent CUDA tensors but CUDA is not available on this rank; "
+                                   "pass device='cpu' to receive them on the host")
+            self._cuda_mover = CudaMover(torch.device("cuda", torch.cuda.current_device()))
+            self._cuda_mover.enter_thread()
+        return self._cuda_mover
+
+
+def _all_on(pack, device: torch.device) -> bool:
+    found = []
+    wire._map(pack, lambda t: found.append(t.device) or t, torch.Tensor)
+    return all(d.type == device.type and (device.index is None or d.index == device.index)
+               for d in found)

@@ -1,0 +1,353 @@
+"""``BalancedDataIterator``: swaps packs between data-parallel ranks so every
+micro-step carries a comparable image-token load, overlapped with compute.
+
+Life of a global batch (``num_microbatches = G``):
+
+1. the consumer's first ``next()`` reads ``G`` (an int, or a callable such as
+   Megatron's ``get_num_microbatches`` read exactly here, so batch-size ramp-up
+   works) and asks the engine to start the batch;
+2. the engine pulls ``G`` packs from this rank's source, all-gathers a small
+   record and the integer costs on the exchange group, and solves the placement
+   (identical on every rank);
+3. micro-step by micro-step it receives the pack this rank computes (if it lives
+   elsewhere) and sends the ones peers compute. With ``overlap=True`` a
+   background thread runs steps 2-3 ahead of the consumer through a bounded
+   queue (one micro-batch ready plus one in flight), so micro-step ``k+1``'s
+   exchange hides behind micro-step ``k``'s compute; with ``overlap=False`` the
+   same calls run inside ``next()``.
+
+The thread never starts a global batch before the consumer asks for it, so
+nothing is pulled from the source or exchanged that the training loop did not
+request, and ``close()`` between batches never leaves a peer waiting.
+"""
+from __future__ import annotations
+
+import atexit
+import collections
+import logging
+import queue
+import threading
+import time
+import weakref
+
+import torch.distributed as dist
+
+from .costs import cost_fn_identity, default_cost_fn
+from .device import resolve_device
+from .engine import Engine, Item, SourceExhausted
+from .errors import BalancerError, ExchangeThreadError
+from .groups import ProgressBoard, exchange_group_for, group_ranks
+
+log = logging.getLogger(__name__)
+
+_LIVE: "weakref.WeakSet[BalancedDataIterator]" = weakref.WeakSet()
+_BOARD_COUNT: dict = collections.Counter()
+_QUEUE_DEPTH = 1          # micro-batches ready; one more may be in flight in the thread
+_POLL_S = 0.05
+
+
+class _Failure:
+    def __init__(self, exc: BaseException):
+        self.exc = exc
+
+
+class _Worker:
+    """The background thread's state. Holds no reference to the iterator, so an
+    abandoned iterator can still be garbage-collected (and closed by ``__del__``)."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.requests: queue.Queue = queue.Queue()
+        self.items: queue.Queue = queue.Queue(maxsize=_QUEUE_DEPTH)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.run, name="mm-balance-exchange", daemon=True)
+
+    def _put(self, obj) -> bool:
+        while not self.stop.is_set():
+            try:
+                self.items.put(obj, timeout=_POLL_S)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def run(self) -> None:
+        eng = self.engine
+        try:
+            if eng._cuda_mover is not None:
+                eng._cuda_mover.enter_thread()
+            while not self.stop.is_set():
+                try:
+                    req = self.requests.get(timeout=_POLL_S)
+                except queue.Empty:
+                    continue
+                if req is None:
+                    return
+                gb, G = req
+                plan = eng.start_batch(gb, G)
+                for k in range(G):
+                    item = eng.step(plan, k)
+                    if k == G - 1:
+                        item.stats = plan.stats
+                    if not self._put(item):
+                        return
+        except BaseException as e:          # surfaces on the consumer's next next()
+            self._put(_Failure(e))
+        finally:
+            self.engine = None              # drop source / buffers with the thread
+
+
+class BalancedDataIterator:
+    """Iterator of micro-batches, balanced across the data-parallel group.
+
+    Args:
+        source: this rank's iterator of packs (one per micro-batch): nested
+            dicts / lists / tuples of tensors and plain values.
+        num_microbatches: int, or zero-argument callable read at the start of
+            every global batch (Megatron's ``get_num_microbatches``).
+        group: the data-parallel group (default: world). Only its ranks are read;
+            no collective is ever issued on it.
+        cost_fn: ``pack -> number``; default :data:`~.costs.default_cost_fn`
+            (image tokens). Rounded to int.
+        sync: ``"microstep"`` (ranks meet every micro-step, e.g. MoE) or ``"step"``.
+        overlap: exchange on a background thread ahead of the consumer.
+        timeout: seconds any wait on a peer may take before a clear error.
+        device: None (tensors keep their device type), ``"cpu"``, ``"cuda"`` or
+            ``"cuda:N"`` (every tensor delivered there, copied on a side stream).
+        enabled: False = pure pass-through of ``source``, no collectives, no thread.
+        balance_tolerance: the solver's knob (None: solver default).
+        exchange_group: dedicated gloo group over ``group``'s ranks. None: one is
+            created with ``new_group``, which is collective over the WORLD: only
+            safe when every world rank builds its iterator at the same time (a
+            framework should pre-create them with :func:`new_exchange_groups`).
+        stats_history: how many global batches :attr:`stats` keeps.
+    """
+
+    def __init__(self, source, *, num_microbatches, group=None, cost_fn=None, sync="microstep",
+                 overlap=True, timeout=300.0, device=None, enabled=True, balance_tolerance=None,
+                 exchange_group=None, stats_history=1024):
+        if not (callable(num_microbatches) or _is_count(num_microbatches)):
+            raise ValueError(f"num_microbatches must be a positive int or a callable, got {num_microbatches!r}")
+        if sync not in ("microstep", "step"):
+            raise ValueError(f"sync must be 'microstep' or 'step', got {sync!r}")
+        if not float(timeout) > 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
+        if balance_tolerance is not None and not balance_tolerance >= 0:
+            raise ValueError(f"balance_tolerance must be >= 0, got {balance_tolerance!r}")
+        self._source = iter(source)
+        self._num_mb = num_microbatches
+        self.enabled = bool(enabled)
+        self.overlap = bool(overlap)
+        self.timeout = float(timeout)
+        self.stats: collections.deque = collections.deque(maxlen=int(stats_history))
+        self._closed = False
+        self._error: BaseException | None = None
+        self._exhausted: StopIteration | None = None
+        self._worker: _Worker | None = None
+        self._engine: Engine | None = None
+        self._owned_group = None
+        self._gb = -1
+        self._G = 0
+        self._k = 0
+        self._wait_ms = 0.0
+        if not self.enabled:
+            return
+
+        self.device = resolve_device(device)
+        cost_fn = default_cost_fn if cost_fn is None else cost_fn
+        if dist.is_available() and dist.is_initialized():
+            ranks = group_ranks(group)
+            me = dist.get_rank()
+            if me not in ranks:
+                raise ValueError(f"rank {me} is not in the data-parallel group {ranks}")
+        else:
+            if group is not None or exchange_group is not None:
+                raise RuntimeError("a group was given but torch.distributed is not initialised")
+            ranks, me = [0], 0
+        board = None
+        if len(ranks) > 1:
+            if exchange_group is None:
+                exchange_group = exchange_group_for(ranks, self.timeout)
+                self._owned_group = exchange_group
+            elif group_ranks(exchange_group) != ranks:
+                raise ValueError(f"exchange_group ranks {group_ranks(exchange_group)} differ from the "
+                                 f"data-parallel group's {ranks}")
+            name = getattr(exchange_group, "group_name", None) or ",".join(map(str, ranks))
+            _BOARD_COUNT[name] += 1
+            board = ProgressBoard(f"mm_balance/{name}/{_BOARD_COUNT[name]}", ranks)
+        self._engine = Engine(self._source, ranks=ranks, rank_index=ranks.index(me),
+                              exchange_group=exchange_group, cost_fn=cost_fn,
+                              cost_identity=cost_fn_identity(cost_fn), sync=sync,
+                              balance_tolerance=balance_tolerance, device=self.device,
+                              timeout=self.timeout, board=board)
+        if self.overlap:
+            self._worker = _Worker(self._engine)
+            self._worker.thread.start()
+        _LIVE.add(self)
+
+    # -- iteration -------------------------------------------------------------
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self._closed:
+            raise RuntimeError("BalancedDataIterator is closed")
+        if not self.enabled:
+            return next(self._source)
+        if self._error is not None:
+            raise BalancerError(f"the balanced iterator failed earlier (global batch {self._gb}): "
+                                f"{self._error}", global_batch=self._gb) from self._error
+        if self._exhausted is not None:
+            raise StopIteration(*self._exhausted.args)
+        t0 = time.perf_counter()
+        if self._k == self._G:                       # first micro-step of a new global batch
+            self._start_batch()
+        item = self._get_item()
+        self._wait_ms += (time.perf_counter() - t0) * 1e3
+        if item.event is not None:
+            self._engine._cuda_mover.ready(item.event, item.buffers)
+        self._k += 1
+        if item.last:
+            self._finish_batch(item)
+        return item.pack
+
+    def _start_batch(self) -> None:
+        G = self._num_mb() if callable(self._num_mb) else self._num_mb
+        if not _is_count(G):
+            raise ValueError(f"num_microbatches returned {G!r}; expected a positive int")
+        self._gb += 1
+        self._G, self._k, self._wait_ms = int(G), 0, 0.0
+        if self._worker is not None:
+            self._worker.requests.put((self._gb, self._G))
+        else:
+            try:
+                self._plan = self._engine.start_batch(self._gb, self._G)
+            except BaseException as e:
+                self._fail(e)
+
+    def _get_item(self) -> Item:
+        if self._worker is None:
+            try:
+                item = self._engine.step(self._plan, self._k)
+            except BaseException as e:
+                self._fail(e)
+            if item.last:
+                item.stats = self._plan.stats
+                self._plan = None
+            return item
+        w = self._worker
+        while True:
+            try:
+                got = w.items.get(timeout=_POLL_S)
+                break
+            except queue.Empty:
+                pass
+            stalled = time.monotonic() - self._engine.heartbeat
+            if not w.thread.is_alive():
+                self._fail(ExchangeThreadError(f"exchange thread exited without a result at global batch "
+                                               f"{self._gb}", global_batch=self._gb))
+            if stalled > self.timeout + max(2.0, 0.5 * self.timeout):
+                self._fail(ExchangeThreadError(
+                    f"exchange thread made no progress for {stalled:.0f}s at global batch {self._gb} "
+                    f"while {self._engine.phase} (timeout={self.timeout:.0f}s)", global_batch=self._gb))
+        if isinstance(got, _Failure):
+            self._fail(got.exc)
+        return got
+
+    def _fail(self, exc: BaseException):
+        """Record and raise: exhaustion as StopIteration, anything else as the error."""
+        if isinstance(exc, SourceExhausted):
+            self._exhausted = exc
+            self.stats.append({"global_batch": exc.global_batch, "exhausted": True,
+                               "packs_pulled": list(exc.pulled), "not_delivered": sum(exc.pulled)})
+            if sum(exc.pulled):
+                log.warning("mm-balance: %s", exc)
+            raise StopIteration(*exc.args)
+        if isinstance(exc, StopIteration):          # never leak a bare StopIteration from a bug
+            exc = RuntimeError(f"unexpected StopIteration at global batch {self._gb}")
+        self._error = exc
+        raise exc
+
+    def _finish_batch(self, item: Item) -> None:
+        st = item.stats
+        st["consumer_wait_ms"] = self._wait_ms
+        self.stats.append(st)
+
+    # -- introspection ------------------------------------------------------------
+    @property
+    def last_stats(self) -> dict | None:
+        return self.stats[-1] if self.stats else None
+
+    @property
+    def global_batch(self) -> int:
+        """Index of the global batch being delivered (-1 before the first)."""
+        return self._gb
+
+    # -- shutdown -------------------------------------------------------------------
+    def close(self, join_timeout: float | None = None) -> None:
+        """Stop and join the exchange thread, release the source and buffers.
+
+        Safe to call twice. Closing mid-batch leaves peers that still expect this
+        rank's packs to fail with a clear error within ``timeout``."""
+        if self._closed:
+            return
+        self._closed = True
+        _LIVE.discard(self)
+        w, self._worker = self._worker, None
+        if w is not None:
+            w.stop.set()
+            w.requests.put(None)
+            w.thread.join(self.timeout + 5.0 if join_timeout is None else join_timeout)
+            if w.thread.is_alive():
+                log.warning("mm-balance: exchange thread still blocked after close(); abandoned "
+                            "(it ends when its pending wait times out)")
+            else:
+                _drain(w.items)
+                if self._owned_group is not None:
+                    try:
+                        dist.destroy_process_group(self._owned_group)
+                    except Exception:
+                        pass
+        elif self._owned_group is not None:
+            try:
+                dist.destroy_process_group(self._owned_group)
+            except Exception:
+                pass
+        self._owned_group = None
+        self._engine = None
+        self._plan = None
+        self._source = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    def __del__(self):
+        try:
+            self.close(join_timeout=1.0)
+        except Exception:
+            pass
+
+
+def _drain(q: queue.Queue) -> None:
+    while True:
+        try:
+            q.get_nowait()
+        except queue.Empty:
+            return
+
+
+def _is_count(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 1
+
+
+@atexit.register
+def _close_all() -> None:
+    for it in list(_LIVE):
+        try:
+            it.close(join_timeout=2.0)
+        except Exception:
+            pass

@@ -1,0 +1,361 @@
+"""Multi-process harness for the runtime tests: real processes, real gloo on
+127.0.0.1, a hard timeout on every launch (processes are killed, never waited on
+forever).
+
+``launch(world, scenario, **kw)`` runs ``python rt_harness.py`` once per rank;
+each rank runs the scenario function ``scenario_<name>(rank, world, **kw)`` and
+writes its JSON-able return value (or the exception text) to a file that the
+launcher collects.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(world: int, scenario: str, hard_timeout: float = 120.0, **kw) -> list[dict]:
+    """Run ``scenario`` on ``world`` ranks; returns each rank's result dict.
+
+    A rank that does not finish within ``hard_timeout`` is killed and reported as
+    ``{"killed": True}``; a rank that exits without a result as ``{"exitcode": n}``.
+    """
+    port = free_port()
+    with tempfile.TemporaryDirectory() as tmp:
+        env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                   OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+        procs = []
+        for r in range(world):
+            cmd = [sys.executable, os.path.join(HERE, "rt_harness.py"), scenario, str(r), str(world),
+                   str(port), tmp, json.dumps(kw)]
+            log = open(os.path.join(tmp, f"log{r}.txt"), "w")
+            procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), log))
+        deadline = time.monotonic() + hard_timeout
+        results = []
+        for r, (p, log) in enumerate(procs):
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for r, (p, log) in enumerate(procs):
+            killed = p.poll() is None
+            if killed:
+                p.kill()
+                p.wait()
+            log.close()
+            path = os.path.join(tmp, f"rank{r}.json")
+            if os.path.exists(path) and not killed:
+                with open(path) as f:
+                    res = json.load(f)
+            else:
+                res = {"killed": killed, "exitcode": p.returncode}
+            with open(os.path.join(tmp, f"log{r}.txt")) as f:
+                res["log"] = f.read()[-4000:]
+            results.append(res)
+        return results
+
+
+# --------------------------------------------------------------------------------
+# Rank side
+# --------------------------------------------------------------------------------
+
+def make_pack(rank: int, i: int, seed: int = 0):
+    """A deterministic ragged pack with nested tensors and plain values."""
+    import torch
+    g = torch.Generator().manual_seed(hash((seed, rank, i)) & 0xFFFFFFFF)
+    u = torch.rand((), generator=g).item()
+    cost = 0 if u < 0.3 else int(torch.randint(1, 4000, (), generator=g))
+    ntok = int(torch.randint(1, 64, (), generator=g))
+    tiles = int(torch.randint(0, 3, (), generator=g))
+    return {
+        "id": f"r{rank}-p{i}",
+        "image_tokens": torch.tensor(cost),
+        "tokens": torch.randint(0, 50000, (ntok,), generator=g),
+        "imgs": torch.randn(tiles, 3, 4, 4, generator=g).to(torch.bfloat16),
+        "meta": {"name": f"sample {i}", "n": i, "ok": True, "none": None,
+                 "nested": [torch.randn(2, 3, generator=g).t(), ("x", 3.5, torch.tensor(True))]},
+    }
+
+
+def checksum(obj) -> str:
+    """Hash over tensor bytes, dtypes, shapes and the plain values, in structure order."""
+    import torch
+    h = hashlib.sha256()
+
+    def walk(x):
+        if isinstance(x, torch.Tensor):
+            t = x.detach().cpu().contiguous()
+            h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        elif isinstance(x, dict):
+            h.update(f"D{type(x).__name__}".encode())
+            for k, v in x.items():
+                h.update(repr(k).encode())
+                walk(v)
+        elif isinstance(x, (list, tuple)):
+            h.update(f"L{type(x).__name__}{len(x)}".encode())
+            for v in x:
+                walk(v)
+        else:
+            h.update(f"V{type(x).__name__}{x!r}".encode())
+    walk(obj)
+    return h.hexdigest()
+
+
+def recording_source(rank: int, n: int, log: list, seed: int = 0, fail_at=None):
+    """Yields ``n`` packs, appending ``(id, cost, checksum)`` as each is pulled."""
+    for i in range(n):
+        if fail_at is not None and i == fail_at:
+            raise ValueError(f"boom in the data source of rank {rank}")
+        p = make_pack(rank, i, seed)
+        log.append((p["id"], int(p["image_tokens"]), checksum(p)))
+        yield p
+
+
+def _run_iterator(it, G, out: list):
+    """Consume until StopIteration; ``out`` gets ``[gb, step, id, checksum]`` rows."""
+    gb = 0
+    while True:
+        for k in range(G):
+            try:
+                p = next(it)
+            except StopIteration:
+                return
+            out.append([gb, k, p["id"], checksum(p)])
+        gb += 1
+
+
+def scenario_exactly_once(rank, world, configs, batches, extra=1):
+    """For each (G, overlap): ``batches`` full global batches, then exhaustion
+    (rank 0 holds ``extra`` more packs than the others, never delivered)."""
+    from megatron_mm_balance.runtime import BalancedDataIterator
+    res = []
+    for ci, (G, overlap) in enumerate(configs):
+        pulled, got = [], []
+        n = batches * G + (extra if rank == 0 else 0)
+        src = recording_source(rank, n, pulled, seed=ci)
+        with BalancedDataIterator(src, num_microbatches=G, overlap=overlap, timeout=60) as it:
+            _run_iterator(it, G, got)
+            try:
+                next(it)
+                again = "no StopIteration"
+            except StopIteration:
+                again = "StopIteration"
+            stats = list(it.stats)
+        res.append({"G": G, "overlap": overlap, "pulled": pulled, "delivered": got, "again": again,
+                    "stats": [{k: s[k] for k in ("global_batch", "packs_moved", "bytes_received",
+                                                 "bytes_sent", "exhausted", "not_delivered")
+                               if k in s} for s in stats]})
+    return {"configs": res}
+
+
+def scenario_soak(rank, world, batches, G=4, warmup=50):
+    """Small packs, many global batches: threads and RSS after warm-up vs at the end."""
+    import threading
+    import torch
+    from megatron_mm_balance.runtime import BalancedDataIterator
+
+    def source():
+        i = 0
+        while True:
+            yield {"image_tokens": (i * 7919 + rank * 104729) % 3000,
+                   "tokens": torch.full((64 + i % 17,), i), "id": i}
+            i += 1
+
+    def rss_mb():
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+    out = {}
+    with BalancedDataIterator(source(), num_microbatches=G, timeout=60) as it:
+        for b in range(batches):
+            for _ in range(G):
+                next(it)
+            if b == warmup - 1:
+                out.update(threads_warm=threading.active_count(), rss_warm=rss_mb())
+        out.update(threads_end=threading.active_count(), rss_end=rss_mb(),
+                   moved=sum(s["packs_moved"] for s in it.stats))
+    out["threads_closed"] = threading.active_count()
+    out["exchange_threads_closed"] = sum(t.name == "mm-balance-exchange" for t in threading.enumerate())
+    return out
+
+
+def scenario_disabled(rank, world):
+    """Rank 0 iterates a disabled iterator over the world group while rank 1 issues
+    no collective at all: any collective (even creating a group) would block."""
+    import threading
+    import torch.distributed as dist
+    from megatron_mm_balance.runtime import BalancedDataIterator
+    out = {}
+    if rank == 0:
+        items = [{"image_tokens": i, "id": i} for i in range(20)]
+        before = threading.active_count()
+        it = BalancedDataIterator(iter(items), num_microbatches=3, group=dist.group.WORLD,
+                                  enabled=False, timeout=5)
+        got = list(it)
+        out = {"same_objects": all(a is b for a, b in zip(got, items)) and len(got) == len(items),
+               "threads_delta": threading.active_count() - before, "stats": len(it.stats)}
+        it.close()
+    return out
+
+
+def _outcome(fn):
+    """Run ``fn``; describe the exception it raised (or "ok")."""
+    try:
+        return {"ok": fn()}
+    except StopIteration as e:
+        return {"type": "StopIteration", "msg": str(e)}
+    except BaseException as e:
+        return {"type": type(e).__name__, "msg": str(e)}
+
+
+def scenario_misc(rank, world, G=2):
+    """Failure modes that leave the group healthy, in one launch (world >= 3)."""
+    import torch
+    from megatron_mm_balance.runtime import BalancedDataIterator
+    out = {}
+
+    def consume(it, n=None):
+        got = []
+        while n is None or len(got) < n:
+            got.append(next(it)["id"])
+        return got
+
+    # a. a peer's data source raises at global batch 2.
+    src = recording_source(rank, 50, [], fail_at=2 * G + 1 if rank == 1 else None)
+    with BalancedDataIterator(src, num_microbatches=G, timeout=20) as it:
+        out["raise"] = _outcome(lambda: consume(it))
+        out["raise_again"] = _outcome(lambda: consume(it))
+
+    # b. inconsistent num_microbatches; c. inconsistent solver settings.
+    with BalancedDataIterator(recording_source(rank, 50, []), num_microbatches=G + (rank == 2),
+                              timeout=20) as it:
+        out["mismatch_G"] = _outcome(lambda: consume(it))
+    with BalancedDataIterator(recording_source(rank, 50, []), num_microbatches=G, timeout=20,
+                              sync="step" if rank == 0 else "microstep") as it:
+        out["mismatch_settings"] = _outcome(lambda: consume(it))
+
+    # d. ramp-up: a callable num_microbatches read once per global batch.
+    schedule, calls = [1, 2, 3, 3, 5], []
+
+    def num_mb():
+        calls.append(1)
+        return schedule[min(len(calls) - 1, len(schedule) - 1)]
+    pulled, got = [], []
+    with BalancedDataIterator(recording_source(rank, sum(schedule), pulled), num_microbatches=num_mb,
+                              timeout=20) as it:
+        gb = 0
+        try:
+            while True:
+                for k in range(schedule[min(gb, len(schedule) - 1)]):
+                    p = next(it)
+                    got.append([gb, k, p["id"], checksum(p)])
+                gb += 1
+        except StopIteration:
+            pass
+        out["ramp"] = {"pulled": pulled, "delivered": got, "calls": len(calls),
+                       "per_batch": [s.get("num_microbatches") for s in it.stats]}
+
+    # e. the cost function raises inside the background thread on rank 0.
+    def bad_cost(p):
+        if p["id"] == "r0-p3":
+            raise KeyError("cost of r0-p3")
+        return int(p["image_tokens"])
+    with BalancedDataIterator(recording_source(rank, 50, []), num_microbatches=G, cost_fn=bad_cost,
+                              timeout=20) as it:
+        out["thread_error"] = _outcome(lambda: consume(it))
+
+    # f. one rank's source ends mid-batch: all ranks stop at the same boundary.
+    n = 3 * G - (1 if rank == 1 else 0)
+    with BalancedDataIterator(recording_source(rank, n, []), num_microbatches=G, timeout=20) as it:
+        got = []
+        out["short"] = _outcome(lambda: [got.append(next(it)["id"]) for _ in range(100)])
+        out["short"]["delivered"] = len(got)
+        out["short"]["stats"] = it.last_stats
+    return out
+
+
+def scenario_die(rank, world, G=4, timeout=5.0):
+    """Rank ``world-1`` exits abruptly in the middle of global batch 1."""
+    from megatron_mm_balance.runtime import BalancedDataIterator
+    victim = world - 1
+    it = BalancedDataIterator(recording_source(rank, 1000, []), num_microbatches=G, timeout=timeout)
+    t0 = time.monotonic()
+    try:
+        for step in range(10 * G):
+            next(it)
+            if rank == victim and step == G + 1:
+                os._exit(3)
+        res = {"type": "none"}
+    except BaseException as e:
+        res = {"type": type(e).__name__, "msg": str(e)}
+    res["elapsed"] = time.monotonic() - t0
+    it.close()
+    res["skip_teardown"] = True
+    return res
+
+
+def scenario_stall(rank, world, G=4, timeout=4.0, stall=12.0):
+    """Rank ``world-1`` stops calling next() for ``stall`` seconds in global batch 1."""
+    from megatron_mm_balance.runtime import BalancedDataIterator
+    victim = world - 1
+    it = BalancedDataIterator(recording_source(rank, 1000, []), num_microbatches=G, timeout=timeout)
+    t0 = time.monotonic()
+    res = {"type": "none"}
+    try:
+        for step in range(10 * G):
+            next(it)
+            if rank == victim and step == G + 1:
+                time.sleep(stall)
+    except BaseException as e:
+        res = {"type": type(e).__name__, "msg": str(e)}
+    res["elapsed"] = time.monotonic() - t0
+    it.close()
+    res["skip_teardown"] = True
+    return res
+
+
+def run_rank(scenario, rank, world, port, outdir, kw):
+    import datetime
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=60))
+    try:
+        res = globals()[f"scenario_{scenario}"](rank, world, **kw)
+    except BaseException as e:                     # reported, not hidden
+        import traceback
+        res = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+    with open(os.path.join(outdir, f"rank{rank}.json.tmp"), "w") as f:
+        json.dump(res, f)
+    os.replace(os.path.join(outdir, f"rank{rank}.json.tmp"), os.path.join(outdir, f"rank{rank}.json"))
+    if res.get("skip_teardown") and rank == 0:
+        time.sleep(3.0)             # rank 0 hosts the store peers read to name a failed rank
+    if not res.get("skip_teardown"):
+        try:
+            dist.barrier()
+            dist.destroy_process_group()
+        except Exception:
+            pass
+    sys.stdout.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    scenario, rank, world, port, outdir, kw = sys.argv[1:]
+    run_rank(scenario, int(rank), int(world), int(port), outdir, json.loads(kw))

@@ -1,0 +1,93 @@
+"""Peers that raise, die or stall; inconsistent configuration; exhaustion;
+num_microbatches ramp-up; errors in the background thread. Real processes, real
+gloo; every launch has a hard timeout, so a hang fails the test instead of CI."""
+import importlib.util
+import os
+import re
+from collections import Counter
+
+import pytest
+
+_spec = importlib.util.spec_from_file_location(
+    "rt_harness", os.path.join(os.path.dirname(__file__), "rt_harness.py"))
+harness = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(harness)
+
+
+@pytest.fixture(scope="module")
+def misc():
+    res = harness.launch(3, "misc", hard_timeout=120)
+    for r, x in enumerate(res):
+        assert "raise" in x, f"rank {r}: {x.get('error') or x}\n{x.get('log', '')}"
+    return res
+
+
+def test_peer_source_raises(misc):
+    assert misc[1]["raise"] == {"type": "ValueError", "msg": "boom in the data source of rank 1"}
+    for r in (0, 2):
+        out = misc[r]["raise"]
+        assert out["type"] == "PeerFailure"
+        assert "global batch 2" in out["msg"] and "rank 1" in out["msg"] and "boom" in out["msg"]
+    for r in range(3):                               # the iterator stays failed
+        assert misc[r]["raise_again"]["type"] == "BalancerError"
+
+
+def test_inconsistent_num_microbatches(misc):
+    for r in range(3):
+        out = misc[r]["mismatch_G"]
+        assert out["type"] == "InconsistentConfig" and "num_microbatches" in out["msg"]
+        assert "{0: 2, 1: 2, 2: 3}" in out["msg"]
+
+
+def test_inconsistent_solver_settings(misc):
+    for r in range(3):
+        out = misc[r]["mismatch_settings"]
+        assert out["type"] == "InconsistentConfig" and "solver settings" in out["msg"]
+
+
+def test_rampup_callable(misc):
+    pulled = [x["ramp"]["pulled"] for x in misc]
+    delivered = [x["ramp"]["delivered"] for x in misc]
+    for x in misc:
+        assert x["ramp"]["per_batch"] == [1, 2, 3, 3, 5, None]     # last entry: exhaustion
+        assert x["ramp"]["calls"] == 6                          # read once per global batch
+        assert Counter(gb for gb, *_ in x["ramp"]["delivered"]) == {0: 1, 1: 2, 2: 3, 3: 3, 4: 5}
+    want = Counter((pid, ck) for p in pulled for pid, _, ck in p)
+    got = Counter((pid, ck) for d in delivered for _, _, pid, ck in d)
+    assert got == want
+
+
+def test_background_thread_error_surfaces(misc):
+    assert misc[0]["thread_error"] == {"type": "KeyError", "msg": "'cost of r0-p3'"}
+    for r in (1, 2):
+        out = misc[r]["thread_error"]
+        assert out["type"] == "PeerFailure" and "rank 0" in out["msg"] and "global batch 1" in out["msg"]
+
+
+def test_exhaustion_same_boundary(misc):
+    for x in misc:
+        out = x["short"]
+        assert out["type"] == "StopIteration" and out["delivered"] == 4      # 2 full batches of G=2
+        assert out["stats"]["global_batch"] == 2 and out["stats"]["packs_pulled"] == [2, 1, 2]
+        assert out["stats"]["not_delivered"] == 5
+
+
+def _assert_named(res, victim, timeout):
+    for r, x in enumerate(res):
+        assert not x.get("killed"), f"rank {r} hung:\n{x.get('log')}"
+        if r == victim:
+            continue
+        assert x["type"] == "PeerFailure", x
+        assert re.search(r"global batch \d", x["msg"]) and f"rank {victim}" in x["msg"], x["msg"]
+
+
+def test_peer_dies():
+    res = harness.launch(3, "die", hard_timeout=60, timeout=5.0)
+    assert res[2]["exitcode"] == 3
+    _assert_named(res, 2, 5.0)
+
+
+def test_peer_stalls():
+    res = harness.launch(3, "stall", hard_timeout=60, timeout=3.0, stall=6.0)
+    _assert_named(res, 2, 3.0)
+    assert "Operation timed out" in res[0]["msg"] or "behind" in res[0]["msg"]

@@ -1,0 +1,233 @@
+"""Run every strategy on the same simulated global batches and summarise them.
+
+For each DP size (and each LLM size of a sweep) the engine draws ``B`` global
+batches of ``D x G`` packs from the 1D pool (``none``, ``local``, both
+``redistribute`` runs see exactly the same packs) and from each 2D-budget pool
+(``budget``, same seed), orders them per strategy, times them with
+:func:`.timeline.simulate_timeline`, and reports per run:
+
+* ``efficiency``: the packer's efficiency (real tokens / (packs x seq_len));
+* ``time_per_batch_ms``: mean step time;
+* ``wait_share``: rank-time spent waiting for other ranks / (D x step time);
+* ``exchange_share``: rank-time in exposed pack exchange / (D x step time);
+* ``slowdown``: step time / the perfectly balanced, free-exchange step - 1
+  (the waste expressed relative to useful work);
+* ``throughput_rel``: real tokens per second / that of ``none`` at the same DP;
+* ``bytes_moved_per_step``: bytes of packs that change rank per global batch,
+  summed over ranks (0 unless redistributing).
+
+Pipeline parallelism (``pp > 1``) is simplified: the vision encoder sits on the
+first stage together with 1/pp of the LLM layers; the first stage is therefore
+the slowest and sets the steady-state pace, so a pipeline replica is simulated
+as its first stage (LM phase / pp), and the fill/drain bubble adds
+``(pp - 1) x`` the mean LM time of one micro-batch on one stage per step.
+Replicas meet as ``sync`` says (EP all-to-alls within stage 0, or the all-reduce).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .pool import PackPool, draw_indices
+from .strategies import (STRATEGIES, identity_order, local_order, redistribute_order,
+                         exchange_times)
+from .timeline import simulate_timeline
+from .timing import TimingModel
+
+BALANCE_COSTS = ("time", "image-tokens")
+# Work per chunk of batches: keeps the [B, D, G] arrays near 8 MB each.
+CHUNK_ELEMENTS = 1 << 20
+
+
+@dataclass
+class SimConfig:
+    dps: list[int]
+    ga: int
+    seq_len: int
+    sync: str = "microstep"
+    pp: int = 1
+    batches: int = 10
+    seed: int = 0
+    strategies: tuple[str, ...] = STRATEGIES
+    balance_cost: str = "time"
+    draw: str = "iid"
+    heatmap_ranks: int = 64
+
+
+@dataclass
+class PackPhases:
+    """Per-pool-pack phase times (ms, stage 0), exchange bytes, placement cost, tokens."""
+    vf: np.ndarray
+    lm: np.ndarray
+    vb: np.ndarray
+    nbytes: np.ndarray
+    cost: np.ndarray
+    tokens: np.ndarray
+    bubble: float
+
+
+def pack_phases(pool: PackPool, t: TimingModel, *, pp: int = 1,
+                balance_cost: str = "time") -> PackPhases:
+    """Vectorised timing of every pack in ``pool`` under timing model ``t``."""
+    has_img = pool.num_images > 0
+    vf = (t.vision_ms_per_token * pool.image_tokens + t.vision_ms_per_token_sq * pool.image_sq
+          + t.vision_ms_per_pack * has_img)
+    positions = pool.seq_len if t.llm_compute_padding else pool.tokens
+    lf = t.llm_ms_per_token * positions + t.llm_ms_per_token_sq * pool.sample_len_sq
+    lf = np.broadcast_to(np.asarray(lf, dtype=np.float64), vf.shape)
+    lm_full = lf * (1.0 + t.llm_bwd_fwd_ratio)
+    lm = lm_full / pp
+    vb = vf * t.vision_bwd_fwd_ratio
+    nbytes = (t.bytes_per_image_token * pool.image_tokens
+              + t.bytes_per_text_token * pool.text_tokens).astype(np.float64)
+    if balance_cost == "time":
+        # Integer microseconds: identical on every rank, fine enough to rank packs.
+        cost = np.rint((vf + lm + vb) * 1000.0).astype(np.int64)
+    elif balance_cost == "image-tokens":
+        cost = pool.image_tokens.astype(np.int64)
+    else:
+        raise ValueError(f"balance cost must be one of {BALANCE_COSTS}, got {balance_cost!r}")
+    bubble = (pp - 1) * float(lm.mean()) if pp > 1 else 0.0
+    return PackPhases(vf.astype(np.float64), lm.astype(np.float64), vb.astype(np.float64),
+                      nbytes, cost, pool.tokens.astype(np.float64), bubble)
+
+
+@dataclass
+class _Acc:
+    """Sums over batches for one run."""
+    time: float = 0.0
+    ideal: float = 0.0
+    tokens: float = 0.0
+    wait: float = 0.0
+    exch: float = 0.0
+    bytes: float = 0.0
+    moved: int = 0
+    slots: int = 0
+    batches: int = 0
+    solver_ms: list = field(default_factory=list)
+
+    def add(self, res: dict, tokens: np.ndarray, D: int, overhead: float,
+            moved_bytes=None, moved=0):
+        self.time += float(res["time"].sum())
+        self.ideal += float((res["busy"].mean(axis=1) + res["bubble"] + overhead).sum())
+        self.tokens += float(tokens.sum())
+        self.wait += float(res["wait"].sum()) / D
+        self.exch += float(res["exchange"].sum()) / D
+        self.batches += len(res["time"])
+        self.slots += int(tokens.size)
+        if moved_bytes is not None:
+            self.bytes += float(moved_bytes)
+            self.moved += int(moved)
+
+    def summary(self) -> dict:
+        return {
+            "time_per_batch_ms": self.time / self.batches,
+            "wait_share": self.wait / self.time,
+            "exchange_share": self.exch / self.time,
+            "slowdown": self.time / self.ideal - 1.0,
+            "tokens_per_s": self.tokens / (self.time / 1000.0),
+            "bytes_moved_per_step": self.bytes / self.batches,
+            "moved_fraction": self.moved / self.slots if self.slots else 0.0,
+        }
+
+
+def _gather(ph: PackPhases, idx: np.ndarray):
+    return ph.vf[idx], ph.lm[idx], ph.vb[idx]
+
+
+def _reorder(arrs, order):
+    B, D, G = order.shape
+    flat = order.reshape(B, -1)
+    return [np.take_along_axis(a.reshape(B, -1), flat, axis=1).reshape(B, D, G) for a in arrs]
+
+
+def simulate_dp(cfg: SimConfig, D: int, timing: TimingModel, pool: PackPool,
+                budget_pools: dict[int, PackPool], *, progress=None,
+                keep_heatmap: bool = False) -> tuple[list[dict], dict | None]:
+    """All strategies at one DP size; returns (runs, heat maps of batch 0 or None)."""
+    G, B, sync = cfg.ga, cfg.batches, cfg.sync
+    want = set(cfg.strategies)
+    ph = pack_phases(pool, timing, pp=cfg.pp, balance_cost=cfg.balance_cost)
+    ov = timing.step_overhead_ms
+    idx_all = draw_indices(len(pool), B, D, G, seed=cfg.seed, mode=cfg.draw)
+    acc = {s: _Acc() for s in ("none", "local", "redistribute-sync", "redistribute-overlap")}
+    heat = {} if keep_heatmap else None
+    chunk = max(1, CHUNK_ELEMENTS // (D * G))
+    need_redist = bool(want & {"redistribute-sync", "redistribute-overlap"})
+
+    for b0 in range(0, B, chunk):
+        idx = idx_all[b0:b0 + chunk]
+        nb = len(idx)
+        vf, lm, vb = _gather(ph, idx)
+        tok = ph.tokens[idx]
+        res = simulate_timeline(vf, lm, vb, sync=sync, bubble=ph.bubble, overhead=ov)
+        acc["none"].add(res, tok, D, ov)
+        if heat is not None and b0 == 0:
+            heat["none"] = (vf + lm + vb)[0]
+        if "local" in want:
+            order = local_order(ph.cost[idx])
+            lvf, llm, lvb = _reorder((vf, lm, vb), order)
+            acc["local"].add(simulate_timeline(lvf, llm, lvb, sync=sync, bubble=ph.bubble,
+                                               overhead=ov), tok, D, ov)
+            if heat is not None and b0 == 0:
+                heat["local"] = (lvf + llm + lvb)[0]
+        if need_redist:
+            cost = ph.cost[idx]
+            order = np.empty((nb, D, G), dtype=np.int64)
+            for i in range(nb):
+                t0 = time.perf_counter()
+                order[i] = redistribute_order(cost[i], sync=sync)
+                acc["redistribute-overlap"].solver_ms.append((time.perf_counter() - t0) * 1e3)
+                if progress is not None:
+                    progress.update(1)
+            rvf, rlm, rvb = _reorder((vf, lm, vb), order)
+            x, b_in = exchange_times(order, ph.nbytes[idx].reshape(nb, -1),
+                                     link_gbps=timing.link_gbps, latency_ms=timing.latency_ms)
+            moved_bytes, moved = b_in.sum(), int((b_in > 0).sum())
+            for name, mode in (("redistribute-sync", "sync"), ("redistribute-overlap", "overlap")):
+                if name in want:
+                    r = simulate_timeline(rvf, rlm, rvb, sync=sync, exchange=mode, x=x,
+                                          bubble=ph.bubble, overhead=ov)
+                    acc[name].add(r, tok, D, ov, moved_bytes, moved)
+            if heat is not None and b0 == 0:
+                heat["redistribute"] = (rvf + rlm + rvb)[0]
+        elif progress is not None:
+            progress.update(nb)
+
+    base = acc["none"].summary()
+    common = {"dp": D, "ga": G, "seq_len": cfg.seq_len, "sync": cfg.sync, "pp": cfg.pp,
+              "batches": B, "timing": timing.name, "llm_params_b": timing.llm_params_b}
+    runs = []
+
+    def emit(name, a: _Acc, pl: PackPool, base_tps, **extra):
+        s = a.summary()
+        run = {**common, "strategy": name, "budget": pl.budget, "efficiency": pl.efficiency,
+               **s, "throughput_rel": s["tokens_per_s"] / base_tps}
+        if a.solver_ms:
+            run["solver_ms_p50"] = float(np.median(a.solver_ms))
+            run["solver_ms_max"] = float(np.max(a.solver_ms))
+        run.update(extra)
+        runs.append(run)
+
+    if "none" in want:
+        emit("none", acc["none"], pool, base["tokens_per_s"])
+    if "budget" in want:
+        for budget, bpool in sorted(budget_pools.items()):
+            bph = pack_phases(bpool, timing, pp=cfg.pp, balance_cost=cfg.balance_cost)
+            bidx = draw_indices(len(bpool), B, D, G, seed=cfg.seed, mode=cfg.draw)
+            a = _Acc()
+            for b0 in range(0, B, chunk):
+                idx = bidx[b0:b0 + chunk]
+                vf, lm, vb = _gather(bph, idx)
+                a.add(simulate_timeline(vf, lm, vb, sync=sync, bubble=bph.bubble, overhead=ov),
+                      bph.tokens[idx], D, ov)
+            emit("budget", a, bpool, base["tokens_per_s"])
+    for name in ("local", "redistribute-sync", "redistribute-overlap"):
+        if name in want:
+            a = acc[name]
+            if name == "redistribute-sync":
+                a.solver_ms = acc["redistribute-overlap"].solver_ms
+            emit(name, a, pool, base["tokens_per_s"])
+    return runs, heat

@@ -1,0 +1,71 @@
+"""The stdout table and ``report.json`` of a simulation.
+
+``report.json`` is ``{"runs": [...], "meta": {...}}``; every run carries at least
+``dp``, ``strategy`` (``none``, ``budget``, ``local``, ``redistribute-sync``,
+``redistribute-overlap``), ``efficiency``, ``wait_share``, ``throughput_rel`` and
+``bytes_moved_per_step``; ``budget`` runs name their image budget.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+
+REQUIRED_KEYS = ("dp", "strategy", "efficiency", "wait_share", "throughput_rel",
+                 "bytes_moved_per_step")
+
+COLUMNS = [
+    ("llm_b", 6, lambda r: "-" if r.get("llm_params_b") is None else f"{r['llm_params_b']:g}"),
+    ("dp", 5, lambda r: str(r["dp"])),
+    ("strategy", 20, lambda r: r["strategy"] + (f"@{r['budget']}" if r.get("budget") else "")),
+    ("pack_eff", 8, lambda r: f"{r['efficiency'] * 100:.1f}%"),
+    ("step_s", 8, lambda r: f"{r['time_per_batch_ms'] / 1000:.2f}"),
+    ("wait", 6, lambda r: f"{r['wait_share'] * 100:.1f}%"),
+    ("exch", 6, lambda r: f"{r['exchange_share'] * 100:.1f}%"),
+    ("slowdown", 8, lambda r: f"{r['slowdown'] * 100:.1f}%"),
+    ("thru_rel", 8, lambda r: f"{r['throughput_rel']:.3f}"),
+    ("moved", 6, lambda r: f"{r['moved_fraction'] * 100:.0f}%"),
+    ("GB/step", 8, lambda r: f"{r['bytes_moved_per_step'] / 1e9:.2f}"),
+]
+
+
+def format_table(runs: list[dict]) -> str:
+    head = "  ".join(name.rjust(w) if i else name.ljust(w)
+                     for i, (name, w, _) in enumerate(COLUMNS))
+    lines = [head, "-" * len(head)]
+    for r in runs:
+        lines.append("  ".join(f(r).rjust(w) if i else f(r).ljust(w)
+                               for i, (_, w, f) in enumerate(COLUMNS)))
+    return "\n".join(lines)
+
+
+def _clean(v):
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if isinstance(v, dict):
+        return {k: _clean(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_clean(x) for x in v]
+    if hasattr(v, "item"):          # numpy scalars
+        return _clean(v.item())
+    return v
+
+
+def write_report(out_dir: str, runs: list[dict], meta: dict) -> str:
+    path = os.path.join(out_dir, "report.json")
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(_clean({"runs": runs, "meta": meta}), f, indent=1)
+        f.write("\n")
+    return path
+
+
+def check_report(report: dict) -> None:
+    """Raise ``ValueError`` if ``report`` breaks the CLI contract."""
+    if not isinstance(report, dict) or not isinstance(report.get("runs"), list):
+        raise ValueError("report must be an object with a 'runs' list")
+    for i, r in enumerate(report["runs"]):
+        for k in REQUIRED_KEYS:
+            if k not in r:
+                raise ValueError(f"run {i} lacks '{k}'")
+        if r["strategy"] == "budget" and not r.get("budget"):
+            raise ValueError(f"run {i}: a budget run must name its budget")

@@ -1,0 +1,67 @@
+"""The balancing strategies, each as "which pack does slot (rank, micro-step) run".
+
+* ``none``: 1D greedy packs in the order each rank drew them.
+* ``budget``: the same, on packs built by the 2D image-budget packer (the
+  strategy lives in the pool; the order is untouched).
+* ``local``: each rank sorts only its own packs, heaviest first. A rank cannot
+  see the others, but every rank applying the same rule lines heavy packs up
+  with heavy packs: micro-step 0 holds each rank's heaviest pack, the last one
+  each rank's lightest, so the per-micro-step maxima fall. The rule cannot change
+  a rank's total, so it does nothing when ranks meet only at the step's end.
+* ``redistribute-sync`` / ``redistribute-overlap``: the global placement from
+  :func:`megatron_mm_balance.placement.solve_placement` (same placement; the two
+  differ only in how the exchange is timed, see :mod:`.timeline`).
+
+Each function returns a flat gather index ``[.., D, G]`` into the rank-major
+``D * G`` packs of a global batch (``src_rank * G + src_index``).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..placement import solve_placement
+
+STRATEGIES = ("none", "budget", "local", "redistribute-sync", "redistribute-overlap")
+
+
+def identity_order(B: int, D: int, G: int) -> np.ndarray:
+    base = (np.arange(D)[:, None] * G + np.arange(G)[None, :]).astype(np.int64)
+    return np.broadcast_to(base, (B, D, G)).copy()
+
+
+def local_order(costs: np.ndarray) -> np.ndarray:
+    """Heaviest-first order within each rank, ``costs`` ``[B, D, G]``; ties keep draw order."""
+    costs = np.asarray(costs)
+    B, D, G = costs.shape
+    order = np.argsort(-costs, axis=2, kind="stable")
+    return order + (np.arange(D)[None, :, None] * G)
+
+
+def redistribute_order(costs: np.ndarray, *, sync: str) -> np.ndarray:
+    """Global placement of one batch's ``[D, G]`` integer costs as a gather index."""
+    pl = solve_placement(costs, sync=sync)
+    G = costs.shape[1]
+    return pl.src_rank * G + pl.src_index
+
+
+def exchange_times(order: np.ndarray, nbytes: np.ndarray, *, link_gbps: float,
+                   latency_ms: float) -> tuple[np.ndarray, np.ndarray]:
+    """Per-rank exchange time (ms) and bytes received, for gather index ``order``.
+
+    ``order`` ``[B, D, G]`` as returned above; ``nbytes`` ``[B, D*G]`` bytes of
+    each pack in source (rank-major) order. A slot whose pack comes from another
+    rank receives it; its source rank sends it in the destination's micro-step.
+    A rank's time per micro-step is ``latency + max(bytes in, bytes out) / link``.
+    """
+    B, D, G = order.shape
+    src_rank = order // G
+    moved = src_rank != np.arange(D)[None, :, None]
+    pack_bytes = np.take_along_axis(nbytes, order.reshape(B, -1), axis=1).reshape(B, D, G)
+    b_in = np.where(moved, pack_bytes, 0.0)
+    step = np.broadcast_to(np.arange(G), (B, D, G))
+    batch = np.broadcast_to(np.arange(B)[:, None, None], (B, D, G))
+    flat = ((batch * D + src_rank) * G + step)[moved]
+    b_out = np.bincount(flat, weights=pack_bytes[moved], minlength=B * D * G).reshape(B, D, G)
+    busiest = np.maximum(b_in, b_out)
+    x = np.where(busiest > 0, latency_ms + busiest / (link_gbps * 1e6), 0.0)
+    return x, b_in

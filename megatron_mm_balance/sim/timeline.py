@@ -1,0 +1,99 @@
+"""The step timeline: when each rank computes, and where it waits for the others.
+
+Every rank runs each micro-step's pack as vision forward (VF), language-model
+forward and backward (LM), vision backward (VB). Arrays are ``[B, D, G]``:
+B global batches, D data-parallel ranks, G micro-steps, in compute order (after
+any reordering or redistribution). All batches and ranks advance together; the
+only Python loop is over the G micro-steps.
+
+Where ranks meet (``sync``):
+
+* ``step`` (pure data parallelism): only at the gradient all-reduce at the end of
+  the step. A rank runs its G packs back to back; the step ends when the slowest
+  rank ends: ``max_r sum_m (VF + LM + VB)``.
+* ``microstep`` (MoE expert parallelism: the token all-to-alls of every MoE layer
+  span the data-parallel ranks): the LM phase runs in lockstep. It starts when
+  the last rank has finished its vision forward, and lasts as long as the
+  slowest rank's LM part. Vision backward of micro-step m and vision forward of
+  m+1 therefore fall between two meetings, so a heavy pack delays everybody
+  twice, as the seed describes.
+
+Pack exchange (``exchange``), with ``x[b, r, m]`` the time rank r needs to send
+and receive its packs for micro-step m:
+
+* ``sync``: before micro-step m, all ranks meet and exchange; the exchange takes
+  ``max_r x[:, m]`` (only if any pack moves in that micro-step);
+* ``overlap``: the exchange for micro-step m runs in the background from the
+  start of micro-step m-1 on that rank; only the part that outlasts micro-step
+  m-1 is exposed. Micro-step 0's exchange has nothing to hide behind.
+
+``bubble`` (pipeline fill and drain) and ``overhead`` (optimizer step, exposed
+all-reduce) are added once per global batch and are the same on every rank.
+Waiting time per rank = end of compute - its busy time - its exposed exchange.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+SYNC_MODES = ("microstep", "step")
+EXCHANGE_MODES = (None, "sync", "overlap")
+
+
+def simulate_timeline(vf, lm, vb, *, sync: str = "microstep", exchange: str | None = None,
+                      x=None, bubble=0.0, overhead: float = 0.0) -> dict:
+    """Simulate ``[B, D, G]`` phase times; returns per-batch and per-rank totals (ms).
+
+    Keys: ``time`` [B] (step time incl. bubble and overhead), ``compute_end`` [B],
+    ``busy`` [B, D], ``exchange`` [B, D] (exposed exchange), ``wait`` [B, D].
+    """
+    if sync not in SYNC_MODES:
+        raise ValueError(f"sync must be one of {SYNC_MODES}, got {sync!r}")
+    if exchange not in EXCHANGE_MODES:
+        raise ValueError(f"exchange must be one of {EXCHANGE_MODES}, got {exchange!r}")
+    vf, lm, vb = (np.asarray(a, dtype=np.float64) for a in (vf, lm, vb))
+    if vf.ndim != 3 or vf.shape != lm.shape or vf.shape != vb.shape:
+        raise ValueError(f"phase arrays must share a [B, D, G] shape, got {vf.shape}, "
+                         f"{lm.shape}, {vb.shape}")
+    B, D, G = vf.shape
+    if exchange is not None:
+        if x is None:
+            raise ValueError("an exchange mode needs the exchange times x")
+        x = np.asarray(x, dtype=np.float64)
+        if x.shape != vf.shape:
+            raise ValueError(f"x must have shape {vf.shape}, got {x.shape}")
+
+    prev_start = np.zeros((B, D))
+    prev_end = np.zeros((B, D))
+    exch = np.zeros((B, D))
+    for m in range(G):
+        if exchange == "sync":
+            X = x[:, :, m].max(axis=1)                       # [B]
+            meet = prev_end.max(axis=1)
+            has = X > 0
+            start = np.where(has[:, None], (meet + X)[:, None], prev_end)
+            exch += np.where(has, X, 0.0)[:, None]
+        elif exchange == "overlap":
+            start = np.maximum(prev_end, prev_start + x[:, :, m])
+            exch += start - prev_end
+        else:
+            start = prev_end
+        arrive = start + vf[:, :, m]
+        if sync == "microstep":
+            lm_end = arrive.max(axis=1, keepdims=True) + lm[:, :, m].max(axis=1, keepdims=True)
+        else:
+            lm_end = arrive + lm[:, :, m]
+        end = lm_end + vb[:, :, m]
+        prev_start, prev_end = start, end
+
+    compute_end = prev_end.max(axis=1)
+    busy = (vf + lm + vb).sum(axis=2)
+    wait = compute_end[:, None] - busy - exch
+    bubble = np.broadcast_to(np.asarray(bubble, dtype=np.float64), (B,))
+    return {
+        "time": compute_end + bubble + overhead,
+        "compute_end": compute_end,
+        "busy": busy,
+        "exchange": exch,
+        "wait": np.maximum(wait, 0.0),
+        "bubble": np.array(bubble),
+    }

@@ -1,0 +1,56 @@
+"""Strategies as gather orders, exchange accounting, pools and draws."""
+import numpy as np
+
+from megatron_mm_balance.packing import Pack
+from megatron_mm_balance.placement import sorted_grouping_optimum
+from megatron_mm_balance.sim.pool import draw_indices, pool_from_packs
+from megatron_mm_balance.sim.strategies import (exchange_times, identity_order, local_order,
+                                                redistribute_order)
+from megatron_mm_balance.traces import Sample
+
+
+def test_local_order_sorts_each_rank_heaviest_first():
+    costs = np.array([[[1, 5, 3], [4, 4, 9]]])
+    order = local_order(costs)
+    assert order.tolist() == [[[1, 2, 0], [5, 3, 4]]]      # ties keep draw order
+    flat = costs.reshape(1, -1)
+    assert np.take_along_axis(flat, order.reshape(1, -1), 1).reshape(costs.shape).tolist() == \
+        [[[5, 3, 1], [9, 4, 4]]]
+
+
+def test_redistribute_is_an_optimal_permutation():
+    rng = np.random.default_rng(1)
+    c = rng.integers(0, 1000, size=(8, 4))
+    order = redistribute_order(c, sync="microstep")
+    assert sorted(order.ravel().tolist()) == list(range(32))
+    placed = c.ravel()[order]
+    assert placed.max(axis=0).sum() == sorted_grouping_optimum(c)
+
+
+def test_exchange_times_by_hand():
+    # 2 ranks x 2 steps; rank 1's slot (1, 0) computes rank 0's pack 1 and rank 0's
+    # slot (0, 1) computes rank 1's pack 0: two moves, both in their own micro-step.
+    order = np.array([[[0, 2], [1, 3]]])
+    nbytes = np.array([[100.0, 2e6, 4e6, 50.0]])
+    x, b_in = exchange_times(order, nbytes, link_gbps=1.0, latency_ms=0.5)
+    assert b_in.tolist() == [[[0.0, 4e6], [2e6, 0.0]]]
+    # step 0: rank 0 sends 2 MB, rank 1 receives it: 0.5 + 2 ms each
+    # step 1: rank 1 sends 4 MB, rank 0 receives it: 0.5 + 4 ms each
+    assert np.allclose(x, [[[2.5, 4.5], [2.5, 4.5]]])
+    x0, b0 = exchange_times(identity_order(1, 2, 2), nbytes, link_gbps=1.0, latency_ms=0.5)
+    assert not x0.any() and not b0.any()
+
+
+def test_pool_features_and_draws():
+    samples = [Sample(10, (3, 4)), Sample(5, ()), Sample(8, (8,))]
+    packs = [Pack((0, 1), 15, (3, 4)), Pack((2,), 8, (8,))]
+    pool = pool_from_packs(packs, samples, seq_len=16)
+    assert pool.image_tokens.tolist() == [7, 8]
+    assert pool.image_sq.tolist() == [25, 64]
+    assert pool.sample_len_sq.tolist() == [125, 64]
+    assert pool.text_tokens.tolist() == [8, 0]
+    assert abs(pool.efficiency - 23 / 32) < 1e-12
+    a = draw_indices(2, 3, 4, 5, seed=7)
+    assert a.shape == (3, 4, 5) and np.array_equal(a, draw_indices(2, 3, 4, 5, seed=7))
+    c = draw_indices(10, 2, 3, 4, seed=0, mode="contiguous")
+    assert np.all((np.diff(c, axis=2) % 10) == 1)

@@ -80,23 +80,25 @@ def plot_all(out_dir: str, runs: list[dict], heat: dict | None, *, title: str = 
 
 
 def plot_heatmap(path: str, heat: dict, *, ranks: int = 64, title: str = "") -> str:
+    """Heat maps of the first ``ranks`` ranks; titles give the all-rank critical path."""
     plt = _plt()
     names = [n for n in ("none", "local", "redistribute") if n in heat]
-    mats = [np.asarray(heat[n])[:ranks] for n in names]
+    full = [np.asarray(heat[n]) for n in names]
+    mats = [m[:ranks] for m in full]
     vmin = min(float(m.min()) for m in mats)
     vmax = max(float(m.max()) for m in mats)
-    fig, axes = plt.subplots(1, len(mats), figsize=(3.0 * len(mats) + 1.0, 4.0), dpi=80,
-                             squeeze=False)
+    fig, axes = plt.subplots(1, len(mats), figsize=(3.0 * len(mats) + 1.2, 4.2), dpi=80,
+                             squeeze=False, constrained_layout=True)
     im = None
-    for ax, n, m in zip(axes[0], names, mats):
+    for ax, n, m, f in zip(axes[0], names, mats, full):
         im = ax.imshow(m, aspect="auto", interpolation="nearest", cmap="magma",
                        vmin=vmin, vmax=vmax)
-        worst = m.max(axis=0).sum()
-        ax.set_title(f"{n}\nsum of micro-step max: {worst / 1000:.1f} s", fontsize=9)
+        ax.set_title(f"{n}\nsum of micro-step max\n(all {f.shape[0]} ranks): "
+                     f"{f.max(axis=0).sum() / 1000:.1f} s", fontsize=8)
         ax.set_xlabel("micro-step")
-    axes[0][0].set_ylabel(f"rank (first {mats[0].shape[0]})")
+    axes[0][0].set_ylabel(f"rank (first {mats[0].shape[0]} of {full[0].shape[0]})")
     fig.colorbar(im, ax=axes[0].tolist(), label="pack time (ms)")
-    fig.suptitle(f"Per-rank x micro-step load, one global batch {title}", fontsize=10)
+    fig.suptitle(f"Per-rank x micro-step load, one global batch\n{title}", fontsize=9)
     fig.savefig(path)
     plt.close(fig)
     return path

@@ -78,6 +78,11 @@ def check_args(args) -> None:
             fail("--mm-balance-cost model needs --mm-balance-cost-file PATH (a calibrated cost file)")
         if not os.path.isfile(cost_file):
             fail(f"--mm-balance-cost-file {cost_file}: no such file")
+        from ..cost import load_cost_file
+        try:
+            load_cost_file(cost_file)
+        except ValueError as exc:
+            fail(f"--mm-balance-cost-file: {exc}")
     elif cost_file:
         fail("--mm-balance-cost-file is only read with --mm-balance-cost model")
     interval = getattr(args, "mm_balance_log_interval", None)

@@ -207,6 +207,29 @@ def make_cost_fn(args=None):
     return ImageTokensCost(tpt)
 
 
+class _Constant:
+    """A fixed micro-batch count as a zero-arg callable (see ``wrap_train_data_iterator``)."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __call__(self) -> int:
+        return self.n
+
+
+class _NextOnly:
+    """Makes an object with only ``__next__`` (enough for ``RerunDataIterator``) iterable."""
+
+    def __init__(self, obj):
+        self.obj = obj
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return next(self.obj)
+
+
 def _wrap_one(iterator, group, args, *, num_microbatches, cost_fn, chunk: int):
     from megatron.core.rerun_state_machine import RerunDataIterator
     from ..runtime import BalancedDataIterator
@@ -215,8 +238,9 @@ def _wrap_one(iterator, group, args, *, num_microbatches, cost_fn, chunk: int):
     source = iterator.iterable if isinstance(iterator, RerunDataIterator) else iterator
     if not hasattr(source, "__next__"):
         source = iter(source)
+    reader = source if hasattr(source, "__iter__") else _NextOnly(source)
     balanced = BalancedDataIterator(
-        source,
+        reader,
         num_microbatches=num_microbatches,
         group=group,
         exchange_group=group,
@@ -269,8 +293,12 @@ def wrap_train_data_iterator(train_data_iterator, args=None, *, num_microbatches
         if it is None or group is None:
             wrapped.append(it)
         else:
-            # One schedule per chunk: each balancer calls it once per global batch.
+            # One schedule per chunk: each balancer calls it once per global batch. Always a
+            # callable: with a callable the balancer pulls a global batch only when the loop
+            # starts it (an int lets it run ahead), which keeps the loader's save_state exact.
             schedule = num_microbatches if num_microbatches is not None else MicrobatchSchedule(args)
+            if not callable(schedule):
+                schedule = _Constant(int(schedule))
             wrapped.append(_wrap_one(it, group, args, num_microbatches=schedule,
                                      cost_fn=cost_fn, chunk=chunk))
     return wrapped if is_list else wrapped[0]

@@ -105,7 +105,7 @@ class BalancedPretrainingSampler:
             kw = {} if self.balance_tolerance is None else {"balance_tolerance": self.balance_tolerance}
             placement = solve_placement(costs, sync=self.sync, **kw)
             stats = dict(evaluate(costs, placement))
-            stats["packs_moved"] = int(placement.moved())
+            stats["packs_moved"] = stats.pop("moved")
             self.stats.append(stats)
             me = self.data_parallel_rank
             for m in range(G):

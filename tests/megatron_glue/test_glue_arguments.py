@@ -1,0 +1,80 @@
+"""The --mm-balance flags: registration (extra_args_provider style and twice), parsing, sync."""
+import argparse
+
+import pytest
+
+from megatron_mm_balance.megatron.arguments import (
+    add_mm_balance_args, log_interval, resolve_sync, validate_mm_balance_args, with_mm_balance_args)
+
+
+def _parse(argv, parser=None):
+    parser = parser or argparse.ArgumentParser(allow_abbrev=False)
+    return add_mm_balance_args(parser).parse_args(argv)
+
+
+def test_defaults_off_and_overlap_on():
+    args = _parse([])
+    assert args.mm_balance is False
+    assert args.mm_balance_overlap is True
+    assert args.mm_balance_sync == "auto"
+    assert args.mm_balance_cost == "image-tokens"
+    assert args.mm_balance_mode == "auto"
+    assert args.mm_balance_log_interval is None
+
+
+def test_all_flags_parse():
+    args = _parse(["--mm-balance", "--no-mm-balance-overlap", "--mm-balance-sync", "step",
+                   "--mm-balance-cost", "model", "--mm-balance-cost-file", "c.json",
+                   "--mm-balance-log-interval", "7", "--mm-balance-mode", "sampler",
+                   "--mm-balance-tolerance", "0.01", "--mm-balance-timeout", "60"])
+    assert (args.mm_balance, args.mm_balance_overlap, args.mm_balance_sync) == (True, False, "step")
+    assert (args.mm_balance_cost, args.mm_balance_cost_file) == ("model", "c.json")
+    assert (args.mm_balance_log_interval, args.mm_balance_mode) == (7, "sampler")
+    assert (args.mm_balance_tolerance, args.mm_balance_timeout) == (0.01, 60.0)
+    assert _parse(["--no-mm-balance-overlap", "--mm-balance-overlap"]).mm_balance_overlap is True
+
+
+@pytest.mark.parametrize("argv", [["--mm-balance-sync", "always"], ["--mm-balance-cost", "flops"],
+                                  ["--mm-balance-mode", "magic"], ["--mm-balance-log-interval", "x"]])
+def test_bad_choice_is_an_argparse_error(argv, capsys):
+    with pytest.raises(SystemExit):
+        _parse(argv)
+    assert argv[0] in capsys.readouterr().err
+
+
+def test_registering_twice_is_harmless():
+    # The arguments.py patch registers the flags and a script may also pass our provider.
+    parser = add_mm_balance_args(argparse.ArgumentParser(allow_abbrev=False))
+    assert add_mm_balance_args(parser) is parser
+    assert parser.parse_args(["--mm-balance"]).mm_balance is True
+
+
+def test_with_mm_balance_args_chains_the_scripts_provider():
+    seen = []
+
+    def script_provider(parser):
+        seen.append(True)
+        parser.add_argument("--img-h", type=int, default=336)
+        return parser
+
+    provider = with_mm_balance_args(script_provider)
+    args = provider(argparse.ArgumentParser(allow_abbrev=False)).parse_args(["--img-h", "448", "--mm-balance"])
+    assert seen and args.img_h == 448 and args.mm_balance
+    assert with_mm_balance_args()(argparse.ArgumentParser()).parse_args([]).mm_balance is False
+
+
+@pytest.mark.parametrize("sync,ep,want", [("auto", 1, "step"), ("auto", None, "step"), ("auto", 4, "microstep"),
+                                          ("step", 4, "step"), ("microstep", 1, "microstep")])
+def test_resolve_sync(sync, ep, want):
+    args = argparse.Namespace(mm_balance_sync=sync, expert_model_parallel_size=ep)
+    assert resolve_sync(args) == want
+
+
+def test_log_interval_defaults_to_megatrons():
+    assert log_interval(argparse.Namespace(mm_balance_log_interval=None, log_interval=10)) == 10
+    assert log_interval(argparse.Namespace(mm_balance_log_interval=3, log_interval=10)) == 3
+    assert log_interval(argparse.Namespace()) == 100
+
+
+def test_validate_is_noop_when_off():
+    validate_mm_balance_args(argparse.Namespace(mm_balance=False, micro_batch_size=8))

@@ -1,0 +1,90 @@
+"""Settings the glue refuses, each with a one-line error naming the flag."""
+import argparse
+
+import pytest
+
+from megatron_mm_balance.megatron.arguments import add_mm_balance_args
+from megatron_mm_balance.megatron.checks import MMBalanceConfigError, check_args, global_aux_loss_coeff
+
+
+def make_args(*argv, **megatron):
+    args = add_mm_balance_args(argparse.ArgumentParser()).parse_args(["--mm-balance", *argv])
+    base = dict(micro_batch_size=1, calculate_per_token_loss=False, num_experts=None,
+                moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.0,
+                dataloader_type="external", expert_model_parallel_size=1,
+                virtual_pipeline_model_parallel_size=None, hybrid_context_parallel=False)
+    base.update(megatron)
+    args.__dict__.update(base)
+    return args
+
+
+def refused(args) -> str:
+    with pytest.raises(MMBalanceConfigError) as exc:
+        check_args(args)
+    msg = str(exc.value)
+    assert "\n" not in msg
+    return msg
+
+
+def test_supported_configurations_pass():
+    check_args(make_args())
+    check_args(make_args(micro_batch_size=4, calculate_per_token_loss=True))
+    check_args(make_args(num_experts=8, expert_model_parallel_size=4,
+                         moe_router_load_balancing_type=["seq_aux_loss"], moe_aux_loss_coeff=[1e-3]))
+    check_args(make_args(virtual_pipeline_model_parallel_size=2))
+    check_args(make_args("--mm-balance-mode", "sampler", dataloader_type="single"))
+    # Off: nothing is checked.
+    off = make_args(micro_batch_size=8)
+    off.mm_balance = False
+    check_args(off)
+
+
+def test_micro_batch_size_needs_per_token_loss():
+    msg = refused(make_args(micro_batch_size=2))
+    assert "--micro-batch-size 2" in msg and "--calculate-per-token-loss" in msg
+
+
+@pytest.mark.parametrize("types,coeffs", [("global_aux_loss", 1e-3), (["global_aux_loss"], [1e-3]),
+                                          (["aux_loss", "global_aux_loss"], [1e-2, 1e-3]),
+                                          (["seq_aux_loss", "global_aux_loss"], 1e-3)])
+def test_global_aux_loss_is_refused(types, coeffs):
+    msg = refused(make_args(num_experts=8, moe_router_load_balancing_type=types, moe_aux_loss_coeff=coeffs))
+    assert "--moe-router-load-balancing-type global_aux_loss" in msg
+
+
+def test_global_aux_loss_with_zero_coefficient_is_fine():
+    args = make_args(num_experts=8, moe_router_load_balancing_type=["aux_loss", "global_aux_loss"],
+                     moe_aux_loss_coeff=[1e-2, 0.0])
+    assert global_aux_loss_coeff(args) == 0.0
+    check_args(args)
+
+
+def test_cost_model_needs_a_readable_file(tmp_path):
+    assert "--mm-balance-cost-file" in refused(make_args("--mm-balance-cost", "model"))
+    missing = tmp_path / "nope.json"
+    assert str(missing) in refused(make_args("--mm-balance-cost", "model", "--mm-balance-cost-file", str(missing)))
+    assert "--mm-balance-cost model" in refused(make_args("--mm-balance-cost-file", str(missing)))
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    assert "--mm-balance-cost-file" in refused(make_args("--mm-balance-cost", "model",
+                                                         "--mm-balance-cost-file", str(bad)))
+    from megatron_mm_balance.cost import CostModel
+    good = tmp_path / "cost.json"
+    CostModel(vision_ms_per_token=2e-3).save(str(good))
+    check_args(make_args("--mm-balance-cost", "model", "--mm-balance-cost-file", str(good)))
+
+
+@pytest.mark.parametrize("argv,flag", [(["--mm-balance-log-interval", "0"], "--mm-balance-log-interval"),
+                                       (["--mm-balance-timeout", "0"], "--mm-balance-timeout"),
+                                       (["--mm-balance-tolerance", "1.5"], "--mm-balance-tolerance")])
+def test_bad_numbers(argv, flag):
+    assert flag in refused(make_args(*argv))
+
+
+def test_sampler_mode_needs_single_dataloader():
+    assert "--dataloader-type single" in refused(make_args("--mm-balance-mode", "sampler",
+                                                           dataloader_type="external"))
+
+
+def test_hybrid_context_parallel_is_refused():
+    assert "--hybrid-context-parallel" in refused(make_args(hybrid_context_parallel=True))

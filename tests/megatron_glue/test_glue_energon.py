@@ -1,0 +1,108 @@
+"""The energon TaskEncoder mixin: best-fit packing and per-pack image tokens in the batch."""
+import dataclasses
+from typing import List
+
+import pytest
+import torch
+
+from megatron_mm_balance.megatron.energon import BalancedPackingMixin, balanced_task_encoder
+from megatron_mm_balance.megatron.iterator import ImageTokensCost
+from megatron_mm_balance.packing import OverlongSampleError
+
+
+@dataclasses.dataclass
+class Sample:                       # the fields of examples/multimodal's ImageTaskSample we use
+    key: str
+    num_tiles: List[int]
+    total_len: int
+
+
+class StockEncoder:
+    """Duck-typed stand-in for examples/multimodal's TaskEncoder (energon's hooks)."""
+    packing_seq_length = 100
+    num_image_embeddings_per_tile = 10
+
+    def select_samples_to_pack(self, samples):
+        raise AssertionError("the mixin must replace the stock packer")
+
+    def batch(self, samples):
+        return Batch(num_tiles=torch.tensor([n for s in samples for n in s.num_tiles] or [0]),
+                     keys=[s.key for s in samples])
+
+    def encode_batch(self, batch):
+        return {"num_tiles": batch.num_tiles, "keys": batch.keys}
+
+
+@dataclasses.dataclass
+class Batch:
+    num_tiles: torch.Tensor
+    keys: list
+
+
+class Encoder(BalancedPackingMixin, StockEncoder):
+    pass
+
+
+def samples():
+    # lengths 60, 50, 40, 30, 20, 10 with tiles 3, 0, 2, 1, 0, 1
+    spec = [(60, [3]), (50, []), (40, [1, 1]), (30, [1]), (20, []), (10, [1])]
+    return [Sample(f"s{i}", tiles, length) for i, (length, tiles) in enumerate(spec)]
+
+
+def test_best_fit_packs_whole_samples_within_the_sequence():
+    enc, ss = Encoder(), samples()
+    packs = enc.select_samples_to_pack(ss)
+    flat = [s.key for p in packs for s in p]
+    assert sorted(flat) == sorted(s.key for s in ss)            # every sample exactly once
+    assert all(sum(s.total_len for s in p) <= 100 for p in packs)
+    assert len(packs) == 3                                       # 210 tokens: 3 packs is optimal
+    assert enc.select_samples_to_pack([]) == []
+
+
+def test_overlong_sample_is_an_error_naming_it():
+    with pytest.raises(OverlongSampleError, match="more than the sequence length 100"):
+        Encoder().select_samples_to_pack([Sample("big", [], 101)])
+
+
+def test_batch_records_image_tokens_per_pack_and_cost_reads_them():
+    enc = Encoder()
+    # energon's batch() gets the packed samples of one micro-batch: here one pack, tiles 3 + 1.
+    pack = Sample("s0+s3", [3, 1], 90)
+    raw = enc.encode_batch(enc.batch([pack]))
+    assert raw["image_tokens"].tolist() == [40]
+    assert raw["image_token_counts"].tolist() == [30, 10]
+    assert ImageTokensCost(10)(raw) == 40
+    # Micro-batch size 2: one count per pack.
+    raw = enc.encode_batch(enc.batch([pack, Sample("s2", [1, 1], 40)]))
+    assert raw["image_tokens"].tolist() == [40, 20] and ImageTokensCost(10)(raw) == 60
+    # Without the recorded values (a batch from elsewhere), num_tiles still gives the count.
+    raw2 = enc.encode_batch(Batch(num_tiles=torch.tensor([2, 2]), keys=[]))
+    assert raw2["image_tokens"].tolist() == [40]
+
+
+def test_runtime_default_cost_reads_the_recorded_count():
+    from megatron_mm_balance.runtime import default_cost_fn
+    enc = Encoder()
+    raw = enc.encode_batch(enc.batch([samples()[0]]))
+    assert default_cost_fn(raw) == 30
+
+
+def test_needs_packing_seq_length():
+    class NoPacking(BalancedPackingMixin, StockEncoder):
+        packing_seq_length = None
+    with pytest.raises(ValueError, match="--packing-seq-length"):
+        NoPacking().select_samples_to_pack(samples())
+
+
+def test_with_real_energon_default_task_encoder():
+    energon = pytest.importorskip("megatron.energon", reason="megatron-energon not installed "
+                                  "(pip install megatron-energon)")
+    cls = balanced_task_encoder(energon.DefaultTaskEncoder)
+    assert issubclass(cls, energon.DefaultTaskEncoder) and cls.__mro__[1] is BalancedPackingMixin
+
+    class TE(cls):
+        packing_seq_length = 100
+        num_image_embeddings_per_tile = 10
+
+    packs = TE().select_samples_to_pack(samples())
+    assert sorted(s.key for p in packs for s in p) == sorted(s.key for s in samples())

@@ -1,0 +1,116 @@
+"""The wrapper under real gloo processes: groups on all ranks, None and list pass-through,
+virtual-pipeline chunks reaching identical placements, Megatron's TP-rank-0 layout.
+
+Each launch has a hard timeout (``launch`` kills every process it started).
+About 25 s on 2 cores.
+"""
+import argparse
+
+import pytest
+
+pytest.importorskip("megatron.core", reason="megatron-core 0.16.1 not installed")
+
+from megatron_mm_balance.testing.cpu_megatron import launch  # noqa: E402
+
+G, STEPS = 4, 3
+
+
+def _args(**kw):
+    from megatron_mm_balance.megatron.arguments import add_mm_balance_args
+    args = add_mm_balance_args(argparse.ArgumentParser()).parse_args(
+        ["--mm-balance", "--mm-balance-timeout", "60", "--mm-balance-log-interval", "1"])
+    args.__dict__.update(micro_batch_size=1, calculate_per_token_loss=False, expert_model_parallel_size=2,
+                         num_experts=None, tensorboard_dir=None, **kw)
+    return args
+
+
+class Loader:
+    """Rank r's packs: rank 0's are image-heavy, so balancing must move some."""
+
+    def __init__(self, rank):
+        self.rank, self.n = rank, 0
+
+    def __next__(self):
+        import torch
+        k = self.n
+        self.n += 1
+        heavy = 5000 if self.rank == 0 else 10
+        return {"image_tokens": torch.tensor([heavy + k]), "id": torch.tensor([self.rank * 1000 + k])}
+
+    def save_state(self):
+        return {"read": self.n}
+
+
+def _consume(it):
+    steps = []
+    for _ in range(STEPS):
+        steps.append([int(next(it)["id"]) for _ in range(G)])
+    return steps
+
+
+def explicit_layout_worker(rank, world):
+    from megatron.core.rerun_state_machine import RerunDataIterator
+    from megatron_mm_balance.megatron.groups import exchange_group_ranks
+    from megatron_mm_balance.megatron.iterator import balancers, wrap_train_data_iterator
+
+    holds = rank in (0, 1)
+    layout = {"holds_data": holds, "dp_ranks": [0, 1] if holds else [rank]}
+    loaders = [Loader(rank), Loader(rank)] if holds else [None, None]
+    its = [RerunDataIterator(l) if l is not None else None for l in loaders]
+    out = wrap_train_data_iterator(its, _args(), num_microbatches=G, layout=layout)
+    assert isinstance(out, list) and len(out) == 2
+    if not holds:
+        return {"none": out == [None, None], "groups": exchange_group_ranks()}
+    assert all(isinstance(o, RerunDataIterator) for o in out)
+    chunks = [_consume(o) for o in out]
+    bals = balancers(out)
+    res = {"chunks": chunks, "state": out[0].iterable.save_state(),
+           "moved": sum(s.get("packs_moved", 0) for s in bals[0].stats),
+           "steps_logged": len(bals[0].stats), "groups": exchange_group_ranks()}
+    for b in bals:
+        b.close()
+    return res
+
+
+def test_explicit_layout_lists_none_and_identical_chunk_placements():
+    r0, r1, r2 = launch(explicit_layout_worker, 3, timeout=180)
+    assert r2["none"] and r0["groups"] == r1["groups"] == r2["groups"] == [[0, 1]]
+    for r in (r0, r1):
+        assert r["chunks"][0] == r["chunks"][1]          # chunks agree: same costs, same solver
+        assert all(len(step) == G for step in r["chunks"][0])
+        assert r["state"] == {"read": STEPS * G}         # the loader's own save_state, not ahead
+        assert r["steps_logged"] == STEPS
+    for s in range(STEPS):
+        got = sorted(r0["chunks"][0][s] + r1["chunks"][0][s])
+        want = sorted([k for k in range(s * G, (s + 1) * G)] + [1000 + k for k in range(s * G, (s + 1) * G)])
+        assert got == want                                # the same packs, each exactly once
+    assert r0["moved"] > 0
+
+
+def megatron_layout_worker(rank, world):
+    from megatron.core import parallel_state as ps
+    from megatron.core.rerun_state_machine import RerunDataIterator
+    from megatron_mm_balance.megatron.groups import exchange_group_ranks, reset_exchange_groups
+    from megatron_mm_balance.megatron.iterator import BalancedTrainIterable, balancers, wrap_train_data_iterator
+    from megatron_mm_balance.testing.cpu_megatron import initialize
+
+    initialize(tensor_model_parallel_size=2)
+    reset_exchange_groups()
+    loader = Loader(rank)
+    it = wrap_train_data_iterator(RerunDataIterator(loader), _args(), num_microbatches=G)
+    tp = ps.get_tensor_model_parallel_rank()
+    wrapped = isinstance(it.iterable, BalancedTrainIterable)
+    steps = _consume(it) if tp == 0 else None
+    for b in balancers(it):
+        b.close()
+    return {"tp": tp, "wrapped": wrapped, "steps": steps, "groups": exchange_group_ranks()}
+
+
+def test_megatron_layout_balances_tensor_rank_zero_only():
+    res = launch(megatron_layout_worker, 4, timeout=180)
+    assert all(r["groups"] == [[0, 2]] for r in res)
+    assert [r["wrapped"] for r in res] == [r["tp"] == 0 for r in res] == [True, False, True, False]
+    r0, r2 = res[0]["steps"], res[2]["steps"]
+    for s in range(STEPS):
+        assert sorted(r0[s] + r2[s]) == sorted(list(range(s * G, (s + 1) * G)) +
+                                               [2000 + k for k in range(s * G, (s + 1) * G)])

@@ -1,0 +1,177 @@
+"""Single-process pieces of the glue: costs, schedule, save_state, group lists, telemetry."""
+import argparse
+import collections
+
+import pytest
+import torch
+
+from megatron_mm_balance.megatron.groups import data_holding_rank_lists
+from megatron_mm_balance.megatron.iterator import (
+    BalancedTrainIterable, ImageTokensCost, MicrobatchSchedule, ModelCost, image_counts,
+    wrap_train_data_iterator)
+from megatron_mm_balance.megatron.telemetry import Telemetry, format_line, summarize
+
+
+# -- costs ---------------------------------------------------------------------------
+def stock_batch(tiles):
+    """What examples/multimodal's TaskEncoder.encode_batch yields (micro-batch size 1)."""
+    return {"tokens": torch.zeros(1, 8, dtype=torch.int64), "num_tiles": torch.tensor(tiles, dtype=torch.int32),
+            "cu_lengths": torch.tensor([[0, 3, 8]], dtype=torch.int32)}
+
+
+def test_image_token_cost_reads_stock_and_recorded_batches():
+    cost = ImageTokensCost(tokens_per_tile=256)
+    assert cost(stock_batch([2, 1])) == 3 * 256
+    assert cost({"image_tokens": torch.tensor([700])}) == 700
+    assert cost({"image_token_counts": torch.tensor([100, 50]), "image_tokens": torch.tensor([150])}) == 150
+    assert cost({"image_tokens": torch.tensor([3, 4])}) == 7            # micro-batch of two packs
+    assert cost({"tokens": torch.zeros(3)}) == 0                        # text only
+    assert ImageTokensCost(None)(stock_batch([4])) == 4                 # unknown tokens/tile: tiles
+    assert "tokens_per_tile=256" in cost.identity
+
+
+def test_image_counts_rejects_non_dicts():
+    with pytest.raises(TypeError, match="expected a dict"):
+        image_counts([1, 2])
+
+
+def test_model_cost_uses_images_and_lengths(tmp_path):
+    from megatron_mm_balance.cost import CostModel, PackFeatures
+    model = CostModel(vision_ms_per_token=1e-3, vision_ms_per_token_sq=1e-6, llm_ms_per_len_sq=1e-5)
+    path = tmp_path / "cost.json"
+    model.save(str(path))
+    cost = ModelCost(str(path), tokens_per_tile=10)
+    assert cost(stock_batch([2, 1])) == model.cost(PackFeatures((20, 10), (3, 5)))
+    assert cost(stock_batch([2, 1])) > cost(stock_batch([1]))
+
+
+# -- micro-batch schedule ---------------------------------------------------------------
+def test_predicted_schedule_matches_megatrons_rampup():
+    from megatron.core.num_microbatches_calculator import _build_num_microbatches_calculator
+    args = argparse.Namespace(rampup_batch_size=[4, 4, 40], global_batch_size=16, micro_batch_size=1,
+                              data_parallel_size=2, decrease_batch_size_if_needed=False,
+                              consumed_train_samples=0)
+    schedule = MicrobatchSchedule(args, predict=True)
+    # What the training loop does: update with consumed samples, run a step, add its batch.
+    calc = _build_num_microbatches_calculator(1, [4, 4, 40], 16, 1, 2, False)
+    consumed, got, want = 0, [], []
+    for _ in range(12):
+        calc.update(consumed, False)
+        want.append(calc.get())
+        got.append(schedule())
+        consumed += calc.get_current_global_batch_size()
+    assert got == want and len(set(want)) > 2
+
+
+def test_default_schedule_reads_get_num_microbatches():
+    from megatron.core import num_microbatches_calculator as nmc
+    nmc.destroy_num_microbatches_calculator()
+    nmc.init_num_microbatches_calculator(0, None, 12, 1, 4)
+    try:
+        assert MicrobatchSchedule(argparse.Namespace(rampup_batch_size=None))() == 3
+    finally:
+        nmc.destroy_num_microbatches_calculator()
+
+
+# -- save_state and pass-through ---------------------------------------------------------
+class Loader:
+    def __init__(self):
+        self.n = 0
+
+    def __next__(self):
+        self.n += 1
+        return {"image_tokens": self.n}
+
+    def save_state(self):
+        return {"read": self.n}
+
+
+class FakeBalancer:
+    def __init__(self, src):
+        self.src, self.stats = src, collections.deque([{"packs_moved": 1}])
+
+    def __next__(self):
+        return next(self.src)
+
+    def close(self):
+        pass
+
+
+def test_save_state_is_the_loaders_and_absent_when_it_has_none():
+    loader = Loader()
+    it = BalancedTrainIterable(FakeBalancer(loader), loader)
+    next(it), next(it)
+    assert it.save_state() == {"read": 2} and it.delivered == 2
+    plain = iter([{"a": 1}])
+    assert not hasattr(BalancedTrainIterable(FakeBalancer(plain), plain), "save_state")
+
+
+def test_wrap_is_identity_when_flag_off():
+    marker = object()
+    args = argparse.Namespace(mm_balance=False)
+    assert wrap_train_data_iterator(marker, args) is marker
+    assert wrap_train_data_iterator([marker, None], args) == [marker, None]
+    assert wrap_train_data_iterator(None, args) is None
+
+
+# -- group lists -------------------------------------------------------------------------
+def test_data_holding_rank_lists():
+    # PP=2, TP=2, DP=2 in Megatron's default order (tp fastest): ranks 0..7.
+    layouts = []
+    for r in range(8):
+        tp, dp, pp = r % 2, (r // 2) % 2, r // 4
+        dp_ranks = [pp * 4 + d * 2 + tp for d in range(2)]
+        layouts.append({"holds_data": tp == 0, "dp_ranks": dp_ranks})
+    assert data_holding_rank_lists(layouts) == [[0, 2], [4, 6]]
+    layouts[2] = {"holds_data": True, "dp_ranks": [2, 3]}
+    with pytest.raises(ValueError, match="two data-parallel groups"):
+        data_holding_rank_lists(layouts)
+    with pytest.raises(ValueError, match="not in its own"):
+        data_holding_rank_lists([{"holds_data": True, "dp_ranks": [1]}, {"holds_data": False, "dp_ranks": [1]}])
+
+
+# -- telemetry ---------------------------------------------------------------------------
+class Writer:
+    def __init__(self):
+        self.scalars, self.logged = [], []
+
+    def add_scalar(self, tag, value, step):
+        self.scalars.append((tag, value, step))
+
+    def log(self, values, step):
+        self.logged.append((values, step))
+
+
+def test_summarize_means_numeric_and_nested_entries():
+    s = summarize([{"packs_moved": 2, "x": {"y": 1.0}, "name": "a", "list": [1, 2]},
+                   {"packs_moved": 4, "x": {"y": 3.0}}])
+    assert s == {"global_batches": 2.0, "packs_moved": 3.0, "x.y": 2.0}
+    assert summarize([]) == {}
+    assert "iteration 5" in format_line(5, {"a": 1.0})
+
+
+def test_telemetry_writes_every_interval_to_writers_and_log(capsys):
+    balancer = FakeBalancer(iter(()))
+    balancer.stats.clear()
+    args = argparse.Namespace(curr_iteration=0)
+    tb, wb = Writer(), Writer()
+    tel = Telemetry(balancer, args, interval=2, tb_writer=tb, wandb_writer=wb, reporter=True)
+    for it in range(1, 7):
+        args.curr_iteration = it
+        balancer.stats.append({"packs_moved": it, "exposed_wait_ms": 0.5})
+        tel.on_item()
+        tel.on_item()         # a second micro-batch of the same iteration: no second report
+    steps = [s for tag, _, s in tb.scalars if tag == "mm-balance/packs_moved"]
+    assert steps == [2, 4, 6]
+    # Iteration 4 averages the global batches since iteration 2: 3 and 4.
+    assert ("mm-balance/packs_moved", 3.5, 4) in tb.scalars
+    assert [s for _, s in wb.logged] == [2, 4, 6]
+    assert capsys.readouterr().out.count("[mm-balance] iteration") == 3
+
+
+def test_non_reporting_rank_writes_nothing():
+    balancer = FakeBalancer(iter(()))
+    tb = Writer()
+    tel = Telemetry(balancer, argparse.Namespace(curr_iteration=4), interval=1, tb_writer=tb, reporter=False)
+    tel.on_item()
+    assert tb.scalars == []

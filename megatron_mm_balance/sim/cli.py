@@ -272,6 +272,9 @@ def _run(args) -> int:
     }
     write_report(out, runs, meta)
     print(format_table(runs))
+    if pool.dropped:
+        print(f"\nnote: {pool.dropped} of {pool.samples} samples are longer than --seq-len "
+              f"{seq_len} and were left out of every pool (see meta.pools in report.json)")
     print(f"\n{len(runs)} runs, {batches} global batches each; packing {pack_s:.1f} s, "
           f"simulation {sim_s:.1f} s; report: {os.path.join(out, 'report.json')}")
     return 0

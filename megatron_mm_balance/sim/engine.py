@@ -31,8 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .pool import PackPool, draw_indices
-from .strategies import (STRATEGIES, identity_order, local_order, redistribute_order,
-                         exchange_times)
+from .strategies import STRATEGIES, exchange_times, local_order, redistribute_order
 from .timeline import simulate_timeline
 from .timing import TimingModel
 
@@ -151,6 +150,8 @@ def simulate_dp(cfg: SimConfig, D: int, timing: TimingModel, pool: PackPool,
     want = set(cfg.strategies)
     ph = pack_phases(pool, timing, pp=cfg.pp, balance_cost=cfg.balance_cost)
     ov = timing.step_overhead_ms
+    if ov <= 0 and not (ph.vf.any() or ph.lm.any()):
+        raise ValueError(f"timing model {timing.name!r} gives every pack zero time")
     idx_all = draw_indices(len(pool), B, D, G, seed=cfg.seed, mode=cfg.draw)
     acc = {s: _Acc() for s in ("none", "local", "redistribute-sync", "redistribute-overlap")}
     heat = {} if keep_heatmap else None

@@ -227,7 +227,8 @@ def read_timing_config(spec: str | None) -> tuple[dict, str]:
         try:
             cfg = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise TimingError(f"timing file {path}: not valid JSON ({exc.msg}, line {exc.lineno})") from None
+            raise TimingError(f"timing file {path}: not valid JSON "
+                              f"({exc.msg}, line {exc.lineno})") from None
     else:
         import yaml
         try:

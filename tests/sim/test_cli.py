@@ -23,7 +23,8 @@ def test_report_contract_and_plots(tmp_path, capsys):
     runs = report["runs"]
     names = {r["strategy"] for r in runs}
     assert names == {"none", "budget", "local", "redistribute-sync", "redistribute-overlap"}
-    assert sorted(r["budget"] for r in runs if r["strategy"] == "budget") == [2048, 2048, 4096, 4096]
+    budgets = sorted(r["budget"] for r in runs if r["strategy"] == "budget")
+    assert budgets == [2048, 2048, 4096, 4096]
     assert {r["dp"] for r in runs} == {8, 32}
     for r in runs:
         assert isinstance(r["dp"], int) and isinstance(r["strategy"], str)
@@ -43,8 +44,8 @@ def test_report_contract_and_plots(tmp_path, capsys):
 
 def test_trace_file_step_sync_and_pipeline(tmp_path):
     trace = tmp_path / "t.jsonl"
-    lines = [json.dumps({"tokens": 300 + 37 * (i % 11) + 256 * (i % 4), "images": [256] * (i % 4)})
-             for i in range(400)]
+    lines = [json.dumps({"tokens": 300 + 37 * (i % 11) + 256 * (i % 4),
+                         "images": [256] * (i % 4)}) for i in range(400)]
     trace.write_text("\n".join(lines) + "\n")
     out = tmp_path / "o"
     rc = main(["simulate", str(trace), "--dp", "4", "--seq-len", "2048", "--sync", "step",

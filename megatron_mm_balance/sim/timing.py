@@ -199,6 +199,20 @@ def apply_overrides(cfg: dict, overrides: list[str]) -> dict:
     return cfg
 
 
+# configs/timing_default.yaml, for installs without the repository's configs/
+# (tests check that the two agree; the file carries the derivation).
+BUILTIN_DEFAULT = {
+    "name": "default",
+    "vision": {"ms_per_token": 0.28, "ms_per_token_sq": 0.0, "ms_per_pack": 60,
+               "bwd_fwd_ratio": 2.0},
+    "llm": {"ms_per_token": 0.0404, "ms_per_token_sq": 0.0, "params_b": 8.0,
+            "bwd_fwd_ratio": 2.0, "compute_padding": True},
+    "step": {"overhead_ms": 0},
+    "exchange": {"bytes_per_image_token": 4704, "bytes_per_text_token": 16,
+                 "link_gbps": 25, "latency_ms": 1.0},
+}
+
+
 def resolve_timing_path(spec: str | None) -> Path:
     """A file path, or a name ``X`` for ``configs/timing_X.yaml`` (default: ``default``)."""
     if spec is None:
@@ -218,6 +232,8 @@ def resolve_timing_path(spec: str | None) -> Path:
 
 def read_timing_config(spec: str | None) -> tuple[dict, str]:
     """Parse the timing file named by ``spec``; returns (raw config, path)."""
+    if spec in (None, "default") and not (CONFIG_DIR / "timing_default.yaml").is_file():
+        return copy.deepcopy(BUILTIN_DEFAULT), "timing_default (built in)"
     path = resolve_timing_path(spec)
     try:
         text = path.read_text(encoding="utf-8")
@@ -246,6 +262,7 @@ def load_timing(spec: str | None = None, overrides: list[str] | None = None) -> 
     if not isinstance(cfg, dict):
         raise TimingError(f"timing file {path}: expected a mapping at the top level")
     try:
-        return model_from_dict(apply_overrides(cfg, overrides or []), name=Path(path).stem)
+        return model_from_dict(apply_overrides(cfg, overrides or []),
+                               name=Path(path).stem.split(" ")[0])
     except TimingError as exc:
         raise TimingError(f"timing file {path}: {exc}") from None

@@ -3,8 +3,9 @@ import math
 
 import pytest
 
-from megatron_mm_balance.sim.timing import (CONFIG_DIR, TimingError, TimingModel,
-                                            load_timing, model_from_dict)
+from megatron_mm_balance.sim.timing import (BUILTIN_DEFAULT, CONFIG_DIR, TimingError,
+                                            TimingModel, load_timing, model_from_dict,
+                                            read_timing_config)
 
 BASE = {
     "gpu": {"peak_tflops": 1000},
@@ -89,3 +90,19 @@ def test_bad_names_and_overrides(tmp_path):
         load_timing("default", ["exchange.link_gbps=fast"])
     with pytest.raises(TimingError, match="is not a regular file"):
         load_timing(str(tmp_path))
+
+
+def test_builtin_default_matches_the_config_file():
+    cfg, _ = read_timing_config("default")
+    assert cfg == BUILTIN_DEFAULT
+
+
+def test_default_works_without_the_configs_directory(tmp_path, monkeypatch):
+    import megatron_mm_balance.sim.timing as timing
+    monkeypatch.setattr(timing, "CONFIG_DIR", tmp_path)
+    built_in = timing.load_timing("default")
+    monkeypatch.undo()
+    assert built_in == timing.load_timing("default")
+    monkeypatch.setattr(timing, "CONFIG_DIR", tmp_path)
+    with pytest.raises(TimingError, match="none found"):
+        timing.load_timing("vlm_2b_dense")

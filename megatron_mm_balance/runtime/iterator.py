@@ -16,9 +16,13 @@ Life of a global batch (``num_microbatches = G``):
    exchange hides behind micro-step ``k``'s compute; with ``overlap=False`` the
    same calls run inside ``next()``.
 
-The thread never starts a global batch before the consumer asks for it, so
-nothing is pulled from the source or exchanged that the training loop did not
-request, and ``close()`` between batches never leaves a peer waiting.
+With an int ``num_microbatches`` the thread runs across global-batch
+boundaries: batch ``b+1``'s pull, all-gather, solve and first exchange hide
+behind batch ``b``'s last micro-step (one global batch may be pulled from the
+source and never delivered when training stops). With a callable the thread
+starts a batch only when the consumer asks for it, since the value may change
+right before that (Megatron updates it at the top of each iteration), so that
+batch's all-gather, solve and first exchange are exposed.
 """
 from __future__ import annotations
 
@@ -55,35 +59,45 @@ class _Worker:
     """The background thread's state. Holds no reference to the iterator, so an
     abandoned iterator can still be garbage-collected (and closed by ``__del__``)."""
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, fixed_G: int | None):
         self.engine = engine
+        self.fixed_G = fixed_G
         self.requests: queue.Queue = queue.Queue()
         self.items: queue.Queue = queue.Queue(maxsize=_QUEUE_DEPTH)
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self.run, name="mm-balance-exchange", daemon=True)
 
     def _put(self, obj) -> bool:
-        while not self.stop.is_set():
+        """Hand over ``obj``; False once stopped and the queue is full.
+
+        The stop flag is only looked at while blocked here: until its queue is
+        full, every rank's thread performs the same exchanges whatever its
+        consumer does, so a rank that closes never strands a peer mid-exchange.
+        """
+        while True:
             try:
                 self.items.put(obj, timeout=_POLL_S)
+                if self.engine is not None:
+                    self.engine.heartbeat = time.monotonic()
                 return True
             except queue.Full:
-                continue
-        return False
+                if self.stop.is_set():
+                    return False
 
     def run(self) -> None:
         eng = self.engine
         try:
             if eng._cuda_mover is not None:
                 eng._cuda_mover.enter_thread()
-            while not self.stop.is_set():
-                try:
-                    req = self.requests.get(timeout=_POLL_S)
-                except queue.Empty:
-                    continue
-                if req is None:
-                    return
-                gb, G = req
+            gb = -1
+            while True:
+                if self.fixed_G is not None:        # free-running: the next batch needs no request
+                    gb, G = gb + 1, self.fixed_G
+                else:
+                    req = self._next_request()
+                    if req is None:
+                        return
+                    gb, G = req
                 plan = eng.start_batch(gb, G)
                 for k in range(G):
                     item = eng.step(plan, k)
@@ -95,6 +109,14 @@ class _Worker:
             self._put(_Failure(e))
         finally:
             self.engine = None              # drop source / buffers with the thread
+
+    def _next_request(self):
+        while not self.stop.is_set():
+            try:
+                return self.requests.get(timeout=_POLL_S)
+            except queue.Empty:
+                continue
+        return None
 
 
 class BalancedDataIterator:
@@ -149,7 +171,7 @@ class BalancedDataIterator:
         self._gb = -1
         self._G = 0
         self._k = 0
-        self._wait_ms = 0.0
+        self._wait_ms = self._wait_first_ms = 0.0
         if not self.enabled:
             return
 
@@ -181,7 +203,8 @@ class BalancedDataIterator:
                               balance_tolerance=balance_tolerance, device=self.device,
                               timeout=self.timeout, board=board)
         if self.overlap:
-            self._worker = _Worker(self._engine)
+            fixed = None if callable(self._num_mb) else int(self._num_mb)
+            self._worker = _Worker(self._engine, fixed)
             self._worker.thread.start()
         _LIVE.add(self)
 
@@ -203,7 +226,10 @@ class BalancedDataIterator:
         if self._k == self._G:                       # first micro-step of a new global batch
             self._start_batch()
         item = self._get_item()
-        self._wait_ms += (time.perf_counter() - t0) * 1e3
+        waited = (time.perf_counter() - t0) * 1e3
+        self._wait_ms += waited
+        if self._k == 0:
+            self._wait_first_ms = waited
         if item.event is not None:
             self._engine._cuda_mover.ready(item.event, item.buffers)
         self._k += 1
@@ -218,7 +244,8 @@ class BalancedDataIterator:
         self._gb += 1
         self._G, self._k, self._wait_ms = int(G), 0, 0.0
         if self._worker is not None:
-            self._worker.requests.put((self._gb, self._G))
+            if self._worker.fixed_G is None:
+                self._worker.requests.put((self._gb, self._G))
         else:
             try:
                 self._plan = self._engine.start_batch(self._gb, self._G)
@@ -236,13 +263,14 @@ class BalancedDataIterator:
                 self._plan = None
             return item
         w = self._worker
+        started = time.monotonic()
         while True:
             try:
                 got = w.items.get(timeout=_POLL_S)
                 break
             except queue.Empty:
                 pass
-            stalled = time.monotonic() - self._engine.heartbeat
+            stalled = time.monotonic() - max(self._engine.heartbeat, started)
             if not w.thread.is_alive():
                 self._fail(ExchangeThreadError(f"exchange thread exited without a result at global batch "
                                                f"{self._gb}", global_batch=self._gb))
@@ -271,6 +299,7 @@ class BalancedDataIterator:
     def _finish_batch(self, item: Item) -> None:
         st = item.stats
         st["consumer_wait_ms"] = self._wait_ms
+        st["consumer_wait_first_ms"] = self._wait_first_ms
         self.stats.append(st)
 
     # -- introspection ------------------------------------------------------------

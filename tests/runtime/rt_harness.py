@@ -144,11 +144,13 @@ def scenario_exactly_once(rank, world, configs, batches, extra=1):
     (rank 0 holds ``extra`` more packs than the others, never delivered)."""
     from megatron_mm_balance.runtime import BalancedDataIterator
     res = []
-    for ci, (G, overlap) in enumerate(configs):
+    for ci, (G, overlap, *rest) in enumerate(configs):
+        as_callable = bool(rest and rest[0])
         pulled, got = [], []
         n = batches * G + (extra if rank == 0 else 0)
         src = recording_source(rank, n, pulled, seed=ci)
-        with BalancedDataIterator(src, num_microbatches=G, overlap=overlap, timeout=60) as it:
+        num_mb = (lambda G=G: G) if as_callable else G    # callable: consumer-triggered batches
+        with BalancedDataIterator(src, num_microbatches=num_mb, overlap=overlap, timeout=60) as it:
             _run_iterator(it, G, got)
             try:
                 next(it)
@@ -186,8 +188,10 @@ def scenario_soak(rank, world, batches, G=4, warmup=50):
             for _ in range(G):
                 next(it)
             if b == warmup - 1:
-                out.update(threads_warm=threading.active_count(), rss_warm=rss_mb())
+                out.update(threads_warm=threading.active_count(), rss_warm=rss_mb(),
+                           os_threads_warm=len(os.listdir("/proc/self/task")))
         out.update(threads_end=threading.active_count(), rss_end=rss_mb(),
+                   os_threads_end=len(os.listdir("/proc/self/task")),
                    moved=sum(s["packs_moved"] for s in it.stats))
     out["threads_closed"] = threading.active_count()
     out["exchange_threads_closed"] = sum(t.name == "mm-balance-exchange" for t in threading.enumerate())

@@ -14,6 +14,7 @@ def test_short_soak_no_thread_growth_bounded_rss():
     for r, x in enumerate(res):
         assert "threads_end" in x, f"rank {r}: {x.get('error') or x}\n{x.get('log', '')}"
         assert x["threads_end"] == x["threads_warm"], x
+        assert x["os_threads_end"] <= x["os_threads_warm"], x
         assert x["exchange_threads_closed"] == 0
         assert x["rss_end"] - x["rss_warm"] <= max(8.0, 0.05 * x["rss_warm"]), x
         assert x["moved"] > 0

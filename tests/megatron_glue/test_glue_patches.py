@@ -229,3 +229,16 @@ def test_multimodal_model_provider_accepts_what_get_model_passes(clone):
     assert run_script(clone).returncode == 0
     params, _ = _params(clone / "examples/multimodal/model.py", "model_provider")
     assert passed <= params
+
+
+def test_moe_layer_spec_call_matches_megatron_core():
+    """The model.py hunk calls the GPT layer-spec builders positionally; check the order."""
+    import inspect
+    pytest.importorskip("megatron.core", reason="megatron-core 0.16.1 not installed")
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+    text = next(p for p in PATCHES if "multimodal" in p.name).read_text()
+    assert "spec_fn(args.num_experts, args.moe_grouped_gemm, args.qk_layernorm)" in text
+    for fn in (specs.get_gpt_layer_local_spec, specs.get_gpt_layer_with_transformer_engine_spec):
+        assert list(inspect.signature(fn).parameters)[:3] == ["num_experts", "moe_grouped_gemm", "qk_layernorm"]
+    spec = specs.get_gpt_layer_local_spec(8, False, True)
+    assert "MoE" in spec.submodules.mlp.module.__name__

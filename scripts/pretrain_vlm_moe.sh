@@ -1,0 +1,113 @@
+#!/usr/bin/env bash
+# Launch patched Megatron-LM examples/multimodal pretraining with --mm-balance on one node
+# (torchrun). scripts/slurm_pretrain_vlm_moe.sh calls it once per node for multi-node jobs.
+#
+#   MEGATRON_LM_DIR=/path/to/Megatron-LM DATA_PATH=/data/vlm.yaml \
+#     scripts/pretrain_vlm_moe.sh [--config configs/megatron/vlm_30b_moe.sh] [extra Megatron flags...]
+#
+# Environment:
+#   MEGATRON_LM_DIR  Megatron-LM checkout at core_v0.16.1 with our patches applied
+#                    (scripts/apply_patches.sh MEGATRON_LM_DIR); required
+#   DATA_PATH        energon dataset (directory or blend .yaml); required unless DRY_RUN=1
+#   OUTPUT_DIR       checkpoints, dataloader state and TensorBoard (default ./runs/<config>)
+#   MM_BALANCE       1 (default) adds --mm-balance; 0 runs the same job unbalanced
+#   NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT, NPROC_PER_NODE
+#                    torchrun rendezvous (defaults: the config's NNODES, 0, 127.0.0.1, 29500,
+#                    the config's GPUS_PER_NODE)
+#   DRY_RUN=1        print the command (one argument per line) and exit; without
+#                    MEGATRON_LM_DIR it prints with a placeholder path
+# transformer-engine and apex are used when importable (--transformer-impl transformer_engine
+# --use-te; apex's fused kernels), otherwise Megatron's local implementations.
+set -euo pipefail
+HERE=$(cd "$(dirname "$0")/.." && pwd)
+CONFIG=$HERE/configs/megatron/vlm_30b_moe.sh
+if [ "${1:-}" = "--config" ]; then
+  [ $# -ge 2 ] || { echo "usage: $0 [--config FILE] [megatron flags...]" >&2; exit 2; }
+  CONFIG=$2; shift 2
+fi
+[ -f "$CONFIG" ] || { echo "pretrain_vlm_moe: no such config $CONFIG" >&2; exit 2; }
+ENV_NNODES=${NNODES:-}            # the job's node count (Slurm) wins over the config's
+# shellcheck source=/dev/null
+source "$CONFIG"
+NNODES=${ENV_NNODES:-$NNODES}
+NAME=$(basename "$CONFIG" .sh)
+PY=${PYTHON:-python3}
+DRY_RUN=${DRY_RUN:-0}
+
+die() { echo "pretrain_vlm_moe: $*" >&2; exit 1; }
+if [ "$DRY_RUN" = 1 ] && [ -z "${MEGATRON_LM_DIR:-}" ]; then
+  MEGATRON_LM_DIR=/path/to/Megatron-LM          # printing only: no checkout needed
+else
+  [ -n "${MEGATRON_LM_DIR:-}" ] || die "set MEGATRON_LM_DIR to a Megatron-LM core_v0.16.1 checkout"
+  [ -f "$MEGATRON_LM_DIR/examples/multimodal/train.py" ] || die "$MEGATRON_LM_DIR has no examples/multimodal/train.py"
+  state=$(bash "$HERE/scripts/apply_patches.sh" "$MEGATRON_LM_DIR" --check 2>&1) || { echo "$state" >&2; exit 1; }
+  if grep -q ": pending" <<<"$state"; then
+    die "patches are not applied to $MEGATRON_LM_DIR: run scripts/apply_patches.sh $MEGATRON_LM_DIR"
+  fi
+fi
+if [ "$DRY_RUN" != 1 ]; then
+  [ -n "${DATA_PATH:-}" ] || die "set DATA_PATH to an energon dataset (directory or blend .yaml)"
+fi
+DATA_PATH=${DATA_PATH:-/path/to/energon/dataset}
+OUTPUT_DIR=${OUTPUT_DIR:-$PWD/runs/$NAME}
+
+NPROC_PER_NODE=${NPROC_PER_NODE:-$GPUS_PER_NODE}
+WORLD=$(( NNODES * NPROC_PER_NODE ))
+(( WORLD % (TP * PP * CP) == 0 )) || die "world size $WORLD is not a multiple of TP*PP*CP = $((TP * PP * CP))"
+DP=$(( WORLD / (TP * PP * CP) ))
+(( GBS % (MBS * DP) == 0 )) || die "GBS=$GBS is not a multiple of MBS*DP = $((MBS * DP))"
+
+# transformer-engine / apex when present.
+IMPL_ARGS=()
+if "$PY" -c "import transformer_engine" >/dev/null 2>&1; then
+  IMPL_ARGS+=(--transformer-impl transformer_engine --use-te)
+else
+  IMPL_ARGS+=(--transformer-impl local)
+  MODEL_ARGS=("${MODEL_ARGS[@]/--moe-grouped-gemm/}")      # TE's grouped GEMM only
+fi
+if ! "$PY" -c "import apex" >/dev/null 2>&1; then
+  IMPL_ARGS+=(--no-gradient-accumulation-fusion --no-masked-softmax-fusion)
+fi
+
+BALANCE_ARGS=()
+if [ "${MM_BALANCE:-1}" = 1 ]; then
+  BALANCE_ARGS=(--mm-balance --mm-balance-sync auto --mm-balance-log-interval 10)
+fi
+
+ARGS=(
+  --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP"
+  --expert-model-parallel-size "$EP" --context-parallel-size "$CP"
+  "${MODEL_ARGS[@]}"
+  "${IMPL_ARGS[@]}"
+  --seq-length 576 --decoder-seq-length "$SEQ_LEN" --max-position-embeddings "$SEQ_LEN"
+  --packing-seq-length "$SEQ_LEN" --packing-buffer-size 256
+  --micro-batch-size "$MBS" --global-batch-size "$GBS" --train-iters "$TRAIN_ITERS"
+  --lr 1e-4 --min-lr 1e-5 --lr-decay-style cosine --lr-warmup-fraction 0.01
+  --clip-grad 1.0 --weight-decay 0.01 --adam-beta1 0.9 --adam-beta2 0.95 --init-method-std 0.014
+  --attention-dropout 0.0 --hidden-dropout 0.0 --bf16 --attention-softmax-in-fp32
+  --use-distributed-optimizer
+  --tokenizer-type MultimodalTokenizer --tokenizer-model "$TOKENIZER_MODEL"
+  --tokenizer-prompt-format "$PROMPT_FORMAT"
+  --dataloader-type external --data-path "$DATA_PATH" --num-workers 4 --split 100,0,0
+  --prompt-path "$MEGATRON_LM_DIR/examples/multimodal/manual_prompts.json"
+  --save "$OUTPUT_DIR/checkpoints" --load "$OUTPUT_DIR/checkpoints" --save-interval 1000
+  --dataloader-save "$OUTPUT_DIR/checkpoints/dataloader" --ckpt-format torch
+  --tensorboard-dir "$OUTPUT_DIR/tensorboard" --log-interval 10
+  --eval-iters 10 --eval-interval 1000 --distributed-timeout-minutes 60
+  "${BALANCE_ARGS[@]}"
+)
+# Drop the empty words left by removing a flag above.
+CLEAN=(); for a in "${ARGS[@]}"; do [ -n "$a" ] && CLEAN+=("$a"); done
+
+CMD=(torchrun --nnodes "$NNODES" --node-rank "${NODE_RANK:-0}" --nproc-per-node "$NPROC_PER_NODE"
+     --master-addr "${MASTER_ADDR:-127.0.0.1}" --master-port "${MASTER_PORT:-29500}"
+     examples/multimodal/train.py "${CLEAN[@]}" "$@")
+if [ "$DRY_RUN" = 1 ]; then
+  printf '%s\n' "${CMD[@]}"
+  exit 0
+fi
+export CUDA_DEVICE_MAX_CONNECTIONS=1 NVTE_APPLY_QK_LAYER_SCALING=0
+export PYTHONPATH="$MEGATRON_LM_DIR:$MEGATRON_LM_DIR/examples/multimodal:$HERE${PYTHONPATH:+:$PYTHONPATH}"
+mkdir -p "$OUTPUT_DIR"
+cd "$MEGATRON_LM_DIR"
+exec "${CMD[@]}"

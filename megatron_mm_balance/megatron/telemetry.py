@@ -24,8 +24,32 @@ from typing import Dict, Iterable, Optional
 logger = logging.getLogger("megatron_mm_balance")
 
 
+def derive(entry: dict) -> dict:
+    """Per-micro-step image-token figures from the runtime's per-step lists.
+
+    ``step_max_*``/``step_mean_*`` (one value per micro-step: the max and mean
+    pack cost across ranks) become ``image_tokens_step_max_*`` (mean over
+    micro-steps of the max), ``image_tokens_step_mean`` and
+    ``imbalance_*`` (mean over micro-steps of max/mean: 1.0 is perfect balance).
+    """
+    out = dict(entry)
+    mean = entry.get("step_mean_before")
+    for when in ("before", "after"):
+        mx = entry.get(f"step_max_{when}")
+        if not isinstance(mx, (list, tuple)) or not isinstance(mean, (list, tuple)) or not mx:
+            continue
+        out[f"image_tokens_step_max_{when}"] = sum(mx) / len(mx)
+        ratios = [m / a for m, a in zip(mx, mean) if a]
+        if ratios:
+            out[f"imbalance_{when}"] = sum(ratios) / len(ratios)
+    if isinstance(mean, (list, tuple)) and mean:
+        out["image_tokens_step_mean"] = sum(mean) / len(mean)
+    return out
+
+
 def summarize(entries: Iterable[dict]) -> Dict[str, float]:
-    """Mean of every numeric (possibly nested, dotted-key) entry over ``entries``."""
+    """Mean of every numeric (possibly nested, dotted-key) entry over ``entries``,
+    after :func:`derive` (lists themselves are left out)."""
     sums: Dict[str, float] = {}
     counts: Dict[str, int] = {}
 
@@ -41,7 +65,7 @@ def summarize(entries: Iterable[dict]) -> Dict[str, float]:
 
     n = 0
     for e in entries:
-        visit("", e)
+        visit("", derive(e) if isinstance(e, dict) else e)
         n += 1
     out = {k: sums[k] / counts[k] for k in sorted(sums)}
     if n:

@@ -150,6 +150,16 @@ def test_summarize_means_numeric_and_nested_entries():
     assert "iteration 5" in format_line(5, {"a": 1.0})
 
 
+def test_derived_imbalance_from_runtime_step_lists():
+    entry = {"step_max_before": [300, 100], "step_max_after": [150, 100],
+             "step_mean_before": [150.0, 100.0], "step_mean_after": [150.0, 100.0], "packs_moved": 2}
+    s = summarize([entry])
+    assert s["imbalance_before"] == pytest.approx((2.0 + 1.0) / 2)
+    assert s["imbalance_after"] == pytest.approx(1.0)
+    assert s["image_tokens_step_max_before"] == 200 and s["image_tokens_step_mean"] == 125
+    assert "step_max_before" not in s
+
+
 def test_telemetry_writes_every_interval_to_writers_and_log(capsys):
     balancer = FakeBalancer(iter(()))
     balancer.stats.clear()

@@ -255,6 +255,38 @@ def _wrap_one(iterator, group, args, *, num_microbatches, cost_fn, chunk: int):
     return RerunDataIterator(BalancedTrainIterable(balanced, source, telemetry))
 
 
+class _Reporting:
+    """Pass-through iterable that drives telemetry (sampler mode); keeps ``save_state``."""
+
+    def __init__(self, source, telemetry):
+        self.source = source
+        self._telemetry = telemetry
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        item = next(self.source)
+        self._telemetry.on_item()
+        return item
+
+    def __getattr__(self, name):          # save_state and anything else the loader offers
+        return getattr(self.source, name)
+
+
+def _with_sampler_telemetry(iterator, group, args, chunk):
+    from megatron.core.rerun_state_machine import RerunDataIterator
+    from .sampler import current_train_sampler
+    from .telemetry import Telemetry
+
+    if iterator is None or group is None:
+        return iterator
+    source = iterator.iterable if isinstance(iterator, RerunDataIterator) else iterator
+    telemetry = Telemetry(current_train_sampler(), args, interval=log_interval(args), group=group,
+                          chunk=chunk)
+    return RerunDataIterator(_Reporting(source, telemetry))
+
+
 def wrap_train_data_iterator(train_data_iterator, args=None, *, num_microbatches=None,
                              cost_fn=None, layout=None):
     """Wrap Megatron's train iterator(s) for ``--mm-balance``; a no-op when the flag is off.
@@ -284,8 +316,11 @@ def wrap_train_data_iterator(train_data_iterator, args=None, *, num_microbatches
     groups = init_exchange_groups(layout, num_chunks=len(iterators),
                                   timeout=float(getattr(args, "mm_balance_timeout", 300.0)))
     if train_sampler_installed():
-        # Sampler mode: indices were reassigned before loading; nothing to exchange.
-        return train_data_iterator
+        # Sampler mode: indices were reassigned before loading; nothing to exchange,
+        # only the sampler's statistics to report.
+        wrapped = [_with_sampler_telemetry(it, g, args, chunk)
+                   for chunk, (it, g) in enumerate(zip(iterators, groups))]
+        return wrapped if is_list else wrapped[0]
     if cost_fn is None:
         cost_fn = make_cost_fn(args)
     wrapped = []

@@ -37,6 +37,11 @@ def train_sampler_installed() -> bool:
     return _TRAIN_SAMPLER is not None
 
 
+def current_train_sampler():
+    """The balanced train sampler installed in this process (None if none)."""
+    return _TRAIN_SAMPLER
+
+
 def reset_train_sampler() -> None:
     global _TRAIN_SAMPLER
     _TRAIN_SAMPLER = None
@@ -94,7 +99,9 @@ class BalancedPretrainingSampler:
 
         D, mbs = self.data_parallel_size, self.micro_batch_size
         start = self.consumed_samples
+        gb = -1
         while True:
+            gb += 1
             G = self._g()
             if start + G * D * mbs > self.total_samples:
                 return
@@ -106,6 +113,11 @@ class BalancedPretrainingSampler:
             placement = solve_placement(costs, sync=self.sync, **kw)
             stats = dict(evaluate(costs, placement))
             stats["packs_moved"] = stats.pop("moved")
+            after = placement.apply(costs)       # same per-micro-step lists as the runtime's stats
+            stats.update(step_max_before=costs.max(axis=0).tolist(), step_max_after=after.max(axis=0).tolist(),
+                         step_mean_before=costs.mean(axis=0).tolist(),
+                         step_mean_after=after.mean(axis=0).tolist(),
+                         global_batch=gb, num_microbatches=G)
             self.stats.append(stats)
             me = self.data_parallel_rank
             for m in range(G):

@@ -59,17 +59,66 @@ def explicit_layout_worker(rank, world):
     its = [RerunDataIterator(l) if l is not None else None for l in loaders]
     out = wrap_train_data_iterator(its, _args(), num_microbatches=G, layout=layout)
     assert isinstance(out, list) and len(out) == 2
+    sampler_run = sampler_mode_phase(rank, layout)
     if not holds:
-        return {"none": out == [None, None], "groups": exchange_group_ranks()}
+        return {"none": out == [None, None], "groups": exchange_group_ranks(), "sampler": sampler_run}
     assert all(isinstance(o, RerunDataIterator) for o in out)
     chunks = [_consume(o) for o in out]
     bals = balancers(out)
-    res = {"chunks": chunks, "state": out[0].iterable.save_state(),
+    res = {"chunks": chunks, "state": out[0].iterable.save_state(), "sampler": sampler_run,
            "moved": sum(s.get("packs_moved", 0) for s in bals[0].stats),
            "steps_logged": len(bals[0].stats), "groups": exchange_group_ranks()}
     for b in bals:
         b.close()
     return res
+
+
+class TokensDataset:
+    """A map-style dataset that knows each sample's image tokens without loading it."""
+
+    def __len__(self):
+        return 400
+
+    def __getitem__(self, idx):
+        return idx
+
+    def mm_balance_image_tokens(self, idx):
+        return 4096 if idx % 7 == 0 else 16
+
+
+def sampler_mode_phase(rank, layout):
+    """Sampler mode through the glue: Megatron's sampler replaced, iterator not exchanged."""
+    import io
+    import contextlib
+    import torch
+    from megatron.core.rerun_state_machine import RerunDataIterator
+    from megatron_mm_balance.megatron import sampler as sm
+    from megatron_mm_balance.megatron.groups import reset_exchange_groups
+    from megatron_mm_balance.megatron.iterator import balancers, wrap_train_data_iterator
+    from test_glue_sampler import MegatronPretrainingSampler
+
+    reset_exchange_groups()
+    sm.reset_train_sampler()
+    holds = layout["holds_data"]
+    it = None
+    args = _args(rampup_batch_size=None)
+    args.curr_iteration = 0
+    if holds:
+        ms = MegatronPretrainingSampler(400, 0, 1, rank, 2)
+        bs = sm.maybe_balanced_sampler(ms, TokensDataset(), args)
+        bs.num_microbatches = G            # no Megatron calculator in this test
+        loader = torch.utils.data.DataLoader(TokensDataset(), batch_sampler=bs)
+        it = RerunDataIterator(iter(loader))
+    out = wrap_train_data_iterator(it, args, layout=layout)
+    if not holds:
+        return out is None
+    assert balancers(out) == [] and sm.train_sampler_installed()
+    got, log = [], io.StringIO()
+    with contextlib.redirect_stdout(log):
+        for step in range(1, STEPS + 1):
+            args.curr_iteration = step
+            got.append([int(next(out)[0]) for _ in range(G)])
+    return {"steps": got, "log": log.getvalue(), "moved": sum(s["packs_moved"] for s in bs.stats)}
 
 
 def test_explicit_layout_lists_none_and_identical_chunk_placements():
@@ -85,6 +134,14 @@ def test_explicit_layout_lists_none_and_identical_chunk_placements():
         want = sorted([k for k in range(s * G, (s + 1) * G)] + [1000 + k for k in range(s * G, (s + 1) * G)])
         assert got == want                                # the same packs, each exactly once
     assert r0["moved"] > 0
+    # Sampler mode: same samples per global batch as Megatron's sampler, balanced, reported.
+    assert r2["sampler"] is True
+    s0, s1 = r0["sampler"], r1["sampler"]
+    for s in range(STEPS):
+        assert sorted(s0["steps"][s] + s1["steps"][s]) == list(range(s * G * 2, (s + 1) * G * 2))
+    assert s0["moved"] > 0
+    assert "[mm-balance] iteration 1" in s0["log"] and "imbalance_before" in s0["log"]
+    assert s1["log"] == ""                               # one report per group
 
 
 def megatron_layout_worker(rank, world):

@@ -185,3 +185,15 @@ def test_non_reporting_rank_writes_nothing():
     tel = Telemetry(balancer, argparse.Namespace(curr_iteration=4), interval=1, tb_writer=tb, reporter=False)
     tel.on_item()
     assert tb.scalars == []
+
+
+def test_make_cost_fn_knows_multimodal_tile_size():
+    from megatron_mm_balance.megatron.iterator import make_cost_fn
+    args = argparse.Namespace(mm_balance_cost="image-tokens", img_h=336, img_w=336, patch_dim=14,
+                              vision_model_type="clip", disable_vision_class_token=True,
+                              pixel_shuffle=False, use_tile_tags=False, max_num_tiles=1,
+                              tokenizer_prompt_format="qwen2p5")
+    assert make_cost_fn(args)(stock_batch([2])) == 2 * 576            # (336/14)^2 patches per tile
+    args.pixel_shuffle = True
+    assert make_cost_fn(args)(stock_batch([2])) == 2 * 144
+    assert make_cost_fn(argparse.Namespace(mm_balance_cost="image-tokens"))(stock_batch([2])) == 2

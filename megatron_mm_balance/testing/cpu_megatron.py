@@ -34,6 +34,7 @@ imports it on its normal path.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import socket
 import traceback
@@ -168,6 +169,7 @@ def install() -> None:
     warnings.filterwarnings("ignore", message=".*Apex is not installed.*")
     warnings.filterwarnings("ignore", message=".*is deprecated. Please use `torch.distributed.*")
     warnings.filterwarnings("ignore", message=".*full scope is deprecated.*")
+    logging.getLogger("megatron.core.rerun_state_machine").setLevel(logging.ERROR)
     cuda = torch.cuda
     cuda.current_device = lambda: "cpu"
     cuda.Stream = _NullStream

@@ -22,17 +22,19 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("megatron.core")
 
-from megatron_mm_balance.testing.train_demo import DemoConfig, run_layouts, summarize  # noqa: E402
+from megatron_mm_balance.testing.train_demo import DemoConfig, report, run_layouts, summarize  # noqa: E402
 
 LAYOUTS = ["dp4", "dp2_ep2", "pp2_dp2", "tp2_dp2"]
 STEPS = 5
 RTOL = 1e-5
 
 
+CFG = DemoConfig(steps=STEPS, microbatches=4, overlap=True, timeout=120.0)
+
+
 @pytest.fixture(scope="module")
 def results():
-    cfg = DemoConfig(steps=STEPS, microbatches=4, overlap=True, timeout=120.0)
-    return run_layouts(cfg, LAYOUTS, timeout=420.0)
+    return run_layouts(CFG, LAYOUTS, timeout=420.0)
 
 
 @pytest.mark.timeout(600)
@@ -77,3 +79,15 @@ def test_step_sync_reduces_rank_totals(results):
     # Pure data parallel selects sync=step: per-rank totals over the step even out.
     row = summarize(results, "dp4")
     assert row["rank_total_imbalance_on"] < row["rank_total_imbalance_off"]
+
+
+@pytest.mark.timeout(600)
+def test_demo_report(results):
+    # What `mm-balance demo --train` prints, from the DP=2 x EP=2 runs above.
+    import io
+    buf = io.StringIO()
+    assert report(CFG, "dp2_ep2", results, out=buf)
+    text = buf.getvalue()
+    assert "dp2_ep2" in text and "img max/mean" in text
+    assert "loss/parameters equal within 1e-5: yes" in text
+    assert f"consumed samples {STEPS * 4 * 4} / {STEPS * 4 * 4}" in text

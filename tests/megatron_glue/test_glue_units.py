@@ -197,3 +197,17 @@ def test_make_cost_fn_knows_multimodal_tile_size():
     args.pixel_shuffle = True
     assert make_cost_fn(args)(stock_batch([2])) == 2 * 144
     assert make_cost_fn(argparse.Namespace(mm_balance_cost="image-tokens"))(stock_batch([2])) == 2
+
+
+def test_importing_the_glue_pulls_in_no_megatron_energon_te_or_apex():
+    import subprocess
+    import sys
+    code = ("import sys, megatron_mm_balance\n"
+            "from megatron_mm_balance.megatron import arguments, checks, groups, iterator, sampler, "
+            "telemetry, energon\n"
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] in "
+            "('megatron', 'transformer_engine', 'apex'))\n"
+            "print(bad)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

@@ -13,7 +13,10 @@ Four modes run side by side in one launch, on identical data:
 
 * ``off``: ``BalancedDataIterator(enabled=False)``, each rank computes its own packs;
 * ``sync``: balanced, ``overlap=False`` (the exchange sits in ``next()``);
-* ``overlap``: balanced, ``overlap=True`` (background thread);
+* ``overlap``: balanced, ``overlap=True`` (background thread), int num_microbatches
+  (the thread also prefetches across global-batch boundaries);
+* ``overlap-callable``: the same with num_microbatches passed as a callable, as
+  Megatron's ``get_num_microbatches`` (each global batch starts on request);
 * ``ideal``: the same placement with zero exchange cost (every rank knows every
   rank's packs and sleeps for the pack the placement assigns it).
 
@@ -30,10 +33,10 @@ import sys
 import tempfile
 import time
 
-DEFAULTS = dict(world=8, microbatches=8, batches=10, warmup=2, seq_len=8192, seed=0,
+DEFAULTS = dict(world=8, microbatches=8, batches=8, warmup=1, rounds=3, seq_len=8192, seed=0,
                 vision_us_per_token=2.0, lm_ms=12.0, bytes_per_image_token=1176,
                 allreduce_mb=1.0, timeout=120.0)
-MODES = ("off", "sync", "overlap", "ideal")
+MODES = ("off", "sync", "overlap", "overlap-callable", "ideal")
 _DESCRIPTION = ("Emulated-straggler benchmark of the balanced iterator: gloo ranks, MB-sized packs, "
                 "sleep-emulated compute; prints off / sync / overlap / ideal side by side.")
 
@@ -91,7 +94,7 @@ def _pack_pool(cfg):
     from ..mixtures import make_mixture
     from ..packing import pack_greedy
     packs = pack_greedy(make_mixture("mixed", seed=cfg["seed"]), cfg["seq_len"]).packs
-    need = (cfg["warmup"] + cfg["batches"]) * cfg["microbatches"] * cfg["world"]
+    need = (cfg["warmup"] + cfg["batches"]) * cfg["microbatches"] * cfg["world"]   # per round
     if len(packs) < need:
         raise ValueError(f"the mixture gave {len(packs)} packs, the benchmark needs {need}")
     return [(p.image_tokens, p.tokens, tuple(p.images)) for p in packs[:need]]
@@ -129,12 +132,13 @@ def _bench_rank(rank, world, cfg):
                    "image_tokens": img, "n_tokens": tok, "images": images}
 
     grad = torch.zeros(int(cfg["allreduce_mb"] * 2**20 / 4))
-    out = {}
-    for mode in MODES:
+    out = {mode: [] for mode in MODES}
+    for _round, mode in [(r, m) for r in range(cfg["rounds"]) for m in MODES]:
         it = None
         if mode != "ideal":
-            it = BalancedDataIterator(source(), num_microbatches=G, enabled=mode != "off",
-                                      overlap=mode == "overlap", timeout=cfg["timeout"])
+            it = BalancedDataIterator(source(), num_microbatches=(lambda: G) if "callable" in mode else G,
+                                      enabled=mode != "off", overlap=mode.startswith("overlap"),
+                                      timeout=cfg["timeout"])
         dist.barrier()
         t0 = None
         for b in range(W + B):
@@ -168,7 +172,7 @@ def _bench_rank(rank, world, cfg):
                 microstep_before=float(np.mean([s["microstep_cost_before"] for s in st])) if st else 0.0,
                 microstep_after=float(np.mean([s["microstep_cost_after"] for s in st])) if st else 0.0)
             it.close()
-        out[mode] = rec
+        out[mode].append(rec)
     return out
 
 
@@ -176,15 +180,18 @@ def _bench_rank(rank, world, cfg):
 # report
 
 def summarise(results: list[dict]) -> dict:
-    """Per mode: slowest rank's seconds per global batch, mean waits."""
+    """Per mode: the median over rounds of the slowest rank's seconds per global
+    batch (modes run interleaved, round after round, so drifting machine load
+    hits them alike); waits and bytes are means over ranks and rounds."""
     import numpy as np
     rows = {}
     for mode in MODES:
-        recs = [r[mode] for r in results]
-        row = {"s_per_batch": max(r["s_per_batch"] for r in recs)}
+        rounds = len(results[0][mode])
+        per_round = [max(r[mode][i]["s_per_batch"] for r in results) for i in range(rounds)]
+        row = {"s_per_batch": float(np.median(per_round)), "s_per_batch_rounds": per_round}
         for key in ("wait_ms", "wait_first_ms", "exchange_ms", "mb_moved", "packs_moved"):
-            if key in recs[0]:
-                row[key] = float(np.mean([r[key] for r in recs]))
+            if key in results[0][mode][0]:
+                row[key] = float(np.mean([x[key] for r in results for x in r[mode]]))
         rows[mode] = row
     off = rows["off"]["s_per_batch"]
     for row in rows.values():
@@ -193,8 +200,10 @@ def summarise(results: list[dict]) -> dict:
 
 
 def format_table(rows: dict, cfg: dict) -> str:
-    lines = [f"world={cfg['world']} num_microbatches={cfg['microbatches']} batches={cfg['batches']} "
-             f"(+{cfg['warmup']} warm-up), barrier per micro-step, all-reduce per global batch",
+    lines = [f"world={cfg['world']} num_microbatches={cfg['microbatches']}, {cfg['rounds']} rounds x "
+             f"{cfg['batches']} measured global batches (+{cfg['warmup']} warm-up) per mode, "
+             f"{cfg['bytes_per_image_token']} payload bytes per image token; barrier per micro-step, "
+             f"all-reduce per global batch; s / global batch = median over rounds of the slowest rank",
              "| mode | s / global batch | throughput gain vs off | consumer wait ms / batch "
              "| of which first micro-step | exchange-side ms / batch | MB received / rank / batch |",
              "|---|---|---|---|---|---|---|"]
@@ -203,11 +212,15 @@ def format_table(rows: dict, cfg: dict) -> str:
         fmt = lambda k: f"{r[k]:.1f}" if k in r else "-"
         lines.append(f"| {mode} | {r['s_per_batch']:.3f} | {100 * r['gain']:+.1f}% | {fmt('wait_ms')} "
                      f"| {fmt('wait_first_ms')} | {fmt('exchange_ms')} | {fmt('mb_moved')} |")
-    ratio = rows["overlap"]["wait_ms"] / rows["sync"]["wait_ms"] if rows["sync"]["wait_ms"] else float("nan")
-    share = rows["overlap"]["gain"] / rows["ideal"]["gain"] if rows["ideal"]["gain"] > 0 else float("nan")
     lines.append("")
-    lines.append(f"exposed wait with overlap / synchronous exchange wait: {100 * ratio:.1f}% (target < 10%)")
-    lines.append(f"overlap gain / ideal gain: {100 * share:.0f}% (target >= 90%)")
+    lines.append("s / global batch per round: " + "; ".join(
+        f"{m} " + " ".join(f"{x:.3f}" for x in rows[m]["s_per_batch_rounds"]) for m in MODES))
+    for mode in ("overlap", "overlap-callable"):
+        sync_wait = rows["sync"]["wait_ms"]
+        ratio = rows[mode]["wait_ms"] / sync_wait if sync_wait else float("nan")
+        share = rows[mode]["gain"] / rows["ideal"]["gain"] if rows["ideal"]["gain"] > 0 else float("nan")
+        lines.append(f"{mode}: exposed wait / synchronous exchange wait {100 * ratio:.1f}% (target < 10%); "
+                     f"gain / ideal gain {100 * share:.0f}% (target >= 90%)")
     return "\n".join(lines)
 
 
@@ -217,8 +230,8 @@ def run(args) -> int:
         print(f"mm-balance bench-runtime: error: --world must be in [2, 64], got {cfg['world']}",
               file=sys.stderr)
         return 2
-    if cfg["microbatches"] < 1 or cfg["batches"] < 1 or cfg["warmup"] < 0:
-        print("mm-balance bench-runtime: error: --microbatches and --batches must be >= 1, "
+    if cfg["microbatches"] < 1 or cfg["batches"] < 1 or cfg["warmup"] < 0 or cfg["rounds"] < 1:
+        print("mm-balance bench-runtime: error: --microbatches, --batches and --rounds must be >= 1, "
               "--warmup >= 0", file=sys.stderr)
         return 2
     t0 = time.time()
@@ -238,6 +251,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="num_microbatches per global batch")
     p.add_argument("--batches", type=int, default=DEFAULTS["batches"], help="measured global batches per mode")
     p.add_argument("--warmup", type=int, default=DEFAULTS["warmup"], help="unmeasured global batches per mode")
+    p.add_argument("--rounds", type=int, default=DEFAULTS["rounds"],
+                   help="the four modes run interleaved this many times; the table shows medians")
     p.add_argument("--seq-len", dest="seq_len", type=int, default=DEFAULTS["seq_len"])
     p.add_argument("--seed", type=int, default=DEFAULTS["seed"], help="mixture seed")
     p.add_argument("--vision-us-per-token", dest="vision_us_per_token", type=float,

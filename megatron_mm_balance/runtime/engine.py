@@ -276,6 +276,9 @@ class Engine:
             return ""
 
     # -- one micro-step's exchange -------------------------------------------
+    # A moved pack is three kinds of messages from its owner to its computer,
+    # matched in order: a 3-int64 record (header bytes, data bytes, tensor
+    # count), the pickled header, then each non-empty tensor's bytes.
     def step(self, plan: BatchPlan, k: int) -> Item:
         t0 = time.perf_counter()
         gb, P, me = plan.global_batch, plan.placement, self.me
@@ -286,64 +289,76 @@ class Engine:
             self._beat(f"exchange of micro-step {k}")
             for dst in range(self.world):
                 if dst != me and int(P.src_rank[dst, k]) == me:
-                    pack = plan.packs[int(P.src_index[dst, k])]
-                    plan.packs[int(P.src_index[dst, k])] = None
-                    buf, hlen = wire.encode(pack)
-                    meta = torch.tensor([hlen, buf.numel()], dtype=torch.int64)
-                    peer = self.ranks[dst]
-                    sends.append((peer, dist.isend(meta, dst=peer, group=self.group),
-                                  dist.isend(buf, dst=peer, group=self.group), buf, meta))
-                    st["bytes_sent"] += buf.numel() + 16
+                    idx = int(P.src_index[dst, k])
+                    pack, plan.packs[idx] = plan.packs[idx], None
+                    sends.append(self._send(pack, self.ranks[dst], st))
         if src_r == me:
-            pack = plan.packs[src_i]
-            plan.packs[src_i] = None
+            pack, plan.packs[src_i] = plan.packs[src_i], None
             item = self._local(pack)
         else:
             item = self._receive(gb, k, self.ranks[src_r], st)
-        for peer, w_meta, w_buf, _buf, _meta in sends:
-            self._wait(w_meta, "sending a pack header", gb, (peer,), k)
-            self._wait(w_buf, "sending a pack", gb, (peer,), k)
+        for peer, works, _keep in sends:
+            for w in works:
+                self._wait(w, "sending a pack", gb, (peer,), k)
         st["exchange_ms"] += (time.perf_counter() - t0) * 1e3
         item.last = k == plan.num_microbatches - 1
         self._beat("idle")
         return item
 
-    def _receive(self, gb: int, k: int, peer: int, st: dict) -> Item:
-        meta = torch.empty(2, dtype=torch.int64)
-        self._wait(dist.irecv(meta, src=peer, group=self.group), "receiving a pack header", gb, (peer,), k)
-        hlen, total = int(meta[0]), int(meta[1])
-        if not (0 < hlen <= total):
-            raise PeerFailure(f"rank {self.ranks[self.me]}: corrupt pack header from rank {peer} "
-                              f"at global batch {gb}, micro-step {k}", global_batch=gb, peers=(peer,))
-        buf = torch.empty(total, dtype=torch.uint8, pin_memory=self._pin_for_receive())
-        self._wait(dist.irecv(buf, src=peer, group=self.group), "receiving a pack", gb, (peer,), k)
-        st["bytes_received"] += total + 16
-        header = wire.read_header(buf, hlen)
-        return self._place(buf, hlen, header)
+    def _send(self, pack, peer: int, st: dict):
+        sp = wire.split(pack)
+        parts = [p.cpu() if p.is_cuda else p for p in sp.parts if p.numel()]
+        header = torch.frombuffer(bytearray(sp.header), dtype=torch.uint8)
+        meta = torch.tensor([len(sp.header), sp.data_nbytes, len(parts)], dtype=torch.int64)
+        works = [dist.isend(t, dst=peer, group=self.group) for t in [meta, header] + parts]
+        st["bytes_sent"] += 24 + len(sp.header) + sum(p.numel() for p in parts)
+        return peer, works, (meta, header, parts)        # keep buffers alive until sent
 
-    def _pin_for_receive(self) -> bool:
-        return self._cuda_mover is not None
+    def _receive(self, gb: int, k: int, peer: int, st: dict) -> Item:
+        def recv(t, what):
+            self._wait(dist.irecv(t, src=peer, group=self.group), what, gb, (peer,), k)
+
+        meta = torch.empty(3, dtype=torch.int64)
+        recv(meta, "receiving a pack record")
+        hlen, nbytes, nparts = (int(x) for x in meta)
+        raw = torch.empty(max(hlen, 0), dtype=torch.uint8)
+        if hlen <= 0 or nbytes < 0:
+            raise PeerFailure(f"rank {self.ranks[self.me]}: corrupt pack record {meta.tolist()} from "
+                              f"rank {peer} at global batch {gb}, micro-step {k}",
+                              global_batch=gb, peers=(peer,))
+        recv(raw, "receiving a pack header")
+        header = wire.read_header(raw)
+        refs = [r for r in wire.refs_of(header) if r.nbytes]
+        if len(refs) != nparts or (refs and refs[-1].offset + refs[-1].nbytes > nbytes):
+            raise PeerFailure(f"rank {self.ranks[self.me]}: pack header from rank {peer} does not match "
+                              f"its record at global batch {gb}, micro-step {k}",
+                              global_batch=gb, peers=(peer,))
+        data = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._cuda_mover is not None)
+        works = [dist.irecv(data[r.offset: r.offset + r.nbytes], src=peer, group=self.group) for r in refs]
+        for w in works:
+            self._wait(w, "receiving a pack", gb, (peer,), k)
+        st["bytes_received"] += 24 + hlen + sum(r.nbytes for r in refs)
+        return self._place(header, data)
 
     def _local(self, pack) -> Item:
         if self.device is None or _all_on(pack, self.device):
             return Item(pack)
-        buf, hlen = wire.encode(pack, pin_memory=self.device.type == "cuda")
-        return self._place(buf, hlen, wire.read_header(buf, hlen))
+        header, data = wire.encode(pack, pin_memory=self.device.type == "cuda")
+        return self._place(header, data)
 
-    def _place(self, buf, hlen, header) -> Item:
-        """Decode a host buffer onto the target device(s)."""
+    def _place(self, header, data) -> Item:
+        """Decode a host data buffer onto the target device(s)."""
         if self.device is not None:
             target_cuda = self.device.type == "cuda"
         else:                                        # keep each tensor's device type
             target_cuda = "cuda" in wire.device_types(header)
         if not target_cuda:
-            return Item(wire.decode(header, hlen, lambda ref: buf))
-        mover = self._cuda()
-        dev, event = mover.to_device(buf)
+            return Item(wire.decode(header, lambda ref: data))
+        dev, event = self._cuda().to_device(data)
         if self.device is not None:
-            return Item(wire.decode(header, hlen, lambda ref: dev), event, (dev,))
-        pack = wire.decode(header, hlen, lambda ref: dev if ref.device_type == "cuda" else buf)
-        return Item(pack, event, (dev,))
+            return Item(wire.decode(header, lambda ref: dev), event, (dev,))
+        return Item(wire.decode(header, lambda ref: dev if ref.device_type == "cuda" else data),
+                    event, (dev,))
 
     def _cuda(self) -> CudaMover:
         if self._cuda_mover is None:

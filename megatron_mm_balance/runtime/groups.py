@@ -76,6 +76,7 @@ class ProgressBoard:
     def __init__(self, prefix: str, ranks: list[int]):
         self.prefix = prefix
         self.ranks = ranks
+        self.posted = False
         try:
             from torch.distributed.distributed_c10d import _get_default_store
             self.store = _get_default_store()
@@ -92,7 +93,10 @@ class ProgressBoard:
             except Exception:
                 pass
 
-    def post_error(self, rank: int, message: str) -> None:
+    def post_error(self, rank: int, message: str, overwrite: bool = True) -> None:
+        if not overwrite and self.posted:
+            return
+        self.posted = True
         if self.store is not None:
             try:
                 self.store.set(self._key("err", rank), message[:2000])

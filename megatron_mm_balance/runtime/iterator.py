@@ -157,6 +157,7 @@ class BalancedDataIterator:
         if balance_tolerance is not None and not balance_tolerance >= 0:
             raise ValueError(f"balance_tolerance must be >= 0, got {balance_tolerance!r}")
         self._source = iter(source)
+        self.device = None
         self._num_mb = num_microbatches
         self.enabled = bool(enabled)
         self.overlap = bool(overlap)
@@ -168,6 +169,7 @@ class BalancedDataIterator:
         self._worker: _Worker | None = None
         self._engine: Engine | None = None
         self._owned_group = None
+        self._board = None
         self._gb = -1
         self._G = 0
         self._k = 0
@@ -197,6 +199,7 @@ class BalancedDataIterator:
             name = getattr(exchange_group, "group_name", None) or ",".join(map(str, ranks))
             _BOARD_COUNT[name] += 1
             board = ProgressBoard(f"mm_balance/{name}/{_BOARD_COUNT[name]}", ranks)
+        self._board = board
         self._engine = Engine(self._source, ranks=ranks, rank_index=ranks.index(me),
                               exchange_group=exchange_group, cost_fn=cost_fn,
                               cost_identity=cost_fn_identity(cost_fn), sync=sync,
@@ -313,15 +316,21 @@ class BalancedDataIterator:
         return self._gb
 
     # -- shutdown -------------------------------------------------------------------
-    def close(self, join_timeout: float | None = None) -> None:
+    def close(self, join_timeout: float | None = None, reason: str = "") -> None:
         """Stop and join the exchange thread, release the source and buffers.
 
         Safe to call twice. Closing mid-batch leaves peers that still expect this
-        rank's packs to fail with a clear error within ``timeout``."""
+        rank's packs to fail with a clear error within ``timeout``; the error
+        names this rank as closed (and ``reason``, e.g. the exception that made
+        a ``with`` block exit)."""
         if self._closed:
             return
         self._closed = True
         _LIVE.discard(self)
+        if self._board is not None and self._engine is not None:
+            me = self._engine.ranks[self._engine.me]
+            self._board.post_error(me, f"closed its iterator at global batch {self._gb}"
+                                   + (f" after {reason}" if reason else ""), overwrite=False)
         w, self._worker = self._worker, None
         if w is not None:
             w.stop.set()
@@ -350,8 +359,8 @@ class BalancedDataIterator:
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
-        self.close()
+    def __exit__(self, exc_type, exc, tb):
+        self.close(reason=f"{exc_type.__name__}: {exc}" if exc_type is not None else "")
         return False
 
     def __del__(self):

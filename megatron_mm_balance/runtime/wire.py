@@ -1,17 +1,21 @@
-"""Wire format of one pack: a pickled header plus one contiguous byte buffer.
+"""Wire format of one pack: a pickled header, then the tensors' raw bytes.
 
 A pack is any nesting of dicts, lists and tuples whose leaves are tensors or
-plain picklable values. :func:`encode` replaces every tensor by a
-:class:`TensorRef` (shape, dtype, device type, byte offset) and writes
+plain picklable values. :func:`split` replaces every tensor by a
+:class:`TensorRef` (shape, dtype, device type, byte offset in the data buffer)
+and returns the pickled header plus each tensor's bytes as a flat ``uint8``
+view, with no copy for contiguous CPU tensors. The receiver learns the sizes
+from the header, allocates one data buffer laid out as
 
-    [ pickled header | pad | tensor 0 bytes | pad | tensor 1 bytes | ... ]
+    [ tensor 0 bytes | pad | tensor 1 bytes | pad | ... ]     (64-byte aligned)
 
-into a single ``uint8`` tensor, so a pack of ragged tensors travels as two
-point-to-point messages (a 2-int64 size record, then the buffer) with no
-padding to a common shape. :func:`decode` rebuilds the structure with tensors
-that are views into the received buffer (offsets are 64-byte aligned, so the
-dtype views are legal for every dtype). Values arrive bit-identical; a
-non-contiguous tensor arrives contiguous with the same values.
+and receives each tensor straight into its slice, so ragged packs travel with
+no padding to a common shape and no staging copy on either side.
+:func:`decode` rebuilds the structure with tensors that are views into that
+buffer (aligned offsets make the dtype views legal for every dtype). Values
+arrive bit-identical; a non-contiguous tensor arrives contiguous with the same
+values. :func:`encode` writes header-less packs into one buffer (used to move a
+local pack to the device in a single copy).
 """
 from __future__ import annotations
 
@@ -85,34 +89,57 @@ def _strip(obj, tensors: list):
     return _map(obj, leaf, torch.Tensor)
 
 
-def encode(pack, *, pin_memory: bool = False) -> tuple[torch.Tensor, int]:
-    """``(buffer, header_len)``: the pack as one CPU ``uint8`` buffer."""
+@dataclass
+class Split:
+    """A pack ready to send: header bytes, each tensor's flat bytes, data size."""
+
+    header: bytes
+    parts: list
+    data_nbytes: int
+
+
+def split(pack) -> Split:
+    """Header plus flat byte views of the pack's tensors (see module docstring)."""
     tensors: list[torch.Tensor] = []
     skeleton = _strip(pack, tensors)
-    flats = [_as_bytes(t) for t in tensors]
-    # The header's size depends on the offsets, the offsets on the header's size:
-    # pickle once with relative offsets and shift them by the aligned header size.
-    rel, pos = [], 0
-    for f in flats:
-        rel.append(pos)
+    parts = [_as_bytes(t) for t in tensors]
+    offsets, pos = [], 0
+    for f in parts:
+        offsets.append(pos)
         pos = _align(pos + f.numel())
     refs = [TensorRef(o, f.numel(), tuple(t.shape), t.dtype, t.device.type)
-            for o, f, t in zip(rel, flats, tensors)]
+            for o, f, t in zip(offsets, parts, tensors)]
     header = pickle.dumps(_map(skeleton, lambda s: refs[s.index], _Slot),
                           protocol=pickle.HIGHEST_PROTOCOL)
-    base = _align(len(header))
-    total = base + pos
-    buf = torch.empty(total, dtype=torch.uint8, pin_memory=pin_memory)
-    buf[: len(header)].copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
-    for o, f in zip(rel, flats):
+    return Split(header, parts, pos)
+
+
+def refs_of(header) -> list[TensorRef]:
+    """The header's tensor references, in data-buffer order."""
+    out: list[TensorRef] = []
+
+    def leaf(ref):
+        out.append(ref)
+        return ref
+
+    _map(header, leaf, TensorRef)
+    return sorted(out, key=lambda r: r.offset)
+
+
+def encode(pack, *, pin_memory: bool = False):
+    """``(header, data)``: the unpickled header and one CPU buffer holding every tensor."""
+    sp = split(pack)
+    data = torch.empty(sp.data_nbytes, dtype=torch.uint8, pin_memory=pin_memory)
+    header = pickle.loads(sp.header)
+    for ref, f in zip(refs_of(header), sp.parts):
         if f.numel():
-            buf[base + o: base + o + f.numel()].copy_(f, non_blocking=False)
-    return buf, len(header)
+            data[ref.offset: ref.offset + f.numel()].copy_(f.cpu() if f.is_cuda else f)
+    return header, data
 
 
-def read_header(buf: torch.Tensor, header_len: int):
-    """The pickled structure at the head of a CPU buffer (tensors as :class:`TensorRef`)."""
-    return pickle.loads(buf[:header_len].numpy().tobytes())
+def read_header(raw: torch.Tensor):
+    """Unpickle a header received as a ``uint8`` tensor."""
+    return pickle.loads(raw.numpy().tobytes())
 
 
 def device_types(header) -> set[str]:
@@ -127,14 +154,11 @@ def device_types(header) -> set[str]:
     return found
 
 
-def decode(header, header_len: int, pick) -> object:
-    """Rebuild a pack from its header; ``pick(ref)`` gives the buffer (CPU or device)
-    holding the bytes. Tensors are views into that buffer."""
-    base = _align(header_len)
-
+def decode(header, pick) -> object:
+    """Rebuild a pack from its header; ``pick(ref)`` gives the data buffer (CPU or
+    device) holding the bytes. Tensors are views into that buffer."""
     def leaf(ref: TensorRef):
-        buf = pick(ref)
-        raw = buf[base + ref.offset: base + ref.offset + ref.nbytes]
+        raw = pick(ref)[ref.offset: ref.offset + ref.nbytes]
         if ref.dtype != torch.uint8:
             raw = raw.view(ref.dtype)
         return raw.reshape(ref.shape)

@@ -116,8 +116,12 @@ def test_wire_round_trip_is_bit_identical():
             "bool": torch.tensor([True, False]), "c": torch.tensor([1 + 2j]),
             "nest": [NT(torch.arange(3), "x"), (None, 3, {"k": torch.ones(2, dtype=torch.int8)})],
             "od": collections.OrderedDict(z=1), "str": "hello"}
-    buf, hlen = wire.encode(pack)
-    out = wire.decode(wire.read_header(buf, hlen), hlen, lambda ref: buf)
+    header, data = wire.encode(pack)
+    out = wire.decode(header, lambda ref: data)
+    sp = wire.split(pack)                                   # the send path: header + byte views
+    assert wire.read_header(torch.frombuffer(bytearray(sp.header), dtype=torch.uint8)) == header
+    assert sp.data_nbytes == data.numel()
+    assert sp.parts[0].data_ptr() == pack["bf"].data_ptr()   # contiguous tensors: no copy
     assert out["str"] == "hello" and out["od"] == collections.OrderedDict(z=1)
     assert isinstance(out["nest"][0], NT) and out["nest"][0].b == "x"
     assert out["nest"][1][:2] == (None, 3)

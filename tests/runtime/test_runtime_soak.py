@@ -24,3 +24,20 @@ def test_disabled_issues_no_collectives():
     res = harness.launch(2, "disabled", hard_timeout=60)
     assert res[0].get("same_objects") is True, res[0]
     assert res[0]["threads_delta"] == 0 and res[0]["stats"] == 0
+
+
+def test_bench_runtime_cli_smoke():
+    """``mm-balance bench-runtime`` end to end, tiny: the table has all four modes."""
+    import subprocess
+    import sys
+    cmd = [sys.executable, "-m", "megatron_mm_balance.cli", "bench-runtime", "--world", "2",
+           "--microbatches", "2", "--batches", "1", "--warmup", "0", "--rounds", "1",
+           "--lm-ms", "1", "--vision-us-per-token", "0.1", "--bytes-per-image-token", "4",
+           "--hard-timeout", "100"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=150, cwd=harness.ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    for mode in ("| off |", "| sync |", "| overlap |", "| overlap-callable |", "| ideal |", "exposed wait"):
+        assert mode in out.stdout, out.stdout
+    bad = subprocess.run(cmd[:4] + ["--world", "1"], capture_output=True, text=True, timeout=60,
+                         cwd=harness.ROOT)
+    assert bad.returncode == 2 and "--world" in bad.stderr

@@ -16,11 +16,17 @@ image-token count over ``tokens_per_tile``. Rank ``r`` of ``D`` gets pack
 ``MegatronPretrainingSampler``. Pack contents are drawn from a generator
 seeded with the pack's index, so every run sees bit-identical data.
 
-Device-time emulation: ``vision_ms_per_tile`` adds a sleep of that many ms per
-tile to the vision forward (twice that in backward). On a GPU cluster every
-rank has its own accelerator, so a rank's vision time does not slow the others;
-here 4 ranks share 2 cores, which hides much of a straggler's cost (the idle
-ranks hand their core to it). The sleep models time on a private accelerator.
+Accelerator-time emulation: on a GPU cluster every rank has its own device, so
+one rank's long vision pass delays the others only through collectives. Here 4
+ranks share 2 CPU cores: a straggler's extra compute is partly absorbed by the
+cores its waiting peers leave idle, which hides the effect balancing removes.
+``vision_ms_per_tile`` (per tile) and ``llm_ms_per_pack`` (per pack, split over
+pipeline stages) add that much sleep to the forward pass and twice that to the
+backward pass: time on a private accelerator, which costs no shared CPU. The
+real megatron-core computation, collectives and exchange still run; the sleeps
+only give each rank a device-time profile proportional to its image tokens.
+The demo interleaves the off and on runs step by step in the same processes, so
+load from elsewhere on the machine falls on both alike.
 
 Run: ``python -m megatron_mm_balance.testing.train_demo`` (or ``mm-balance demo
 --train``). :func:`run_layouts` is what the acceptance tests call.

@@ -193,7 +193,7 @@ class BalancedDataIterator:
             if exchange_group is None:
                 exchange_group = exchange_group_for(ranks, self.timeout)
                 self._owned_group = exchange_group
-            elif group_ranks(exchange_group) != ranks:
+            elif sorted(group_ranks(exchange_group)) != sorted(ranks):
                 raise ValueError(f"exchange_group ranks {group_ranks(exchange_group)} differ from the "
                                  f"data-parallel group's {ranks}")
             name = getattr(exchange_group, "group_name", None) or ",".join(map(str, ranks))

@@ -131,3 +131,41 @@ def test_wire_round_trip_is_bit_identical():
         assert a.dtype == b.dtype and a.shape == b.shape
         assert torch.equal(a.reshape(-1).view(torch.uint8) if a.numel() else a,
                            b.contiguous().reshape(-1).view(torch.uint8) if b.numel() else b)
+
+
+def _engine(device=None):
+    from megatron_mm_balance.runtime.engine import Engine
+    return Engine(iter(()), ranks=[0], rank_index=0, exchange_group=None, cost_fn=default_cost_fn,
+                  cost_identity="x", sync="microstep", balance_tolerance=None, device=device,
+                  timeout=1.0, board=None)
+
+
+def test_cuda_tagged_tensors_use_the_mover_and_keep_host_tensors():
+    """The device branch of the engine, with a stand-in for the CUDA side stream."""
+    import dataclasses
+
+    class FakeMover:
+        def to_device(self, buf):
+            return buf.clone(), "event"
+
+    eng = _engine()
+    eng._cuda_mover = FakeMover()
+    pack = {"on_gpu": torch.arange(6.0), "on_cpu": torch.ones(3, dtype=torch.int8), "k": "v"}
+    header, data = wire.encode(pack)
+    header["on_gpu"] = dataclasses.replace(header["on_gpu"], device_type="cuda")
+    item = eng._place(header, data)
+    assert item.event == "event" and len(item.buffers) == 1
+    assert item.pack["on_gpu"].data_ptr() == item.buffers[0].data_ptr()     # on the "device" buffer
+    assert item.pack["on_cpu"].untyped_storage().data_ptr() == data.untyped_storage().data_ptr()
+    assert torch.equal(item.pack["on_gpu"], pack["on_gpu"]) and item.pack["k"] == "v"
+
+
+def test_cuda_tensors_without_cuda_is_a_clear_error():
+    import dataclasses
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present")
+    eng = _engine()
+    header, data = wire.encode({"x": torch.zeros(2)})
+    header["x"] = dataclasses.replace(header["x"], device_type="cuda")
+    with pytest.raises(RuntimeError, match="CUDA is not available"):
+        eng._place(header, data)

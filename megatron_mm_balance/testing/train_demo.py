@@ -34,12 +34,10 @@ Run: ``python -m megatron_mm_balance.testing.train_demo`` (or ``mm-balance demo
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import math
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 
 import numpy as np
@@ -70,7 +68,7 @@ class DemoConfig:
     patch: int = 8
     positions_per_tile: int = 2
     mixture: str = "mixed"
-    mixture_samples: int = 6000
+    mixture_samples: int = 6000        # for synthetic mixtures ("mixed" uses the full traces)
     pack_seq_len: int = 8192
     tokens_per_tile: int = 256
     max_tiles: int = 32
@@ -116,7 +114,8 @@ def make_batch(cfg: DemoConfig, pack_id: int, tiles: int) -> dict:
     }
 
 
-def pack_ids(step: int, micro: int, dp_rank: int, dp_size: int, m: int) -> int:
+def pack_index(step: int, micro: int, dp_rank: int, dp_size: int, m: int) -> int:
+    """Pack read by ``dp_rank`` at micro-step ``micro`` of ``step`` (``m`` micro-steps a step)."""
     return step * dp_size * m + micro * dp_size + dp_rank
 
 
@@ -125,14 +124,9 @@ def source_iterator(cfg: DemoConfig, tiles: list[int], dp_rank: int, dp_size: in
     step = 0
     while True:
         for m in range(cfg.microbatches):
-            pid = pack_ids(step, m, dp_rank, dp_size, cfg.microbatches)
+            pid = pack_index(step, m, dp_rank, dp_size, cfg.microbatches)
             yield make_batch(cfg, pid, tiles[pid % len(tiles)])
         step += 1
-
-
-def batch_cost(batch) -> int:
-    """Image tokens of a pack: what the balancer equalises."""
-    return int(batch["image_tokens"].sum())
 
 
 # --------------------------------------------------------------------------- model
@@ -515,8 +509,10 @@ def summarize(results: dict, layout: str, cfg: DemoConfig | None = None) -> dict
             per_step.append(worst / 1e3)
         return statistics.mean(per_step)
 
+    timed = range(1, steps) if steps > 1 else range(steps)      # step 1 warms up
+
     def step_time(res):
-        return statistics.median(max(r["times"][s] for r in res) for s in range(1, steps))
+        return statistics.median(max(r["times"][s] for r in res) for s in timed)
 
     # Every data-holding rank of a data-parallel rank (first and last stage) ran the same packs.
     stages_agree = all(
@@ -526,7 +522,7 @@ def summarize(results: dict, layout: str, cfg: DemoConfig | None = None) -> dict
     def slowest(res, s):
         return max(r["times"][s] for r in res)
 
-    paired = statistics.median(slowest(off, s) / slowest(on, s) for s in range(1, steps))
+    paired = statistics.median(slowest(off, s) / slowest(on, s) for s in timed)
     waits = [max(on[i]["stats"][s].get("consumer_wait_ms", 0.0) for i in readers)
              for s in range(steps) if all(len(on[i]["stats"]) > s for i in readers)]
     runtime_moved = sum(st.get("packs_moved", 0) for st in on[readers[0]]["stats"])

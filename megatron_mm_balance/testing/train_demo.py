@@ -495,7 +495,7 @@ def summarize(results: dict, layout: str, cfg: DemoConfig | None = None) -> dict
 
     cfg = cfg or DemoConfig()
 
-    def device_path(res):
+    def device_path_steps(res):
         # Emulated accelerator time (fwd + 2x bwd) on a step's critical path, no CPU: expert-
         # parallel groups (consecutive data-parallel ranks) wait for their slowest member every
         # micro-step and all ranks meet at the gradient all-reduce, so it is the max over EP
@@ -507,7 +507,7 @@ def summarize(results: dict, layout: str, cfg: DemoConfig | None = None) -> dict
             groups = [rows[g:g + ep] for g in range(0, len(rows), ep)]
             worst = max(sum(max(col) + 3 * cfg.llm_ms_per_pack for col in zip(*grp)) for grp in groups)
             per_step.append(worst / 1e3)
-        return statistics.mean(per_step)
+        return per_step
 
     timed = range(1, steps) if steps > 1 else range(steps)      # step 1 warms up
 
@@ -533,7 +533,9 @@ def summarize(results: dict, layout: str, cfg: DemoConfig | None = None) -> dict
             "imbalance_off": imb(off), "imbalance_on": imb(on),
             "rank_total_imbalance_off": total_imb(off), "rank_total_imbalance_on": total_imb(on),
             "step_s_off": step_time(off), "step_s_on": step_time(on),
-            "device_path_s_off": device_path(off), "device_path_s_on": device_path(on),
+            "device_path_off": device_path_steps(off), "device_path_on": device_path_steps(on),
+            "device_path_s_off": statistics.mean(device_path_steps(off)),
+            "device_path_s_on": statistics.mean(device_path_steps(on)),
             "paired_speedup": paired, "exposed_wait_ms": statistics.mean(waits) if waits else float("nan"),
             "step_times_off": [slowest(off, s) for s in range(steps)],
             "step_times_on": [slowest(on, s) for s in range(steps)],
@@ -558,20 +560,23 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="mm-balance demo --train",
                                 description="Train a tiny CLIP-ViT + MoE GPT with megatron-core on CPU "
                                             "(4 gloo ranks, expert parallel 2), balancing off vs on.")
-    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--steps", type=int, default=5)
     p.add_argument("--microbatches", type=int, default=8, help="micro-batches per rank per step")
     p.add_argument("--layout", choices=sorted(LAYOUTS), default="dp2_ep2")
     p.add_argument("--mixture", default="mixed", choices=MIXTURES)
-    p.add_argument("--vision-ms-per-tile", type=float, default=3.0,
+    p.add_argument("--vision-ms-per-tile", type=float, default=9.0,
                    help="emulated accelerator time of the vision encoder per image tile, forward "
                         "(backward: twice that); 0: real CPU compute only")
-    p.add_argument("--llm-ms-per-pack", type=float, default=100.0,
+    p.add_argument("--llm-ms-per-pack", type=float, default=300.0,
                    help="emulated accelerator time of the LLM per pack, forward (backward: twice that)")
     p.add_argument("--img-size", type=int, default=32,
                    help="tile side in pixels (patch 8): raises the real ViT compute per tile")
     p.add_argument("--no-overlap", action="store_true")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--timeout", type=float, default=900.0, help="hard limit for the whole run, seconds")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--"]:          # `mm-balance demo --train -- --steps 3` passes the separator on
+        argv = argv[1:]
     a = p.parse_args(argv)
     if a.steps < 2 or a.microbatches < 1:
         p.error("--steps must be >= 2 and --microbatches >= 1")
@@ -604,7 +609,12 @@ def report(cfg: DemoConfig, layout: str, results: dict, out=None) -> bool:
     if cfg.vision_ms_per_tile > 0 or cfg.llm_ms_per_pack > 0:
         off_s, on_s = row["device_path_s_off"], row["device_path_s_on"]
         p(f"emulated accelerator critical path (no CPU): {off_s:.3f} s/step off, {on_s:.3f} s/step on "
-          f"({off_s / on_s:.2f}x)")
+          f"({off_s / on_s:.2f}x); per step off: " + " ".join(f"{x:.3f}" for x in row["device_path_off"])
+          + "; on: " + " ".join(f"{x:.3f}" for x in row["device_path_on"]))
+        extra = [statistics.median(t - d for t, d in zip(row[f"step_times_{m}"][1:], row[f"device_path_{m}"][1:])
+                                   or [0.0]) for m in ("off", "on")]
+        p(f"measured minus modelled (shared-CPU work, exchange): {extra[0]:.3f} s/step off, "
+          f"{extra[1]:.3f} s/step on (median over steps 2..)")
     p("step s off:", " ".join(f"{x:.3f}" for x in row["step_times_off"]))
     p("step s on: ", " ".join(f"{x:.3f}" for x in row["step_times_on"]))
     p(f"median per-step off/on ratio: {row['paired_speedup']:.2f}x; "

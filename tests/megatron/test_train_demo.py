@@ -11,6 +11,7 @@ from megatron_mm_balance.testing.train_demo import main  # noqa: E402
 
 @pytest.mark.parametrize("argv, msg", [
     (["--steps", "1"], "--steps must be >= 2"),
+    (["--", "--steps", "1"], "--steps must be >= 2"),
     (["--img-size", "30"], "--img-size must be a positive multiple"),
     (["--vision-ms-per-tile", "-1"], "must be >= 0"),
     (["--layout", "dp8"], "invalid choice"),

@@ -49,7 +49,13 @@ LAYOUTS = {
     "dp2_ep2": (4, 1, 1, 2),
     "pp2_dp2": (4, 1, 2, 1),
     "tp2_dp2": (4, 2, 1, 1),
+    "ep4": (4, 1, 1, 4),
+    # Negative control: DP=2 x EP=2 with the MoE "global_aux_loss", whose expert-load
+    # statistics span data-parallel ranks. The glue refuses it; this layout bypasses
+    # that check to show the refusal is needed (off and on runs then differ).
+    "dp2_ep2_global_aux": (4, 1, 1, 2),
 }
+_ROUTER_BALANCING = {"dp2_ep2_global_aux": "global_aux_loss"}
 
 
 @dataclass
@@ -161,7 +167,8 @@ def _build_model(cfg: DemoConfig, layout: str):
                       # "aux_loss" is computed per micro-batch (reduced over TP/CP only), so it
                       # does not depend on which rank computes a pack; "global_aux_loss" spans
                       # data-parallel ranks and is not invariant to the exchange.
-                      moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-2,
+                      moe_router_load_balancing_type=_ROUTER_BALANCING.get(layout, "aux_loss"),
+                      moe_aux_loss_coeff=1e-2,
                       moe_grouped_gemm=False)
     llm_config = TransformerConfig(**llm_kw)
     check_config(llm_config)
@@ -297,6 +304,7 @@ def mm_balance_args(cfg: DemoConfig, layout: str) -> argparse.Namespace:
         micro_batch_size=1, calculate_per_token_loss=False, rampup_batch_size=None, log_interval=1000,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
         virtual_pipeline_model_parallel_size=None, num_experts=cfg.num_experts if moe else None,
+        # (the global_aux_loss control layout is reported as aux_loss: it bypasses the glue's check)
         moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-2, tensorboard_dir=None)
     return args
 

@@ -1,8 +1,8 @@
 """Acceptance: megatron-core trains identically with balancing off and on.
 
 One launch of 4 real gloo processes trains the tiny CLIP-ViT + GPT model of
-:mod:`megatron_mm_balance.testing.train_demo` under four layouts (DP=4;
-DP=2 x EP=2 with MoE; PP=2 x DP=2; TP=2 x DP=2), each for 5 optimizer steps with
+:mod:`megatron_mm_balance.testing.train_demo` under five layouts (DP=4;
+DP=2 x EP=2 with MoE; PP=2 x DP=2; TP=2 x DP=2; EP=4 with MoE), each for 5 optimizer steps with
 ``--mm-balance`` off and then on (overlap on), through the Megatron glue
 (``wrap_train_data_iterator``) and megatron-core's own schedules, DDP and
 optimizer. Per layout we require, in fp32:
@@ -13,7 +13,10 @@ optimizer. Per layout we require, in fp32:
 * every data-holding rank of a data-parallel rank (first and last pipeline
   stage, tensor-parallel ranks) ran the same pack at every micro-step.
 
-Budget: ~50 s on 2 cores for all four layouts (one process launch). The launch
+A negative control (DP=2 x EP=2 with the MoE ``global_aux_loss``, which the glue
+refuses) must fail the same exactness check.
+
+Budget: ~50 s on 2 cores for all six runs (one process launch). The launch
 has its own hard timeout; pytest-timeout is the backstop.
 """
 import numpy as np
@@ -24,7 +27,8 @@ pytest.importorskip("megatron.core")
 
 from megatron_mm_balance.testing.train_demo import DemoConfig, report, run_layouts, summarize  # noqa: E402
 
-LAYOUTS = ["dp4", "dp2_ep2", "pp2_dp2", "tp2_dp2"]
+LAYOUTS = ["dp4", "dp2_ep2", "pp2_dp2", "tp2_dp2", "ep4"]
+CONTROL = "dp2_ep2_global_aux"
 STEPS = 5
 RTOL = 1e-5
 
@@ -34,7 +38,7 @@ CFG = DemoConfig(steps=STEPS, microbatches=4, overlap=True, timeout=120.0)
 
 @pytest.fixture(scope="module")
 def results():
-    return run_layouts(CFG, LAYOUTS, timeout=420.0)
+    return run_layouts(CFG, LAYOUTS + [CONTROL], timeout=420.0)
 
 
 @pytest.mark.timeout(600)
@@ -91,3 +95,12 @@ def test_demo_report(results):
     assert "dp2_ep2" in text and "img max/mean" in text
     assert "loss/parameters equal within 1e-5: yes" in text
     assert f"consumed samples {STEPS * 4 * 4} / {STEPS * 4 * 4}" in text
+
+
+@pytest.mark.timeout(600)
+def test_negative_control_global_aux_loss_breaks_exactness(results):
+    # The same checks must fail when a loss term spans data-parallel ranks: the MoE
+    # global_aux_loss (which the glue refuses; this run bypasses the refusal).
+    row = summarize(results, CONTROL)
+    assert row["packs_moved"] > 0
+    assert row["param_rel"] > 10 * RTOL, f"global_aux_loss run stayed exact ({row['param_rel']:.2e})"

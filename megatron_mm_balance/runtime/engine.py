@@ -4,9 +4,10 @@
 (``overlap=False``) or from the background thread (``overlap=True``):
 
 * :meth:`Engine.start_batch` pulls ``num_microbatches`` packs from the source,
-  all-gathers a fixed 8-integer record (global batch index, num_microbatches,
-  packs pulled, settings hash, status) and then the integer costs, checks that
-  every rank agrees, and solves the placement (identical on every rank);
+  all-gathers a fixed-size record (global batch index, num_microbatches, packs
+  pulled, settings hash, status, and the integer costs when there are at most
+  64 of them; more take a second all-gather), checks that every rank agrees,
+  and solves the placement (identical on every rank);
 * :meth:`Engine.step` performs micro-step ``k``'s exchange: this rank posts the
   sends of every pack some peer computes at step ``k`` and receives the one pack
   it computes itself (if that pack lives elsewhere). Only moved packs travel.
@@ -35,6 +36,7 @@ MAGIC = 0x6D6D62                       # "mmb"
 PROTOCOL = 1
 OK, SOURCE_ERROR, COST_ERROR = 0, 1, 2
 RECORD = 8
+INLINE_COSTS = 64          # costs that ride in the record; more need a second all-gather
 
 
 def settings_string(sync: str, tolerance, cost_identity: str) -> str:
@@ -206,13 +208,20 @@ class Engine:
             self.board.post_progress(me_global, gb)
         self._beat("all-gathering pack costs")
         t0 = time.perf_counter()
-        rec = torch.tensor([MAGIC, gb, G, pulled, self.hash, status, 0, 0], dtype=torch.int64)
+        # Fixed size whatever G is, so ranks that disagree on G still meet here.
+        rec = torch.zeros(RECORD + INLINE_COSTS, dtype=torch.int64)
+        rec[:RECORD] = torch.tensor([MAGIC, gb, G, pulled, self.hash, status, 0, 0])
+        if G <= INLINE_COSTS and costs:
+            rec[RECORD: RECORD + len(costs)] = torch.tensor(costs, dtype=torch.int64)
         recs = self._all_gather(rec, "all-gather of the per-batch record", gb).numpy()
         self._check_records(recs, gb, G, err)
         if (recs[:, 3] < recs[:, 2]).any():
             raise SourceExhausted(gb, [int(x) for x in recs[:, 3]])
-        c = torch.tensor(costs, dtype=torch.int64)
-        all_costs = self._all_gather(c, "all-gather of pack costs", gb).numpy().copy()
+        if G <= INLINE_COSTS:                        # every rank agrees on G by now
+            all_costs = recs[:, RECORD: RECORD + G].copy()
+        else:
+            c = torch.tensor(costs, dtype=torch.int64)
+            all_costs = self._all_gather(c, "all-gather of pack costs", gb).numpy().copy()
         gather_ms = (time.perf_counter() - t0) * 1e3
         self._beat("solving placement")
         t0 = time.perf_counter()

@@ -26,7 +26,7 @@ CONFIGS = [[G, ov, G == 7] for G in (1, 2, 7) for ov in (True, False)]
 BATCHES = 4
 
 
-def _check_config(results, ci, world):
+def _check_config(results, ci, world, batches=BATCHES):
     cfgs = [r["configs"][ci] for r in results]
     G = cfgs[0]["G"]
     pulled = [c["pulled"] for c in cfgs]
@@ -34,7 +34,7 @@ def _check_config(results, ci, world):
     by_id = {pid: (cost, ck) for p in pulled for pid, cost, ck in p}
 
     # Exactly once, bit-identical, over the full global batches.
-    expected = Counter(pid for p in pulled for pid, _, _ in p[: BATCHES * G])
+    expected = Counter(pid for p in pulled for pid, _, _ in p[: batches * G])
     got = Counter(row[2] for d in delivered for row in d)
     assert got == expected, f"G={G}: lost {expected - got}, duplicated {got - expected}"
     for d in delivered:
@@ -43,7 +43,7 @@ def _check_config(results, ci, world):
 
     # Delivered in the placement's micro-step order.
     moved = 0
-    for gb in range(BATCHES):
+    for gb in range(batches):
         costs = np.array([[p[gb * G + i][1] for i in range(G)] for p in pulled], dtype=np.int64)
         plc = plan_placement(costs)
         moved += int(plc.moved().sum())
@@ -58,7 +58,7 @@ def _check_config(results, ci, world):
     for c in cfgs:
         assert c["again"] == "StopIteration"
         last = c["stats"][-1]
-        assert last["exhausted"] and last["global_batch"] == BATCHES and last["not_delivered"] == 1
+        assert last["exhausted"] and last["global_batch"] == batches and last["not_delivered"] == 1
         assert [s["packs_moved"] for s in c["stats"][:-1]] == [s["packs_moved"] for s in cfgs[0]["stats"][:-1]]
     if G > 1:
         assert moved > 0, "test data never moved a pack: the exchange went untested"
@@ -73,3 +73,11 @@ def test_exactly_once_in_placement_order(world):
         assert "configs" in res, f"rank {r}: {res.get('error') or res}\n{res.get('log', '')}"
     for ci in range(len(CONFIGS)):
         _check_config(results, ci, world)
+
+
+def test_more_microbatches_than_the_record_carries():
+    """G > 64: costs no longer fit in the fixed record and take a second all-gather."""
+    results = harness.launch(2, "exactly_once", hard_timeout=120, configs=[[70, True, False]], batches=2)
+    for r, res in enumerate(results):
+        assert "configs" in res, f"rank {r}: {res.get('error') or res}\n{res.get('log', '')}"
+    _check_config(results, 0, 2, batches=2)

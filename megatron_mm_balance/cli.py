@@ -247,9 +247,10 @@ def build_parser() -> argparse.ArgumentParser:
     dm.add_argument("--seq-len", type=int, default=8192)
     dm.add_argument("--dp", type=int, default=64)
     dm.add_argument("--ga", type=int, default=16)
-    dm.add_argument("--train", action=argparse.BooleanOptionalAction, default=False,
-                    help="also train the tiny CPU VLM+MoE with balancing off vs on")
-    dm.add_argument("train_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    dm.add_argument("--train", action=argparse.BooleanOptionalAction, default=True,
+                    help="also train the tiny CPU VLM + MoE (DP=2 x EP=2, 4 processes) with "
+                         "balancing off vs on (default: on); other options go to the training demo, "
+                         "see 'python -m megatron_mm_balance.testing.train_demo --help'")
     dm.set_defaults(func=cmd_demo)
 
     for name in EXTENSIONS:
@@ -265,7 +266,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     try:
-        args = build_parser().parse_args(argv)
+        parser = build_parser()
+        args, extra = parser.parse_known_args(argv)
+        if args.command == "demo":
+            args.train_args = extra
+        elif extra:
+            raise CliError(f"mm-balance {args.command}: unrecognized arguments: {' '.join(extra)}")
         return args.func(args)
     except (CliError, TraceError, packing.OverlongSampleError, ValueError, OSError) as exc:
         msg = str(exc)

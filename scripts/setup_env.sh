@@ -10,4 +10,4 @@ if ! "$PY" -c "import torch" >/dev/null 2>&1; then
   "$PY" -m pip install -q "torch==${TORCH_VERSION}"
 fi
 "$PY" -m pip install -q -e ".[test,sim]" "megatron-core==0.16.1" "megatron-energon==7.4.1" 2>&1 | grep -v -E "^(WARNING: Running pip as|\[notice\])" || true
-"$PY" -c "import megatron_mm_balance, torch, numpy" || { echo "setup_env: install failed" >&2; exit 1; }
+"$PY" -c "import megatron_mm_balance, torch, numpy, megatron.core" 2>/dev/null || { echo "setup_env: install failed" >&2; exit 1; }

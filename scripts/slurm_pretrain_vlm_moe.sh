@@ -21,7 +21,7 @@ HERE=${MM_BALANCE_HOME:-${SLURM_SUBMIT_DIR:-$(cd "$(dirname "$0")/.." && pwd)}}
   echo "slurm_pretrain_vlm_moe: set MM_BALANCE_HOME to the megatron-mm-balance checkout" >&2; exit 1; }
 [ -n "${SLURM_JOB_NODELIST:-}" ] || { echo "slurm_pretrain_vlm_moe: run it with sbatch (or inside salloc)" >&2; exit 1; }
 
-MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | awk 'NR == 1')  # awk reads all: no SIGPIPE under pipefail
 export MASTER_ADDR MASTER_PORT=${MASTER_PORT:-29500} NNODES=$SLURM_JOB_NUM_NODES
 export NPROC_PER_NODE=${NPROC_PER_NODE:-${SLURM_GPUS_ON_NODE:-8}}
 export OUTPUT_DIR=${OUTPUT_DIR:-$HERE/runs/slurm-$SLURM_JOB_ID}

@@ -230,6 +230,36 @@ class _NextOnly:
         return next(self.obj)
 
 
+def _loader(iterator):
+    from megatron.core.rerun_state_machine import RerunDataIterator
+    return iterator.iterable if isinstance(iterator, RerunDataIterator) else iterator
+
+
+def _schedule_for(iterator, args, num_microbatches):
+    """What the balancer reads its micro-batch count from, one per chunk.
+
+    A fixed int lets the exchange thread run ahead into the next global batch, so
+    that batch's all-gather, solve and first exchange also hide behind compute.
+    That is exact when the loader's position is not checkpointed through the
+    iterator: Megatron's own samplers resume from ``consumed_train_samples``, and a
+    global batch read ahead but not trained on is simply read again. A loader with
+    ``save_state`` (energon) is checkpointed through the iterator, and under
+    ``--rampup-batch-size`` the count changes between batches; in both cases the
+    balancer gets a callable and starts each global batch only when training does.
+    """
+    if num_microbatches is None:
+        fixed = getattr(args, "rampup_batch_size", None) is None
+        if fixed and not callable(getattr(_loader(iterator), "save_state", None)):
+            from megatron.core.num_microbatches_calculator import get_num_microbatches
+            return int(get_num_microbatches())
+        return MicrobatchSchedule(args)
+    if callable(num_microbatches):
+        return num_microbatches
+    if callable(getattr(_loader(iterator), "save_state", None)):
+        return _Constant(int(num_microbatches))
+    return int(num_microbatches)
+
+
 def _wrap_one(iterator, group, args, *, num_microbatches, cost_fn, chunk: int):
     from megatron.core.rerun_state_machine import RerunDataIterator
     from ..runtime import BalancedDataIterator
@@ -328,12 +358,7 @@ def wrap_train_data_iterator(train_data_iterator, args=None, *, num_microbatches
         if it is None or group is None:
             wrapped.append(it)
         else:
-            # One schedule per chunk: each balancer calls it once per global batch. Always a
-            # callable: with a callable the balancer pulls a global batch only when the loop
-            # starts it (an int lets it run ahead), which keeps the loader's save_state exact.
-            schedule = num_microbatches if num_microbatches is not None else MicrobatchSchedule(args)
-            if not callable(schedule):
-                schedule = _Constant(int(schedule))
+            schedule = _schedule_for(it, args, num_microbatches)
             wrapped.append(_wrap_one(it, group, args, num_microbatches=schedule,
                                      cost_fn=cost_fn, chunk=chunk))
     return wrapped if is_list else wrapped[0]

@@ -26,19 +26,7 @@ from typing import List, Sequence
 
 from ..packing import pack_greedy
 from ..traces import Sample
-
-
-def _ints(value) -> List[int]:
-    if value is None:
-        return []
-    if hasattr(value, "tolist"):
-        value = value.tolist()
-    if isinstance(value, (list, tuple)):
-        out = []
-        for v in value:
-            out.extend(_ints(v))
-        return out
-    return [int(value)]
+from .iterator import flatten_ints as _ints
 
 
 class BalancedPackingMixin:

@@ -118,7 +118,8 @@ def _tokens_per_tile(args) -> Optional[int]:
         getattr(args, "tokenizer_prompt_format", None)))
 
 
-def _to_ints(value) -> list:
+def flatten_ints(value) -> list:
+    """A scalar, tensor or nested list/tuple of counts as a flat list of ints (None: [])."""
     if value is None:
         return []
     if hasattr(value, "tolist"):
@@ -126,7 +127,7 @@ def _to_ints(value) -> list:
     if isinstance(value, (list, tuple)):
         out = []
         for v in value:
-            out.extend(_to_ints(v))
+            out.extend(flatten_ints(v))
         return out
     return [int(value)]
 
@@ -136,11 +137,11 @@ def image_counts(batch, tokens_per_tile: Optional[int] = None) -> list:
     if not isinstance(batch, dict):
         raise TypeError(f"mm-balance: micro-batch is a {type(batch).__name__}, expected a dict")
     if "image_token_counts" in batch:
-        return _to_ints(batch["image_token_counts"])
+        return flatten_ints(batch["image_token_counts"])
     if "image_tokens" in batch:
-        return _to_ints(batch["image_tokens"])
+        return flatten_ints(batch["image_tokens"])
     if "num_tiles" in batch:
-        tiles = _to_ints(batch["num_tiles"])
+        tiles = flatten_ints(batch["num_tiles"])
         return [t * (tokens_per_tile or 1) for t in tiles]
     raise KeyError("mm-balance: micro-batch has neither 'image_tokens' nor 'num_tiles'; record "
                    "them in the task encoder (megatron_mm_balance.megatron.energon."
@@ -191,7 +192,7 @@ class ModelCost:
         images = ()
         if any(k in batch for k in _IMAGE_KEYS):
             images = tuple(image_counts(batch, self.tokens_per_tile))
-        cu = _to_ints(batch.get("cu_lengths"))
+        cu = flatten_ints(batch.get("cu_lengths"))
         lengths = tuple(b - a for a, b in zip(cu, cu[1:]) if b > a)
         return self.model.cost(PackFeatures(images, lengths))
 

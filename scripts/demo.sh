@@ -3,4 +3,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
-exec python3 -m megatron_mm_balance.cli demo "$@"
+exec "${PYTHON:-python3}" -m megatron_mm_balance.cli demo "$@"

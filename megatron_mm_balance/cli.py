@@ -220,7 +220,8 @@ def cmd_demo(args) -> int:
 # ---------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="mm-balance", description=__doc__.splitlines()[0])
+    p = _Parser(prog="mm-balance", description="Image-token load balancing for Megatron-LM VLM pretraining: "
+                "pack traces, place global batches, simulate, benchmark, demo.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     pk = sub.add_parser("pack", help="pack a trace into fixed-length sequences")

@@ -72,12 +72,6 @@ class Placement:
         """Costs as computed after placement: ``out[r, m] = costs[src(r, m)]``."""
         return np.asarray(costs)[self.src_rank, self.src_index]
 
-    def sends(self, rank: int) -> list[tuple[int, int, int]]:
-        """``(src_index, dst_rank, dst_step)`` for every pack ``rank`` must send away."""
-        hit = (self.src_rank == rank) & self.moved()
-        dr, ds = np.nonzero(hit)
-        return [(int(self.src_index[r, m]), int(r), int(m)) for r, m in zip(dr, ds)]
-
     @staticmethod
     def identity(num_ranks: int, num_steps: int) -> "Placement":
         r, m = np.meshgrid(np.arange(num_ranks), np.arange(num_steps), indexing="ij")
@@ -170,7 +164,7 @@ def solve_placement(costs, *, sync: str = "microstep",
         chosen |= forced
         n = int(chosen.sum())
         if n > D:
-            _drop(chosen, forced, deadline, cs, flat_rank, flat_pos, n - D)
+            _drop(chosen, forced, deadline, cs, flat_rank, n - D)
         elif n < D:
             _fill(chosen, unplaced, cs, flat_rank, flat_pos, D - n, G - k)
         if sync == "microstep" and k + 1 < G:
@@ -296,11 +290,16 @@ def _key_heaviest_first(cs, flat_rank, flat_pos, mask):
     return idx[np.lexsort((flat_pos.ravel()[idx], flat_rank.ravel()[idx], -cs.ravel()[idx]))]
 
 
-def _drop(chosen, forced, deadline, cs, flat_rank, flat_pos, count):
-    """Drop ``count`` non-forced chosen packs: latest deadline, then lightest, first."""
+def _least_urgent_first(chosen, forced, deadline, cs, flat_rank):
+    """Indices (flat) of the chosen, non-forced packs: latest deadline, then lightest,
+    then highest rank first: the ones a micro-step can give up at least cost."""
     idx = np.flatnonzero(chosen & ~forced)
-    key = np.lexsort((-flat_rank.ravel()[idx], cs.ravel()[idx], -deadline.ravel()[idx]))
-    chosen.ravel()[idx[key[:count]]] = False
+    return idx[np.lexsort((-flat_rank.ravel()[idx], cs.ravel()[idx], -deadline.ravel()[idx]))]
+
+
+def _drop(chosen, forced, deadline, cs, flat_rank, count):
+    """Drop the ``count`` least urgent non-forced chosen packs."""
+    chosen.ravel()[_least_urgent_first(chosen, forced, deadline, cs, flat_rank)[:count]] = False
 
 
 def _fill(chosen, unplaced, cs, flat_rank, flat_pos, count, slots_left):
@@ -325,12 +324,11 @@ def _repair(chosen, forced, unplaced, deadline, cs, flat_rank, flat_pos, k, D, G
         excess = int((due - D * np.arange(1, G - k)).max())
         if excess <= 0:
             return
-        out = np.flatnonzero(chosen & ~forced)
-        key = np.lexsort((-flat_rank.ravel()[out], cs.ravel()[out], -deadline.ravel()[out]))
+        out = _least_urgent_first(chosen, forced, deadline, cs, flat_rank)
         if len(out) < excess:   # cannot happen: stage-1 levels guarantee feasibility
             raise AssertionError("placement infeasible: inconsistent levels")
         inn = _key_heaviest_first(cs, flat_rank, flat_pos, rest)[:excess]
-        chosen.ravel()[out[key[:excess]]] = False
+        chosen.ravel()[out[:excess]] = False
         chosen.ravel()[inn] = True
 
 

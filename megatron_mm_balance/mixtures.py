@@ -40,8 +40,8 @@ def _build(text: np.ndarray, images: list[np.ndarray], cap: int = MAX_SAMPLE_TOK
     out = []
     for t, imgs in zip(text.tolist(), images):
         imgs = tuple(int(v) for v in imgs)
-        # Keep synthetic samples within one 8K sequence: trim images from the end,
-        # never the text below its floor of one token.
+        # Keep synthetic samples within one 8K sequence: drop trailing images first,
+        # then cap what is left (text alone never exceeds the cap).
         while imgs and sum(imgs) + t > cap:
             imgs = imgs[:-1]
         out.append(Sample(min(cap, sum(imgs) + t), imgs))

@@ -117,13 +117,15 @@ class PackSource:
 
 
 def digest(pack) -> str:
+    import torch
+
     h = hashlib.sha256()
     for k in sorted(pack):
         v = pack[k]
         if hasattr(v, "detach"):
             t = v.detach().cpu().contiguous()
             h.update(str(t.dtype).encode() + str(tuple(t.shape)).encode())
-            h.update(t.view(-1).view(__import__("torch").uint8).numpy().tobytes())
+            h.update(t.view(-1).view(torch.uint8).numpy().tobytes())
         else:
             h.update(repr(v).encode())
     return h.hexdigest()

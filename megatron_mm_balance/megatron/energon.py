@@ -26,7 +26,7 @@ from typing import List, Sequence
 
 from ..packing import pack_greedy
 from ..traces import Sample
-from .iterator import flatten_ints as _ints
+from ..runtime.costs import flatten_ints as _ints
 
 
 class BalancedPackingMixin:

@@ -118,94 +118,18 @@ def _tokens_per_tile(args) -> Optional[int]:
         getattr(args, "tokenizer_prompt_format", None)))
 
 
-def flatten_ints(value) -> list:
-    """A scalar, tensor or nested list/tuple of counts as a flat list of ints (None: [])."""
-    if value is None:
-        return []
-    if hasattr(value, "tolist"):
-        value = value.tolist()
-    if isinstance(value, (list, tuple)):
-        out = []
-        for v in value:
-            out.extend(flatten_ints(v))
-        return out
-    return [int(value)]
-
-
-def image_counts(batch, tokens_per_tile: Optional[int] = None) -> list:
-    """Per-image token counts of a micro-batch (``image_tokens``, else ``num_tiles``)."""
-    if not isinstance(batch, dict):
-        raise TypeError(f"mm-balance: micro-batch is a {type(batch).__name__}, expected a dict")
-    if "image_token_counts" in batch:
-        return flatten_ints(batch["image_token_counts"])
-    if "image_tokens" in batch:
-        return flatten_ints(batch["image_tokens"])
-    if "num_tiles" in batch:
-        tiles = flatten_ints(batch["num_tiles"])
-        return [t * (tokens_per_tile or 1) for t in tiles]
-    raise KeyError("mm-balance: micro-batch has neither 'image_tokens' nor 'num_tiles'; record "
-                   "them in the task encoder (megatron_mm_balance.megatron.energon."
-                   "BalancedPackingMixin) or pass a cost_fn")
-
-
-class ImageTokensCost:
-    """``--mm-balance-cost image-tokens``: a micro-batch's image tokens.
-
-    Reads ``image_token_counts`` or ``image_tokens`` (our task encoder), else
-    ``num_tiles`` x embeddings per tile (stock examples/multimodal batches; the
-    embeddings per tile follow from ``--img-h/--img-w/--patch-dim/...``). A
-    micro-batch with none of these keys (text only) costs 0, as in the runtime's
-    default. Sums over every pack of the micro-batch, so it also serves
-    ``--micro-batch-size`` > 1.
-    """
-
-    def __init__(self, tokens_per_tile: Optional[int] = None):
-        self.tokens_per_tile = tokens_per_tile
-
-    @property
-    def identity(self) -> str:
-        return f"megatron_mm_balance.megatron.image_tokens(tokens_per_tile={self.tokens_per_tile})"
-
-    def __call__(self, batch) -> int:
-        if not isinstance(batch, dict) or not any(k in batch for k in _IMAGE_KEYS):
-            return 0
-        return int(sum(image_counts(batch, self.tokens_per_tile)))
-
-
-class ModelCost:
-    """``--mm-balance-cost model``: a calibrated :class:`~megatron_mm_balance.cost.CostModel`
-    on per-image tokens and per-sample lengths (from ``cu_lengths``)."""
-
-    def __init__(self, path: str, tokens_per_tile: Optional[int] = None):
-        from ..cost import load_cost_file
-        self.model = load_cost_file(path)
-        self.tokens_per_tile = tokens_per_tile
-
-    @property
-    def identity(self) -> str:
-        return f"megatron_mm_balance.megatron.model_cost({self.model.to_json()}, {self.tokens_per_tile})"
-
-    def __call__(self, batch) -> int:
-        from ..cost import PackFeatures
-        if not isinstance(batch, dict):
-            return 0
-        images = ()
-        if any(k in batch for k in _IMAGE_KEYS):
-            images = tuple(image_counts(batch, self.tokens_per_tile))
-        cu = flatten_ints(batch.get("cu_lengths"))
-        lengths = tuple(b - a for a, b in zip(cu, cu[1:]) if b > a)
-        return self.model.cost(PackFeatures(images, lengths))
-
-
-_IMAGE_KEYS = ("image_token_counts", "image_tokens", "num_tiles")
-
-
 def make_cost_fn(args=None):
-    """The cost function ``--mm-balance-cost`` asks for."""
+    """The cost function ``--mm-balance-cost`` asks for (see :mod:`..runtime.costs`).
+
+    Tokens per tile follow the multimodal flags; without them (not an
+    examples/multimodal run) the runtime's default applies.
+    """
+    from ..runtime.costs import DEFAULT_TOKENS_PER_TILE, ImageTokenCost, ModelCost
     tpt = _tokens_per_tile(args)
+    tpt = DEFAULT_TOKENS_PER_TILE if tpt is None else tpt
     if getattr(args, "mm_balance_cost", "image-tokens") == "model":
         return ModelCost(args.mm_balance_cost_file, tpt)
-    return ImageTokensCost(tpt)
+    return ImageTokenCost(tpt)
 
 
 class _Constant:

@@ -103,8 +103,11 @@ def test_default_cost_keys():
     assert c({"imgs": torch.zeros(6, 3, 2, 2)}) == 60
     assert c({"tokens": torch.zeros(9)}) == 0 and c("not a dict") == 0
     assert default_cost_fn({"num_tiles": 1}) == 256
+    assert c({"image_tokens": torch.tensor([3, 4])}) == 7      # micro-batch of two packs: summed
     with pytest.raises(ValueError, match="image_tokens"):
-        c({"image_tokens": torch.zeros(2)})
+        c({"image_tokens": "seven"})
+    with pytest.raises(ValueError, match="tokens_per_tile"):
+        ImageTokenCost(tokens_per_tile=0)
 
 
 NT = collections.namedtuple("NT", "a b")      # module level: the header pickles the class by name

@@ -123,11 +123,12 @@ def place_batches(costs: np.ndarray, dp: int, ga: int, sync: str, tolerance: flo
         t0 = time.perf_counter()
         pl = placement.solve_placement(c, sync=sync, balance_tolerance=tolerance)
         times.append((time.perf_counter() - t0) * 1000.0)
-        metrics.append(placement.evaluate(c, pl))
+        st = placement.PlanStats.of(c, pl)
+        metrics.append(st.metrics())
         # The micro-step ratio aggregates over batches: sum of objectives / sum of ideals.
-        ms_num += placement.microstep_objective(pl.apply(c))
-        base_ms_num += placement.microstep_objective(c)
-        denom += c.sum() / dp
+        ms_num += st.microstep_cost_after
+        base_ms_num += st.microstep_cost_before
+        denom += st.rank_total_mean
         if out is not None:
             out.write(json.dumps({"batch": b, "slots": pl.slots().tolist()}) + "\n")
     return {

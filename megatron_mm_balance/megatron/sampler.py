@@ -95,7 +95,7 @@ class BalancedPretrainingSampler:
 
     def __iter__(self):
         import numpy as np
-        from ..placement import evaluate, solve_placement
+        from ..placement import PlanStats, solve_placement
 
         D, mbs = self.data_parallel_size, self.micro_batch_size
         start = self.consumed_samples
@@ -111,13 +111,9 @@ class BalancedPretrainingSampler:
                     costs[r, m] = sum(int(self.cost_of_index(i)) for i in self._micro_batch(start, r, m))
             kw = {} if self.balance_tolerance is None else {"balance_tolerance": self.balance_tolerance}
             placement = solve_placement(costs, sync=self.sync, **kw)
-            stats = dict(evaluate(costs, placement))
-            stats["packs_moved"] = stats.pop("moved")
-            after = placement.apply(costs)       # same per-micro-step lists as the runtime's stats
-            stats.update(step_max_before=costs.max(axis=0).tolist(), step_max_after=after.max(axis=0).tolist(),
-                         step_mean_before=costs.mean(axis=0).tolist(),
-                         step_mean_after=after.mean(axis=0).tolist(),
-                         global_batch=gb, num_microbatches=G)
+            plan = PlanStats.of(costs, placement)
+            stats = {**plan.metrics(), **plan.record(), "global_batch": gb, "num_microbatches": G}
+            del stats["moved"]                   # the record's packs_moved, as in the runtime
             self.stats.append(stats)
             me = self.data_parallel_rank
             for m in range(G):

@@ -11,7 +11,7 @@ import importlib
 
 _HOME = {
     "BalancedDataIterator": ".iterator", "new_exchange_groups": ".groups",
-    "plan_placement": ".engine", "default_cost_fn": ".costs", "ImageTokenCost": ".costs",
+    "plan_placement": "..placement", "default_cost_fn": ".costs", "ImageTokenCost": ".costs",
     "ModelCost": ".costs", "BalancerError": ".errors", "PeerFailure": ".errors",
     "InconsistentConfig": ".errors", "ExchangeThreadError": ".errors",
     "SourceExhausted": ".engine",

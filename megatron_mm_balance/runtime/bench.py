@@ -106,7 +106,7 @@ def _bench_rank(rank, world, cfg):
     import torch.distributed as dist
 
     from ..cost import CostModel, PackFeatures
-    from .engine import plan_placement
+    from ..placement import plan_placement
     from .iterator import BalancedDataIterator
 
     G, W, B = cfg["microbatches"], cfg["warmup"], cfg["batches"]

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..placement import DEFAULT_BALANCE_TOLERANCE, Placement, microstep_objective, solve_placement
+from ..placement import DEFAULT_BALANCE_TOLERANCE, Placement, PlanStats, plan_placement
 from . import wire
 from .costs import to_int_cost
 from .device import CudaMover
@@ -45,28 +45,6 @@ def settings_string(sync: str, tolerance, cost_identity: str) -> str:
 
 def settings_hash(text: str) -> int:
     return zlib.crc32(text.encode()) & 0x7FFFFFFF
-
-
-def order_steps(placement: Placement) -> Placement:
-    """Put the micro-step that moves the fewest packs first (ties: earliest).
-
-    Every later micro-step's exchange hides behind the previous step's compute;
-    the first one of a global batch cannot, so it should move as little as
-    possible. Permuting micro-steps changes neither objective.
-    """
-    moved = placement.moved().sum(axis=0)
-    first = int(np.argmin(moved))
-    if first == 0:
-        return placement
-    G = placement.shape[1]
-    cols = [first] + [c for c in range(G) if c != first]
-    return Placement(placement.src_rank[:, cols], placement.src_index[:, cols])
-
-
-def plan_placement(costs, *, sync: str = "microstep", balance_tolerance=None) -> Placement:
-    """The placement the runtime delivers for an all-gathered cost matrix."""
-    tol = DEFAULT_BALANCE_TOLERANCE if balance_tolerance is None else balance_tolerance
-    return order_steps(solve_placement(costs, sync=sync, balance_tolerance=tol))
 
 
 class SourceExhausted(StopIteration):
@@ -103,22 +81,13 @@ class Item:
 
 
 def _gather_stats(costs: np.ndarray, placement: Placement, me: int) -> dict:
-    after = placement.apply(costs)
+    """The batch's :class:`PlanStats` record plus this rank's own share of the moves."""
     moved = placement.moved()
     return {
-        "microstep_cost_before": microstep_objective(costs),
-        "microstep_cost_after": microstep_objective(after),
-        "rank_total_max_before": int(costs.sum(axis=1).max()),
-        "rank_total_max_after": int(after.sum(axis=1).max()),
-        "rank_total_mean": float(costs.sum(axis=1).mean()),
-        "step_max_before": [int(x) for x in costs.max(axis=0)],
-        "step_max_after": [int(x) for x in after.max(axis=0)],
-        "step_mean_before": [float(x) for x in costs.mean(axis=0)],
-        "step_mean_after": [float(x) for x in after.mean(axis=0)],
-        "packs_moved": int(moved.sum()),
+        **PlanStats.of(costs, placement).record(),
         "packs_sent": int(((placement.src_rank == me) & moved).sum()),
         "packs_received": int(moved[me].sum()),
-        "my_costs": [int(x) for x in after[me]],
+        "my_costs": [int(x) for x in placement.apply(costs)[me]],
     }
 
 

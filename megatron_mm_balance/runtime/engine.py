@@ -80,15 +80,23 @@ class Item:
     stats: dict | None = None
 
 
-def _gather_stats(costs: np.ndarray, placement: Placement, me: int) -> dict:
-    """The batch's :class:`PlanStats` record plus this rank's own share of the moves."""
+def _gather_stats(costs: np.ndarray, placement: Placement, me: int, planned=None) -> dict:
+    """The batch's :class:`PlanStats` record plus this rank's own share of the moves.
+
+    ``planned`` (shadow mode): the placement that was solved but not delivered; the
+    record then describes it (``shadow``, ``predicted_gain``), the rank's own share
+    describes what was delivered."""
     moved = placement.moved()
-    return {
-        **PlanStats.of(costs, placement).record(),
+    plan = PlanStats.of(costs, placement if planned is None else planned)
+    st = {
+        **plan.record(),
         "packs_sent": int(((placement.src_rank == me) & moved).sum()),
         "packs_received": int(moved[me].sum()),
         "my_costs": [int(x) for x in placement.apply(costs)[me]],
     }
+    if planned is not None:
+        st.update(shadow=True, predicted_gain=plan.predicted_gain)
+    return st
 
 
 class Engine:
@@ -96,7 +104,7 @@ class Engine:
     thread (the consumer or the background thread) drives it."""
 
     def __init__(self, source, *, ranks, rank_index, exchange_group, cost_fn, cost_identity,
-                 sync, balance_tolerance, device, timeout, board):
+                 sync, balance_tolerance, device, timeout, board, shadow: bool = False):
         self.source = source
         self.ranks = list(ranks)
         self.me = rank_index
@@ -110,6 +118,7 @@ class Engine:
         self.device = device
         self.timeout = float(timeout)
         self.board = board
+        self.shadow = bool(shadow)
         self._cuda_mover = CudaMover(device) if device is not None and device.type == "cuda" else None
         self.heartbeat = time.monotonic()
         self.phase = "idle"
@@ -201,7 +210,13 @@ class Engine:
     def _plan(self, gb, G, packs, costs, gather_ms, solve_ms, placement=None) -> BatchPlan:
         if placement is None:
             placement = Placement.identity(self.world, G)
-        st = _gather_stats(costs, placement, self.me)
+        if self.shadow:
+            # Measured and solved as usual, but every rank keeps its own packs in their
+            # order: the statistics are the plan's (what balancing would give), marked so.
+            planned, placement = placement, Placement.identity(self.world, G)
+            st = _gather_stats(costs, placement, self.me, planned=planned)
+        else:
+            st = _gather_stats(costs, placement, self.me)
         st.update(global_batch=gb, num_microbatches=G, allgather_ms=gather_ms, solver_ms=solve_ms,
                   bytes_sent=0, bytes_received=0, exchange_ms=0.0, consumer_wait_ms=0.0)
         return BatchPlan(gb, G, list(packs), placement, st)

@@ -21,6 +21,8 @@ import datetime
 
 import torch.distributed as dist
 
+from .config import DEFAULT_TIMEOUT_S
+
 EXCHANGE_BACKEND = "gloo"
 
 
@@ -37,7 +39,7 @@ def group_ranks(group) -> list[int]:
     return list(dist.get_process_group_ranks(group))
 
 
-def new_exchange_groups(rank_lists, timeout=300.0, backend: str = EXCHANGE_BACKEND):
+def new_exchange_groups(rank_lists, timeout=DEFAULT_TIMEOUT_S, backend: str = EXCHANGE_BACKEND):
     """Create one exchange group per rank list; returns the one holding this rank.
 
     Collective over the world: every world rank must call this with the same
@@ -60,7 +62,7 @@ def new_exchange_groups(rank_lists, timeout=300.0, backend: str = EXCHANGE_BACKE
     return mine
 
 
-def exchange_group_for(ranks, timeout=300.0, backend: str = EXCHANGE_BACKEND):
+def exchange_group_for(ranks, timeout=DEFAULT_TIMEOUT_S, backend: str = EXCHANGE_BACKEND):
     """A new exchange group over ``ranks`` (collective over the world, see module doc)."""
     return dist.new_group(list(ranks), timeout=_timedelta(timeout), backend=backend)
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from megatron_mm_balance.megatron.groups import data_holding_rank_lists
-from megatron_mm_balance.megatron.iterator import (
-    BalancedTrainIterable, MicrobatchSchedule, wrap_train_data_iterator)
+from megatron_mm_balance.megatron.iterator import BalancedTrainIterable, wrap_train_data_iterator
+from megatron_mm_balance.megatron.schedule import MicrobatchSchedule
 from megatron_mm_balance.runtime.costs import ImageTokenCost, ModelCost, image_counts
 from megatron_mm_balance.megatron.telemetry import Telemetry, format_line, summarize
 

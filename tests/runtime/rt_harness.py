@@ -217,6 +217,23 @@ def scenario_disabled(rank, world):
     return out
 
 
+def scenario_shadow(rank, world, G=4, batches=3):
+    """Shadow mode: costs gathered and solved, every rank delivered its own packs in order."""
+    from megatron_mm_balance.runtime import BalancedDataIterator
+    from megatron_mm_balance.runtime.config import BalancerConfig
+    pulled, got = [], []
+    src = recording_source(rank, batches * G, pulled)
+    with BalancedDataIterator(src, num_microbatches=G,
+                              config=BalancerConfig(shadow=True, timeout=60)) as it:
+        _run_iterator(it, G, got)
+        stats = [{k: s[k] for k in ("shadow", "packs_moved", "packs_sent", "packs_received",
+                                     "bytes_sent", "bytes_received", "predicted_gain",
+                                     "microstep_cost_before", "microstep_cost_after") if k in s}
+                 for s in it.stats if not s.get("exhausted")]
+    return {"pulled": [p[0] for p in pulled], "costs": [p[1] for p in pulled],
+            "delivered": [row[2] for row in got], "stats": stats}
+
+
 def _outcome(fn):
     """Run ``fn``; describe the exception it raised (or "ok")."""
     try:

@@ -137,12 +137,10 @@ def solve_placement(costs, *, sync: str = "microstep",
     order = np.argsort(-c, axis=1, kind="stable")        # own packs, heaviest first
     cs = np.take_along_axis(c, order, axis=1)             # [D, G] sorted costs
     levels = np.sort(c.ravel())[::-1][::D]                 # L_k, non-increasing
-    if sync == "microstep":
-        # deadline[r, j]: the last micro-step whose level admits the pack.
-        deadline = np.searchsorted(-levels, -cs, side="right") - 1
-    else:
-        deadline = np.full((D, G), G - 1, dtype=np.int64)
-    floor = int(levels[-1]) if sync == "microstep" else int(cs.min())
+    # microstep mode from here on (step mode returned above).
+    # deadline[r, j]: the last micro-step whose level admits the pack.
+    deadline = np.searchsorted(-levels, -cs, side="right") - 1
+    floor = int(levels[-1])
     future = np.append(levels[1:], floor).astype(np.float64) - floor   # correcting power left
     band0 = balance_tolerance * float(c.sum()) / D
 
@@ -167,7 +165,7 @@ def solve_placement(costs, *, sync: str = "microstep",
             _drop(chosen, forced, deadline, cs, flat_rank, n - D)
         elif n < D:
             _fill(chosen, unplaced, cs, flat_rank, flat_pos, D - n, G - k)
-        if sync == "microstep" and k + 1 < G:
+        if k + 1 < G:
             _repair(chosen, forced, unplaced, deadline, cs, flat_rank, flat_pos, k, D, G)
 
         # Phase B: which chosen packs stay at home, and where the others go.

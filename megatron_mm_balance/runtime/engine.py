@@ -119,7 +119,7 @@ class Engine:
         self.timeout = float(timeout)
         self.board = board
         self.shadow = bool(shadow)
-        self._cuda_mover = CudaMover(device) if device is not None and device.type == "cuda" else None
+        self.cuda_mover = CudaMover(device) if device is not None and device.type == "cuda" else None
         self.heartbeat = time.monotonic()
         self.phase = "idle"
 
@@ -261,7 +261,7 @@ class Engine:
         store = self.board.store if self.board else None
         if store is None:
             return ""
-        key = self.board._key("err", rank)
+        key = self.board.key("err", rank)
         try:
             store.wait([key], datetime.timedelta(seconds=min(5.0, self.timeout)))
             return ": " + store.get(key).decode(errors="replace")
@@ -326,7 +326,7 @@ class Engine:
             raise PeerFailure(f"rank {self.ranks[self.me]}: pack header from rank {peer} does not match "
                               f"its record at global batch {gb}, micro-step {k}",
                               global_batch=gb, peers=(peer,))
-        data = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._cuda_mover is not None)
+        data = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.cuda_mover is not None)
         works = [dist.irecv(data[r.offset: r.offset + r.nbytes], src=peer, group=self.group) for r in refs]
         for w in works:
             self._wait(w, "receiving a pack", gb, (peer,), k)
@@ -354,17 +354,15 @@ class Engine:
                     event, (dev,))
 
     def _cuda(self) -> CudaMover:
-        if self._cuda_mover is None:
+        if self.cuda_mover is None:
             if not torch.cuda.is_available():
                 raise RuntimeError("a peer sent CUDA tensors but CUDA is not available on this rank; "
                                    "pass device='cpu' to receive them on the host")
-            self._cuda_mover = CudaMover(torch.device("cuda", torch.cuda.current_device()))
-            self._cuda_mover.enter_thread()
-        return self._cuda_mover
+            self.cuda_mover = CudaMover(torch.device("cuda", torch.cuda.current_device()))
+            self.cuda_mover.enter_thread()
+        return self.cuda_mover
 
 
 def _all_on(pack, device: torch.device) -> bool:
-    found = []
-    wire._map(pack, lambda t: found.append(t.device) or t, torch.Tensor)
     return all(d.type == device.type and (device.index is None or d.index == device.index)
-               for d in found)
+               for d in wire.tensor_devices(pack))

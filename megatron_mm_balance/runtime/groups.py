@@ -85,13 +85,13 @@ class ProgressBoard:
         except Exception:                                  # pragma: no cover
             self.store = None
 
-    def _key(self, kind: str, rank: int) -> str:
+    def key(self, kind: str, rank: int) -> str:
         return f"{self.prefix}/{kind}/{rank}"
 
     def post_progress(self, rank: int, global_batch: int) -> None:
         if self.store is not None:
             try:
-                self.store.set(self._key("gb", rank), str(global_batch))
+                self.store.set(self.key("gb", rank), str(global_batch))
             except Exception:
                 pass
 
@@ -101,7 +101,7 @@ class ProgressBoard:
         self.posted = True
         if self.store is not None:
             try:
-                self.store.set(self._key("err", rank), message[:2000])
+                self.store.set(self.key("err", rank), message[:2000])
             except Exception:
                 pass
 
@@ -114,11 +114,11 @@ class ProgressBoard:
             for r in self.ranks:
                 if r == me:
                     continue
-                ek = self._key("err", r)
+                ek = self.key("err", r)
                 if self.store.check([ek]):
                     parts.append(f"rank {r} reported: {self.store.get(ek).decode(errors='replace')}")
                     continue
-                gk = self._key("gb", r)
+                gk = self.key("gb", r)
                 reached = int(self.store.get(gk)) if self.store.check([gk]) else None
                 if reached is None or reached < global_batch:
                     seen = "never started" if reached is None else f"last reached global batch {reached}"

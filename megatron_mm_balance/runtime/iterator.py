@@ -88,8 +88,8 @@ class _Worker:
     def run(self) -> None:
         eng = self.engine
         try:
-            if eng._cuda_mover is not None:
-                eng._cuda_mover.enter_thread()
+            if eng.cuda_mover is not None:
+                eng.cuda_mover.enter_thread()
             gb = -1
             while True:
                 if self.fixed_G is not None:        # free-running: the next batch needs no request
@@ -229,7 +229,7 @@ class BalancedDataIterator:
         if self._k == 0:
             self._wait_first_ms = waited
         if item.event is not None:
-            self._engine._cuda_mover.ready(item.event, item.buffers)
+            self._engine.cuda_mover.ready(item.event, item.buffers)
         self._k += 1
         if item.last:
             self._finish_batch(item)
@@ -327,21 +327,18 @@ class BalancedDataIterator:
             self._board.post_error(me, f"closed its iterator at global batch {self._gb}"
                                    + (f" after {reason}" if reason else ""), overwrite=False)
         w, self._worker = self._worker, None
+        thread_done = True
         if w is not None:
             w.stop.set()
             w.requests.put(None)
             w.thread.join(self.timeout + 5.0 if join_timeout is None else join_timeout)
-            if w.thread.is_alive():
+            thread_done = not w.thread.is_alive()
+            if thread_done:
+                _drain(w.items)
+            else:
                 log.warning("mm-balance: exchange thread still blocked after close(); abandoned "
                             "(it ends when its pending wait times out)")
-            else:
-                _drain(w.items)
-                if self._owned_group is not None:
-                    try:
-                        dist.destroy_process_group(self._owned_group)
-                    except Exception:
-                        pass
-        elif self._owned_group is not None:
+        if self._owned_group is not None and thread_done:   # never under a thread still using it
             try:
                 dist.destroy_process_group(self._owned_group)
             except Exception:

@@ -152,7 +152,7 @@ def test_cuda_tagged_tensors_use_the_mover_and_keep_host_tensors():
             return buf.clone(), "event"
 
     eng = _engine()
-    eng._cuda_mover = FakeMover()
+    eng.cuda_mover = FakeMover()
     pack = {"on_gpu": torch.arange(6.0), "on_cpu": torch.ones(3, dtype=torch.int8), "k": "v"}
     header, data = wire.encode(pack)
     header["on_gpu"] = dataclasses.replace(header["on_gpu"], device_type="cuda")

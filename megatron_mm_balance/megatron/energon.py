@@ -39,7 +39,7 @@ from typing import Callable, List, Optional, Sequence
 
 from ..packing import pack_greedy
 from ..traces import Sample
-from .iterator import flatten_ints as _ints
+from ..runtime.costs import flatten_ints as _ints
 
 
 class BalancedPackingMixin:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megatron_mm_balance.megatron.energon import BalancedPackingMixin, balanced_task_encoder
-from megatron_mm_balance.megatron.iterator import ImageTokensCost
+from megatron_mm_balance.runtime.costs import ImageTokenCost
 from megatron_mm_balance.packing import OverlongSampleError
 
 
@@ -71,10 +71,10 @@ def test_batch_records_image_tokens_per_pack_and_cost_reads_them():
     raw = enc.encode_batch(enc.batch([pack]))
     assert raw["image_tokens"].tolist() == [40]
     assert raw["image_token_counts"].tolist() == [30, 10]
-    assert ImageTokensCost(10)(raw) == 40
+    assert ImageTokenCost(10)(raw) == 40
     # Micro-batch size 2: one count per pack.
     raw = enc.encode_batch(enc.batch([pack, Sample("s2", [1, 1], 40)]))
-    assert raw["image_tokens"].tolist() == [40, 20] and ImageTokensCost(10)(raw) == 60
+    assert raw["image_tokens"].tolist() == [40, 20] and ImageTokenCost(10)(raw) == 60
     # Without the recorded values (a batch from elsewhere), num_tiles still gives the count.
     raw2 = enc.encode_batch(Batch(num_tiles=torch.tensor([2, 2]), keys=[]))
     assert raw2["image_tokens"].tolist() == [40]

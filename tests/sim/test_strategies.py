@@ -54,3 +54,14 @@ def test_pool_features_and_draws():
     assert a.shape == (3, 4, 5) and np.array_equal(a, draw_indices(2, 3, 4, 5, seed=7))
     c = draw_indices(10, 2, 3, 4, seed=0, mode="contiguous")
     assert np.all((np.diff(c, axis=2) % 10) == 1)
+
+
+def test_simulator_models_the_runtimes_order():
+    from megatron_mm_balance.placement import plan_placement
+    rng = np.random.default_rng(3)
+    for sync in ("microstep", "step"):
+        c = rng.integers(0, 1000, size=(8, 6))
+        pl = plan_placement(c, sync=sync)
+        assert np.array_equal(redistribute_order(c, sync=sync), pl.src_rank * 6 + pl.src_index)
+        moved = pl.moved().sum(axis=0)
+        assert moved[0] == moved.min()

@@ -43,7 +43,10 @@ rewriting, streams/events, the RNG tracker, ``te_general_gemm``):
   projection's norm spec is TE-only -> the local norm spec; local
   ``DotProductAttention`` refuses packed sequences -> attention restricted
   to each packed sample by a block-diagonal causal mask built from
-  ``cu_seqlens`` (the same result TE's THD attention computes).
+  ``cu_seqlens`` (the same result TE's THD attention computes); and the
+  local THD rotary embedding splits the pack by ``cu_seqlens``, which fails
+  when pipeline parallelism pads the pack to the fixed sequence length: the
+  padding tail (no real token attends to it) is left unrotated.
 * gloo has no ``all_to_all_single`` with split sizes (the ``alltoall`` MoE
   token dispatcher needs it: packs differ in length, so the token counts per
   expert rank differ): one built from point-to-point sends and receives.
@@ -303,6 +306,19 @@ def _local_specs() -> None:
         return _packed_attention(self, query, key, value, attn_mask_type, packed_seq_params)
 
     dpa.DotProductAttention.forward = forward
+
+    from megatron.core.models.common.embeddings import rope_utils
+    orig_rope_thd = rope_utils._apply_rotary_pos_emb_thd
+
+    def _apply_rotary_pos_emb_thd(t, cu_seqlens, freqs, *a, **k):
+        n = int(cu_seqlens[-1])
+        if n >= t.shape[0]:
+            return orig_rope_thd(t, cu_seqlens, freqs, *a, **k)
+        # Padded pack (pipeline parallel pads to the fixed sequence length): the real
+        # sequences as usual; the padding tail, which no real token attends to, unrotated.
+        return torch.cat([orig_rope_thd(t[:n], cu_seqlens, freqs, *a, **k), t[n:]], dim=0)
+
+    rope_utils._apply_rotary_pos_emb_thd = _apply_rotary_pos_emb_thd
 
 
 def _torch_adam_resume() -> None:

@@ -93,3 +93,72 @@ def test_resume_equals_uninterrupted(runner, runs_dir):
     diff = rp.max_rel_diff(second.losses, full.losses, [4, 5, 6])
     assert diff <= REL_TOL, f"resumed iterations differ by {diff:.2e}\n{table}"
     assert sum(second.moved.values()) > 0, "no packs moved after the resume"
+
+
+def test_energon_mixin_on(runner):
+    """--mm-balance-task-encoder (patch 0005: the example builds the balancing task encoder):
+    lm loss equal off vs on, packs moved."""
+    extra = ["--mm-balance-task-encoder"]
+    off = runner("mixin", False, 3, extra=extra)
+    on = runner("mixin", True, 3, extra=extra)
+    _check_pair(off, on, 3, "dp2_ep2 + --mm-balance-task-encoder")
+
+
+def _rank_pids(agent_pid: int) -> dict:
+    """{RANK: pid} of the launcher's worker processes (children of torch.distributed.run)."""
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(agent_pid)], capture_output=True, text=True).stdout
+    ranks = {}
+    for pid in map(int, out.split()):
+        try:
+            env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        for kv in env:
+            if kv.startswith(b"RANK="):
+                ranks[int(kv[5:])] = pid
+    return ranks
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = open(f"/proc/{pid}/stat").read() if os.path.exists(f"/proc/{pid}/stat") else ""
+    return bool(stat) and stat.split(") ", 1)[1][0] != "Z"
+
+
+def test_killed_peer_fails_fast(megatron_lm, dataset, runs_dir):
+    """A rank killed mid-run: every rank exits non-zero within --mm-balance-timeout, no hang."""
+    timeout_s = 30
+    env = rp.launcher_env(megatron_lm, dataset, mm_balance=True, output_dir=runs_dir / "kill",
+                          train_iters=50)
+    log_path = runs_dir / "kill.log"
+    proc = rp.launch(env, ["--mm-balance-timeout", str(timeout_s)], log_path=log_path)
+    try:
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while not re.search(r"\biteration\s+2/", log_path.read_text(errors="replace")):
+            assert proc.poll() is None, f"the run ended before iteration 2:\n{log_path.read_text()[-4000:]}"
+            assert time.monotonic() < deadline, "no iteration 2 within the run timeout"
+            time.sleep(0.5)
+        ranks = _rank_pids(proc.pid)
+        assert sorted(ranks) == [0, 1, 2, 3], f"worker processes: {ranks}"
+        victim = 3
+        os.kill(ranks[victim], signal.SIGKILL)
+        t_kill = time.monotonic()
+        try:
+            rc = proc.wait(timeout=timeout_s + 30)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the launcher still runs {timeout_s + 30} s after rank {victim} was killed")
+        elapsed = time.monotonic() - t_kill
+        survivors = [r for r, pid in ranks.items() if _alive(pid)]
+    finally:
+        rp.kill_group(proc)
+    log = log_path.read_text(errors="replace")
+    print(f"\nkill: rank {victim} killed; launcher exit {rc} after {elapsed:.1f} s "
+          f"(--mm-balance-timeout {timeout_s}); ranks still alive: {survivors}")
+    assert rc != 0, "the launcher exited 0 after a rank was killed"
+    assert elapsed <= timeout_s, f"ranks took {elapsed:.1f} s > --mm-balance-timeout {timeout_s} s to exit"
+    assert not survivors, f"ranks {survivors} outlived the launcher"
+    assert re.search(rf"rank\s*:\s*{victim}\b.*\n.*exitcode\s*:\s*-9", log), (
+        f"the launcher's failure report does not name rank {victim}:\n{log[-3000:]}")

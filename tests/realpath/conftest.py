@@ -21,7 +21,9 @@ def megatron_lm() -> Path:
 
 @pytest.fixture(scope="session")
 def dataset(tmp_path_factory) -> dict:
-    return rp.make_dataset(tmp_path_factory.mktemp("vlm-data") / "data", samples=256, seed=0)
+    data = rp.make_dataset(tmp_path_factory.mktemp("vlm-data") / "data", samples=256, seed=0)
+    data["DATA_PATH"] = rp.single_val_split(data["DATA_PATH"])
+    return data
 
 
 @pytest.fixture(scope="session")

@@ -20,6 +20,9 @@ rewriting, streams/events, the RNG tracker, ``te_general_gemm``):
   ``torch.compile`` to the CUDA RNG).
 * ``_initialize_distributed`` builds the model-parallel groups only when
   ``torch.cuda.device_count() > 0``: it runs with a device count of 1.
+* ``validate_args`` asks the GPU's architecture (``get_device_arch_version``)
+  when TP or CP > 1: answered as Hopper (9), the settings the GPU configs are
+  validated for.
 * the legacy fused kernels are compiled with nvcc at start-up
   (``megatron.legacy.fused_kernels.load``): a no-op (the config turns the
   fusions off).
@@ -36,7 +39,9 @@ rewriting, streams/events, the RNG tracker, ``te_general_gemm``):
   ``--vision-model-type clip`` (``examples/multimodal/config.py``): the
   harness shrinks it to :data:`TINY_VIT` after the example builds its config,
   so two CPU cores can train it; a CPU-only concern, so it lives here and
-  not in ``patches/``.
+  not in ``patches/``. Likewise the vision projection's FFN
+  (:data:`TINY_PROJECTION_FFN`) and the language model's dense FFN
+  (:data:`TINY_LM_FFN`; the example hard-codes 18944 for ``qwen2.5_7B``).
 * without transformer-engine the example's no-TE specs need what only TE
   provides: CLIP's ``ln_pre`` defaults to ``torch.nn.LayerNorm`` (rejects the
   ``config`` argument) -> megatron's ``WrappedTorchNorm``; the vision
@@ -71,6 +76,9 @@ TINY_VIT = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_g
 """The CPU vision encoder: CLIP's architecture (LayerNorm, quick-GELU, biases), 2 small layers."""
 TINY_PROJECTION_FFN = 256
 """Hidden size of the vision projection MLP on CPU (the example sizes it for a 7B LM)."""
+TINY_LM_FFN = 512
+"""Dense FFN size of the language model on CPU (the example hard-codes 18944 for qwen2.5_7B;
+MoE layers use --moe-ffn-hidden-size)."""
 
 _DONE = False
 
@@ -223,6 +231,9 @@ def install() -> None:
     minit._set_random_seed = _set_random_seed
     minit.fused_kernels.load = lambda args: None
 
+    from megatron.training import arguments as margs
+    margs.get_device_arch_version = lambda: 9   # validate_args asks the GPU's arch under TP/CP > 1
+
     from megatron.core.datasets import utils as dutils
     dutils.compile_helpers = lambda: None
 
@@ -251,6 +262,15 @@ def _shrink_clip() -> None:
         config.ffn_hidden_size = TINY_PROJECTION_FFN
         return config
 
+    orig_lm = mm_config.get_language_model_config
+
+    def get_language_model_config(config):
+        config = orig_lm(config)
+        config.ffn_hidden_size = TINY_LM_FFN
+        return config
+
+    mm_config.get_language_model_config = get_language_model_config
+    mm_model.get_language_model_config = get_language_model_config
     mm_config.get_vision_model_config = get_vision_model_config
     mm_model.get_vision_model_config = get_vision_model_config
     mm_config.get_vision_projection_config = get_vision_projection_config

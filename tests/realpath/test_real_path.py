@@ -27,7 +27,7 @@ LAYOUTS = {
     "dp2_ep2": (6, {}),                       # the config's default: DP=2 x EP=2 (MoE alltoall)
     "dp4": (3, {"EP": 1}),
     "pp2_dp2": (3, {"EP": 1, "PP": 2}),       # vision encoder on the first stage
-    "tp2_dp2": (3, {"EP": 1, "TP": 2}),
+    "tp2_dp2": (3, {"EP": 1, "TP": 2, "NUM_EXPERTS": 0}),  # dense: MoE + TP needs sequence parallel
 }
 RUN_TIMEOUT_S = 600
 

@@ -45,7 +45,10 @@ rewriting, streams/events, the RNG tracker, ``te_general_gemm``):
 * without transformer-engine the example's no-TE specs need what only TE
   provides: CLIP's ``ln_pre`` defaults to ``torch.nn.LayerNorm`` (rejects the
   ``config`` argument) -> megatron's ``WrappedTorchNorm``; the vision
-  projection's norm spec is TE-only -> the local norm spec; local
+  projection's norm spec is TE-only -> the local norm spec; the example's
+  ``layer_specs.HAVE_TE`` is True without TE (megatron's TE wrapper module
+  imports) and gives the dense LM ``TENorm`` for RMSNorm -> False (and the
+  ``TORCH_VERSION``/``HAVE_APEX`` its no-TE branch reads but never defines); local
   ``DotProductAttention`` refuses packed sequences -> attention restricted
   to each packed sample by a block-diagonal causal mask built from
   ``cu_seqlens`` (the same result TE's THD attention computes); and the
@@ -315,6 +318,15 @@ def _local_specs() -> None:
             linear_fc1=NormColumnParallelLinear, linear_fc2=RowParallelLinear))
 
     mm_model.get_norm_mlp_module_spec_te = get_norm_mlp_module_spec_local
+
+    import layer_specs as mm_specs  # examples/multimodal/layer_specs.py
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        mm_specs.HAVE_TE = False    # it imports megatron's TE wrappers, which exist without TE
+        # its no-TE RMSNorm branch reads a TORCH_VERSION it never defines
+        mm_specs.TORCH_VERSION = getattr(mm_specs, "TORCH_VERSION", torch.__version__.split("."))
+        mm_specs.HAVE_APEX = getattr(mm_specs, "HAVE_APEX", False)    # and HAVE_APEX
 
     orig_forward = dpa.DotProductAttention.forward
 

@@ -61,7 +61,9 @@ fi
 
 # --- classify every patch before touching anything -----------------------------------
 # git apply runs from inside $DIR so that paths resolve against the checkout root.
-gapply() { (cd "$DIR" && git apply "$@"); }
+# GIT_CEILING_DIRECTORIES: a source tree unpacked inside another git work tree must not be
+# treated as a subdirectory of it (git apply would then skip every path, silently).
+gapply() { (cd "$DIR" && GIT_CEILING_DIRECTORIES="$(dirname "$DIR")" git apply "$@"); }
 declare -a STATE
 bad=0
 for i in "${!PATCHES[@]}"; do

@@ -71,26 +71,24 @@ echo "Megatron-LM $RELEASE ($FOUND)"
 # Outside a git checkout, git apply must not discover an enclosing repository (it would
 # resolve paths against that one's root): stop discovery at DIR's parent.
 gapply() { (cd "$DIR" && GIT_CEILING_DIRECTORIES=$(dirname "$DIR") git apply "$@"); }
-target() { sed -n '1s|^diff --git a/\([^ ]*\) b/.*|\1|p' "$1"; }
-sha() { sha256sum "$1" | cut -d' ' -f1; }
+targets() { sed -n 's|^diff --git a/\([^ ]*\) b/.*|\1|p' "$1"; }     # the files a patch touches
 STATE_DIR=""
 if [ $IS_GIT = 1 ]; then
   STATE_DIR=$(git -C "$DIR" rev-parse --absolute-git-dir)/mm-balance-patches/$RELEASE
 fi
 SCRATCH=$(mktemp -d)
 trap 'rm -rf "$SCRATCH"' EXIT
-# `git apply --3way` against a copy of the index that holds the file as it is now, so that
-# uncommitted edits take part and the user's index is not touched. $1: patch, $2: --check or empty.
+# `git apply --3way` against a copy of the index that holds the files as they are now, so
+# that uncommitted edits take part and the user's index is not touched. $1: patch, $2: --check or empty.
 threeway() {
-  local idx=$SCRATCH/index f
-  f=$(target "$1")
+  local idx=$SCRATCH/index
   cp "$(git -C "$DIR" rev-parse --absolute-git-dir)/index" "$idx" 2>/dev/null || rm -f "$idx"
-  (cd "$DIR" && GIT_INDEX_FILE=$idx git add -- "$f" && GIT_INDEX_FILE=$idx git apply --3way ${2:-} "$1") 2>&1
+  (cd "$DIR" && targets "$1" | GIT_INDEX_FILE=$idx xargs git add -- && GIT_INDEX_FILE=$idx git apply --3way ${2:-} "$1") 2>&1
 }
-# Was this file patched by a 3-way apply, and is it unchanged since?
+# Were this patch's files changed by a 3-way apply, and are they unchanged since?
 applied3() {
-  local n; n=$(basename "$1")
-  [ $IS_GIT = 1 ] && [ -f "$STATE_DIR/$n.sha256" ] && [ "$(cat "$STATE_DIR/$n.sha256")" = "$(sha "$DIR/$(target "$1")")" ]
+  local s=$STATE_DIR/$(basename "$1")
+  [ $IS_GIT = 1 ] && [ -f "$s/sha256" ] && (cd "$DIR" && sha256sum --check --status "$s/sha256" 2>/dev/null)
 }
 
 # --- classify every file before touching anything --------------------------------------------
@@ -98,9 +96,10 @@ declare -a STATE
 bad=()
 for i in "${!PATCHES[@]}"; do
   p=${PATCHES[$i]}
-  f=$(target "$p")
-  if [ ! -f "$DIR/$f" ]; then
-    STATE[$i]=conflict; bad+=("$f (missing)")
+  files=$(targets "$p")
+  missing=$(cd "$DIR" && for f in $files; do [ -f "$f" ] || echo "$f"; done)
+  if [ -n "$missing" ]; then
+    STATE[$i]=conflict; bad+=($missing)
   elif applied3 "$p"; then
     STATE[$i]=applied3
   elif gapply --check -R "$p" 2>/dev/null; then
@@ -110,13 +109,15 @@ for i in "${!PATCHES[@]}"; do
   elif [ $IS_GIT = 1 ] && out=$(threeway "$p" --check) && ! grep -q "with conflicts" <<<"$out"; then
     STATE[$i]=pending3
   else
-    STATE[$i]=conflict; bad+=("$f")
+    STATE[$i]=conflict; bad+=($files)
   fi
-  case "${STATE[$i]}" in
-    applied3) echo "$f: applied (3-way merge)" ;;
-    pending3) echo "$f: pending (needs a 3-way merge: local changes around the hunk)" ;;
-    *) echo "$f: ${STATE[$i]}" ;;
-  esac
+  for f in $files; do
+    case "${STATE[$i]}" in
+      applied3) echo "$f: applied (3-way merge; $(basename "$p"))" ;;
+      pending3) echo "$f: pending (needs a 3-way merge: local changes around the hunk; $(basename "$p"))" ;;
+      *) echo "$f: ${STATE[$i]} ($(basename "$p"))" ;;
+    esac
+  done
 done
 if [ ${#bad[@]} -gt 0 ]; then
   list=$(IFS=,; echo "${bad[*]}" | sed 's/,/, /g')
@@ -125,21 +126,23 @@ fi
 
 case "$MODE" in
   --check)
-    echo "check ok: ${#PATCHES[@]} files are pending or applied ($RELEASE patches)"
+    echo "check ok: ${#PATCHES[@]} patches pending or applied ($RELEASE)"
     ;;
   apply)
     n=0
     for i in "${!PATCHES[@]}"; do
-      p=${PATCHES[$i]}; f=$(target "$p"); name=$(basename "$p")
+      p=${PATCHES[$i]}; name=$(basename "$p"); files=$(targets "$p")
       case "${STATE[$i]}" in
         pending)
-          gapply "$p"; [ -z "$STATE_DIR" ] || rm -f "$STATE_DIR/$name".*; n=$((n + 1)) ;;
+          gapply "$p"; [ -z "$STATE_DIR" ] || rm -rf "${STATE_DIR:?}/$name"; n=$((n + 1)) ;;
         pending3)
-          mkdir -p "$STATE_DIR"
-          cp -p "$DIR/$f" "$STATE_DIR/$name.orig"
-          out=$(threeway "$p") || { cp -p "$STATE_DIR/$name.orig" "$DIR/$f"; die "$f: git apply --3way failed: $out"; }
-          sha "$DIR/$f" > "$STATE_DIR/$name.sha256"
-          echo "$f: applied with git apply --3way (a plain apply failed on local changes around the hunk); --revert restores the previous file"
+          s=$STATE_DIR/$name; rm -rf "$s"; mkdir -p "$s/orig"
+          (cd "$DIR" && cp -p --parents $files "$s/orig/")
+          out=$(threeway "$p") || { (cd "$s/orig" && cp -p --parents $files "$DIR/"); die "$name: git apply --3way failed: $out"; }
+          (cd "$DIR" && sha256sum $files) > "$s/sha256"
+          for f in $files; do
+            echo "$f: applied with git apply --3way (a plain apply failed on local changes around the hunk); --revert restores the previous file"
+          done
           n=$((n + 1)) ;;
       esac
     done
@@ -148,12 +151,15 @@ case "$MODE" in
   --revert)
     n=0
     for (( i=${#PATCHES[@]}-1; i>=0; i-- )); do
-      p=${PATCHES[$i]}; f=$(target "$p"); name=$(basename "$p")
+      p=${PATCHES[$i]}; name=$(basename "$p"); files=$(targets "$p")
       case "${STATE[$i]}" in
         applied) gapply -R "$p"; n=$((n + 1)) ;;
         applied3)
-          cat "$STATE_DIR/$name.orig" > "$DIR/$f"; rm -f "$STATE_DIR/$name".*
-          echo "$f: restored the file as it was before the 3-way apply"; n=$((n + 1)) ;;
+          for f in $files; do
+            cat "$STATE_DIR/$name/orig/$f" > "$DIR/$f"
+            echo "$f: restored as it was before the 3-way apply"
+          done
+          rm -rf "${STATE_DIR:?}/$name"; n=$((n + 1)) ;;
       esac
     done
     echo "reverted $n patch(es) in $DIR"

@@ -23,33 +23,46 @@ PATCH_SETS = {tag: sorted((ROOT / "patches" / tag).glob("*.patch")) for tag in R
 PATCHES = PATCH_SETS["core_v0.16.1"]
 TARGETS = {"megatron/training/arguments.py", "megatron/training/training.py",
            "megatron/training/datasets/data_samplers.py", "examples/multimodal/model.py"}
+# Files later patches touch too (examples/multimodal's test loader, Megatron's dataloader
+# checkpoint directory; the latter fixed upstream in core_v0.19.0).
+EXTRA_TARGETS = {"examples/multimodal/dataloader_provider.py", "megatron/training/checkpointing.py"}
 HUNK = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
 SUPPORTED_MSG = "supported releases: core_v0.16.1, core_v0.17.1, core_v0.18.2, core_v0.19.0"
 
 
 # -- pure python ---------------------------------------------------------------------------
 def parse_patch(text):
-    """(target path, [(old_start, old_len, new_start, new_len, lines)]) of a one-file git diff."""
+    """[(target path, [(old_start, old_len, new_start, new_len, lines)])] of a git diff."""
     lines = text.split("\n")
     assert text.endswith("\n"), "patch must end with a newline"
     assert "\r" not in text, "CRLF line endings"
     assert lines[0].startswith("diff --git a/"), lines[0]
-    i = next(k for k, l in enumerate(lines) if l.startswith("--- "))
-    old, new = lines[i][4:], lines[i + 1][4:]
-    assert old.startswith("a/") and new.startswith("b/") and old[2:] == new[2:], (old, new)
-    hunks, k = [], i + 2
-    while k < len(lines) and lines[k]:
-        m = HUNK.match(lines[k])
-        assert m, f"expected a hunk header, got {lines[k]!r}"
-        os_, ol, ns, nl = (int(m.group(1)), int(m.group(2) or 1), int(m.group(3)), int(m.group(4) or 1))
-        body, k = [], k + 1
-        while k < len(lines) and lines[k] and not lines[k].startswith("@@"):
-            assert lines[k][0] in " +-\\", f"bad hunk line {lines[k]!r}"
-            body.append(lines[k])
-            k += 1
-        hunks.append((os_, ol, ns, nl, body))
+    files, k = [], 0
+    while k < len(lines) - 1:
+        assert lines[k].startswith("diff --git a/"), f"expected a file header, got {lines[k]!r}"
+        i = next(j for j in range(k, len(lines)) if lines[j].startswith("--- "))
+        old, new = lines[i][4:], lines[i + 1][4:]
+        assert old.startswith("a/") and new.startswith("b/") and old[2:] == new[2:], (old, new)
+        hunks, k = [], i + 2
+        while k < len(lines) and lines[k] and not lines[k].startswith("diff --git"):
+            m = HUNK.match(lines[k])
+            assert m, f"expected a hunk header, got {lines[k]!r}"
+            os_, ol, ns, nl = (int(m.group(1)), int(m.group(2) or 1), int(m.group(3)), int(m.group(4) or 1))
+            body, k = [], k + 1
+            while k < len(lines) and lines[k] and not lines[k].startswith(("@@", "diff --git")):
+                assert lines[k][0] in " +-\\", f"bad hunk line {lines[k]!r}"
+                body.append(lines[k])
+                k += 1
+            hunks.append((os_, ol, ns, nl, body))
+        assert hunks
+        files.append((old[2:], hunks))
     assert k == len(lines) - 1, "trailing garbage after the last hunk"
-    return old[2:], hunks
+    return files
+
+
+def targets(tag):
+    """The files the patch set of a release touches."""
+    return {f for p in PATCH_SETS[tag] for f, _ in parse_patch(p.read_text())}
 
 
 def test_every_supported_release_has_a_patch_set():
@@ -62,19 +75,16 @@ def test_every_supported_release_has_a_patch_set():
 @pytest.mark.parametrize("tag", RELEASES)
 def test_patch_files_are_well_formed_unified_diffs(tag):
     patches = PATCH_SETS[tag]
-    assert len(patches) == 4
-    targets = set()
+    assert [p.name[:4] for p in patches] == ["0001", "0002", "0003", "0004", "0005"]
     added = 0
     for p in patches:
-        target, hunks = parse_patch(p.read_text())
-        targets.add(target)
-        assert hunks
-        for os_, ol, ns, nl, body in hunks:
-            assert sum(1 for l in body if l[0] in " -") == ol, f"{p.name}: old count"
-            assert sum(1 for l in body if l[0] in " +") == nl, f"{p.name}: new count"
-            added += sum(1 for l in body if l[0] == "+")
-    assert targets == TARGETS
-    assert added <= 25, f"patches add {added} lines; keep them minimal"
+        for target, hunks in parse_patch(p.read_text()):
+            for os_, ol, ns, nl, body in hunks:
+                assert sum(1 for l in body if l[0] in " -") == ol, f"{p.name}: old count"
+                assert sum(1 for l in body if l[0] in " +") == nl, f"{p.name}: new count"
+                added += sum(1 for l in body if l[0] == "+")
+    assert TARGETS <= targets(tag) <= TARGETS | EXTRA_TARGETS
+    assert added <= 40, f"patches add {added} lines; keep them minimal"
 
 
 @pytest.mark.parametrize("tag", RELEASES)
@@ -112,24 +122,27 @@ def test_release_tree_accepted_idempotent_and_reverted_byte_for_byte(mlm_trees, 
     r = run_script(d, "--check")
     assert r.returncode == 0, r.stderr
     assert f"Megatron-LM {tag} (" in r.stdout
-    assert states(r.stdout) == dict.fromkeys(TARGETS, "pending") and tree_hash(d) == before
+    files = targets(tag)
+    assert states(r.stdout) == dict.fromkeys(files, "pending") and tree_hash(d) == before
     r = run_script(d)
-    assert r.returncode == 0 and "applied 4 patch(es)" in r.stdout, r.stdout + r.stderr
+    n = len(PATCH_SETS[tag])
+    assert r.returncode == 0 and f"applied {n} patch(es)" in r.stdout, r.stdout + r.stderr
     if kind == "git":       # the local commit moved training.py's context: 3-way, reported
         assert f"{LOCAL_EDIT_FILE}: applied with git apply --3way" in r.stdout
         assert git(d, "diff", "--cached", "--name-only").stdout == ""        # index untouched
         assert "# our team's local change" in (d / LOCAL_EDIT_FILE).read_text()
+    for f in files:
+        ast.parse((d / f).read_text())
     for f in TARGETS:
         text = (d / f).read_text()
         assert "megatron_mm_balance" in text or "num_experts:  # MoE" in text, f
-        ast.parse(text)
     patched = tree_hash(d)
     r = run_script(d)                                                  # idempotent
     assert r.returncode == 0 and "applied 0 patch(es) to" in r.stdout, r.stdout + r.stderr
-    assert states(r.stdout) == dict.fromkeys(TARGETS, "applied") and tree_hash(d) == patched
-    assert states(run_script(d, "--check").stdout) == dict.fromkeys(TARGETS, "applied")
+    assert states(r.stdout) == dict.fromkeys(files, "applied") and tree_hash(d) == patched
+    assert states(run_script(d, "--check").stdout) == dict.fromkeys(files, "applied")
     r = run_script(d, "--revert")
-    assert r.returncode == 0 and "reverted 4 patch(es)" in r.stdout, r.stdout + r.stderr
+    assert r.returncode == 0 and f"reverted {n} patch(es)" in r.stdout, r.stdout + r.stderr
     assert tree_hash(d) == before                                       # byte for byte
     r = run_script(d, "--revert")                                       # idempotent
     assert r.returncode == 0 and "reverted 0 patch(es)" in r.stdout and tree_hash(d) == before
@@ -182,7 +195,7 @@ def test_patch_dir_inside_another_git_repository(mlm_trees, tmp_path):
     git(tmp_path, "init", "-q")
     d = mlm_trees.copy("core_v0.16.1", tmp_path / "vendor", "plain")
     r = run_script(d)
-    assert r.returncode == 0 and "applied 4 patch(es)" in r.stdout, r.stderr
+    assert r.returncode == 0 and "applied 5 patch(es)" in r.stdout, r.stderr
     assert "megatron_mm_balance" in (d / "megatron/training/training.py").read_text()
 
 
@@ -273,7 +286,7 @@ def test_moe_layer_spec_positional_order_in_each_release(mlm_trees, tag):
     core_v0.17.1 on the *_spec functions forward *args to *_submodules."""
     src = mlm_trees.source(tag) / "megatron/core/models/gpt/gpt_layer_specs.py"
     text = next(p for p in PATCH_SETS[tag] if "multimodal" in p.name).read_text()
-    assert "spec_fn(args.num_experts, args.moe_grouped_gemm, args.qk_layernorm)" in text
+    assert "args.num_experts, args.moe_grouped_gemm, args.qk_layernorm" in text
     tree = ast.parse(src.read_text())
     fns = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
     for name in ("get_gpt_layer_local_spec", "get_gpt_layer_with_transformer_engine_spec"):
@@ -289,7 +302,7 @@ def test_moe_layer_spec_call_matches_megatron_core():
     pytest.importorskip("megatron.core", reason="megatron-core 0.16.1 not installed")
     from megatron.core.models.gpt import gpt_layer_specs as specs
     text = next(p for p in PATCHES if "multimodal" in p.name).read_text()
-    assert "spec_fn(args.num_experts, args.moe_grouped_gemm, args.qk_layernorm)" in text
+    assert "args.num_experts, args.moe_grouped_gemm, args.qk_layernorm" in text
     for fn in (specs.get_gpt_layer_local_spec, specs.get_gpt_layer_with_transformer_engine_spec):
         assert list(inspect.signature(fn).parameters)[:3] == ["num_experts", "moe_grouped_gemm", "qk_layernorm"]
     spec = specs.get_gpt_layer_local_spec(8, False, True)

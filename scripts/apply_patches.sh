@@ -4,6 +4,7 @@
 #   scripts/apply_patches.sh MEGATRON_LM_DIR            apply (idempotent: applied files are skipped)
 #   scripts/apply_patches.sh MEGATRON_LM_DIR --check    dry run: print each file pending/applied/conflict
 #   scripts/apply_patches.sh MEGATRON_LM_DIR --revert   undo the applied patches, byte for byte (idempotent)
+#   scripts/apply_patches.sh --supported                print the supported releases
 #
 # Supported releases and their patch sets: patches/<tag>/*.patch (see SUPPORTED below).
 # The release is detected from git (`git describe --tags`, nearest core_v* tag) when the
@@ -30,6 +31,7 @@ SUPPORTED_LIST=$(IFS=,; echo "${SUPPORTED_TAGS[*]}" | sed 's/,/, /g')
 usage() { echo "usage: $0 MEGATRON_LM_DIR [--check|--revert]" >&2; exit 2; }
 die() { echo "apply_patches: $*" >&2; exit 1; }
 
+if [ "${1:-}" = --supported ]; then echo "$SUPPORTED_LIST"; exit 0; fi    # for other scripts' messages
 [ $# -ge 1 ] && [ $# -le 2 ] || usage
 DIR=$1
 MODE=${2:-apply}

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import INFO_VERSION, LOCAL_EDIT_FILE, RELEASES, ROOT, git, tree_hash
+from megatron_trees import INFO_VERSION, LOCAL_EDIT_FILE, RELEASES, ROOT, git, tree_hash
 
 SCRIPT = ROOT / "scripts" / "apply_patches.sh"
 PATCH_SETS = {tag: sorted((ROOT / "patches" / tag).glob("*.patch")) for tag in RELEASES}

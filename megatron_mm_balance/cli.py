@@ -212,6 +212,16 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def _make_dataset_arguments(parser) -> None:
+    from . import make_dataset
+    make_dataset.add_arguments(parser)
+
+
+def cmd_make_dataset(args) -> int:
+    from . import make_dataset
+    return make_dataset.run(args)
+
+
 # ---------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
@@ -250,6 +260,11 @@ def build_parser() -> argparse.ArgumentParser:
                          "balancing off vs on (default: on); other options go to the training demo, "
                          "see 'python -m megatron_mm_balance.testing.train_demo --help'")
     dm.set_defaults(func=cmd_demo)
+
+    md = sub.add_parser("make-dataset", help="write a small synthetic energon VLM dataset and tokenizer "
+                        "for Megatron-LM's examples/multimodal")
+    _make_dataset_arguments(md)
+    md.set_defaults(func=cmd_make_dataset)
 
     for name in EXTENSIONS:
         try:

@@ -15,7 +15,8 @@
 #                    ./runs/<config>-mm-balance, or ./runs/<config>-baseline with MM_BALANCE=0,
 #                    so the two jobs never resume from each other's checkpoints)
 #   MM_BALANCE       1 (default) adds --mm-balance; 0 runs the same job unbalanced
-#   TRAIN_ITERS, TP, PP, EP, GBS, EVAL_ITERS, LOG_INTERVAL
+#   TRAIN_ITERS, TP, PP, EP, GBS, EVAL_ITERS, LOG_INTERVAL, PRECISION (bf16|fp16),
+#   NUM_WORKERS, PACKING_BUFFER_SIZE
 #                    override the config's values where the config reads them from the
 #                    environment (configs/megatron/tiny_cpu.sh does)
 #   NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT, NPROC_PER_NODE
@@ -75,7 +76,13 @@ else
 fi
 EVAL_ITERS=${EVAL_ITERS:-10}
 LOG_INTERVAL=${LOG_INTERVAL:-10}
-PRECISION_ARGS=("${PRECISION_ARGS[@]:---bf16}")
+# examples/multimodal/train.py reaches the model through Float16Module (model.module.module):
+# it runs in bf16 or fp16 only.
+case "${PRECISION:-bf16}" in
+  bf16) PRECISION_ARGS=(--bf16) ;;
+  fp16) PRECISION_ARGS=(--fp16) ;;
+  *) die "PRECISION must be bf16 or fp16 (got $PRECISION; examples/multimodal/train.py needs one of them)" ;;
+esac
 
 NPROC_PER_NODE=${NPROC_PER_NODE:-$GPUS_PER_NODE}
 WORLD=$(( NNODES * NPROC_PER_NODE ))
@@ -117,7 +124,7 @@ ARGS=(
   "${MODEL_ARGS[@]}"
   "${IMPL_ARGS[@]}"
   --seq-length 576 --decoder-seq-length "$SEQ_LEN" --max-position-embeddings "$SEQ_LEN"
-  --packing-seq-length "$SEQ_LEN" --packing-buffer-size 256
+  --packing-seq-length "$SEQ_LEN" --packing-buffer-size "${PACKING_BUFFER_SIZE:-256}"
   --micro-batch-size "$MBS" --global-batch-size "$GBS" --train-iters "$TRAIN_ITERS"
   --lr 1e-4 --min-lr 1e-5 --lr-decay-style cosine --lr-warmup-fraction 0.01
   --clip-grad 1.0 --weight-decay 0.01 --adam-beta1 0.9 --adam-beta2 0.95 --init-method-std 0.014

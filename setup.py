@@ -21,6 +21,7 @@ setup(
     extras_require={
         "megatron": ["megatron-core==0.16.1"],
         "energon": ["megatron-energon"],
+        "data": ["megatron-energon", "pillow", "tokenizers"],   # mm-balance make-dataset
         "gpu": ["transformer-engine", "apex"],
         "sim": ["matplotlib>=3.7", "pyyaml>=6"],
         "test": ["pytest>=8", "hypothesis>=6.100", "pytest-benchmark>=4", "pytest-timeout>=2.3",

@@ -57,6 +57,11 @@ def add_mm_balance_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                             "own packs; larger moves fewer packs (solver default 0.005 if unset).")
     group.add_argument("--mm-balance-timeout", type=float, default=300.0,
                        help="Seconds the exchange waits on its collectives before failing.")
+    group.add_argument("--mm-balance-task-encoder", action="store_true",
+                       help="examples/multimodal: build the example's TaskEncoder with "
+                            "BalancedPackingMixin (per-pack image tokens in the batch; with "
+                            "--packing-buffer-size, best-fit packing of whole samples into "
+                            "--packing-seq-length). Works with or without --mm-balance.")
     return parser
 
 

@@ -97,6 +97,57 @@ def tokenizer_roundtrip(tokenizer, texts: Sequence[str]) -> List[str]:
     return [t for t in texts if tokenizer.detokenize(tokenizer.tokenize(t)) != t]
 
 
+def _same(a, b) -> bool:
+    import torch
+
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape \
+            and a.dtype == b.dtype and bool(torch.equal(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def restore_check(helpers, make_encoder, data_path, *, before: int = 3, after: int = 4,
+                  packing_buffer_size: int = 64, num_workers: int = 0) -> dict:
+    """Energon's checkpoint contract for a task encoder built by ``make_encoder()``.
+
+    Runs ``before`` batches, ``save_state_rank``, ``after`` more; restores the saved
+    state into a fresh encoder and loader and compares its ``after`` batches with the
+    uninterrupted run; then restores the last batch from its ``__restore_key__``
+    (``restore_sample``) when the loader says it can.
+    """
+    import torch
+
+    loader = train_loader(helpers, make_encoder(), data_path, packing_buffer_size=packing_buffer_size,
+                          num_workers=num_workers)
+    it = iter(loader)
+    for _ in range(before):
+        next(it)
+    state = loader.save_state_rank()
+    reference = [next(it) for _ in range(after)]
+
+    fresh = train_loader(helpers, make_encoder(), data_path, packing_buffer_size=packing_buffer_size,
+                         num_workers=num_workers)
+    fresh.restore_state_rank(state)
+    it2 = iter(fresh)
+    resumed = [next(it2) for _ in range(after)]
+    mismatched = [i for i, (a, b) in enumerate(zip(reference, resumed)) if not _same(a, b)]
+
+    result = {"resumed_equal": not mismatched and len(resumed) == after, "mismatched": mismatched,
+              "keys": sorted(reference[0]), "can_restore_sample": bool(fresh.can_restore_sample()),
+              "restored_equal": None}
+    if result["can_restore_sample"]:
+        last = reference[-1]
+        again = fresh.restore_sample(last["__restore_key__"])
+        result["restored_equal"] = _same(last, again)
+    result["image_tokens"] = [int(torch.as_tensor(b["image_tokens"]).sum()) if "image_tokens" in b else None
+                              for b in reference]
+    return result
+
+
 def main(argv=None) -> int:
     """``python -m megatron_mm_balance.testing.example_encoder MEGATRON_LM_DIR DATA_DIR``: run the
     example's TaskEncoder with packing over a ``make-dataset`` output; print one JSON object."""
@@ -109,11 +160,30 @@ def main(argv=None) -> int:
     p.add_argument("--packs", type=int, default=16)
     p.add_argument("--packing-seq-length", type=int, default=1024)
     p.add_argument("--packing-buffer-size", type=int, default=64)
+    p.add_argument("--restore", metavar="KINDS",
+                   help="instead: the save_state/restore_state and restore_sample check, for each of "
+                        "the comma-separated encoders: 'balanced' (the example's TaskEncoder with the "
+                        "mixin, as --mm-balance-task-encoder builds it), 'stock' (without it), "
+                        "'balanced-unmarked' (the mixin following the example's missing marks)")
+    p.add_argument("--num-workers", type=int, default=0)
     a = p.parse_args(argv)
     data = Path(a.data_dir)
     helpers = load_example(a.megatron_lm_dir, example_argv(
         data / "dataset.yaml", data / "tokenizer", a.megatron_lm_dir,
         packing_seq_length=a.packing_seq_length, packing_buffer_size=a.packing_buffer_size))
+    if a.restore:
+        from megatron_mm_balance.megatron.energon import balanced_example_task_encoder, balanced_task_encoder
+        makers = {"balanced": lambda: balanced_example_task_encoder(helpers.TaskEncoder),
+                  "stock": helpers.TaskEncoder,
+                  "balanced-unmarked": lambda: balanced_task_encoder(helpers.TaskEncoder)()}
+        kinds = a.restore.split(",")
+        unknown = [k for k in kinds if k not in makers]
+        if unknown:
+            p.error(f"--restore: unknown kind {unknown[0]!r} (choose from {', '.join(makers)})")
+        print(json.dumps({k: restore_check(helpers, makers[k], data / "dataset.yaml",
+                                           packing_buffer_size=a.packing_buffer_size, num_workers=a.num_workers)
+                          for k in kinds}))
+        return 0
     te = helpers.TaskEncoder()
     loader = train_loader(helpers, te, data / "dataset.yaml", packing_buffer_size=a.packing_buffer_size)
     it = iter(loader)

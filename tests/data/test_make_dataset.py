@@ -84,7 +84,7 @@ def test_images_span_one_to_four_tiles(dataset_dir):
     assert counts[1] >= 0.2 * total and counts[4] >= 0.15 * total, counts
 
 
-def test_cli_prints_paths_and_is_deterministic(tmp_path):
+def test_cli_prints_paths_and_writes_what_the_function_writes(tmp_path):
     r = cli("make-dataset", tmp_path / "d", "--samples", "16", "--seed", "3")
     assert r.returncode == 0, r.stderr
     lines = dict(l.split("=", 1) for l in r.stdout.splitlines() if "=" in l and " " not in l.split("=")[0])
@@ -92,10 +92,14 @@ def test_cli_prints_paths_and_is_deterministic(tmp_path):
     assert Path(lines["TOKENIZER_MODEL"]) == tmp_path / "d" / "tokenizer"
     assert lines["TOKENIZER_PROMPT_FORMAT"] == "qwen2p5"
     assert (tmp_path / "d" / "captions" / ".nv-meta" / "index.sqlite").is_file()
-    first = files(tmp_path / "d")
-    r = cli("make-dataset", tmp_path / "d", "--samples", "16", "--seed", "3")
-    assert r.returncode == 0, r.stderr
-    assert files(tmp_path / "d") == first
+    assert make_dataset(tmp_path / "again", samples=16, seed=3) and files(tmp_path / "again") == files(tmp_path / "d")
+
+
+def run_main(capsys, *args):
+    from megatron_mm_balance.cli import main
+    code = main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return code, out, err
 
 
 @pytest.mark.parametrize("args, needle", [
@@ -105,23 +109,26 @@ def test_cli_prints_paths_and_is_deterministic(tmp_path):
     (["--tile-size", "3"], "--tile-size"),
     (["--bogus"], "unrecognized arguments"),
 ])
-def test_cli_bad_arguments_one_line_exit_2(tmp_path, args, needle):
-    r = cli("make-dataset", tmp_path / "d", *args)
-    assert r.returncode == 2 and r.stdout == ""
-    assert len(r.stderr.strip().splitlines()) == 1 and needle in r.stderr, r.stderr
+def test_cli_bad_arguments_one_line_exit_2(tmp_path, capsys, args, needle):
+    code, out, err = run_main(capsys, "make-dataset", tmp_path / "d", *args)
+    assert code == 2 and out == ""
+    assert len(err.strip().splitlines()) == 1 and needle in err, err
     assert not (tmp_path / "d").exists()
 
 
-def test_cli_refuses_foreign_output_dirs(tmp_path):
+def test_cli_refuses_foreign_output_dirs(tmp_path, capsys):
     (tmp_path / "busy").mkdir()
     (tmp_path / "busy" / "notes.txt").write_text("keep me")
     (tmp_path / "file").write_text("x")
     for target, needle in ((tmp_path / "busy", "not empty"), (tmp_path / "file", "not a directory")):
-        r = cli("make-dataset", target, "--samples", "8")
-        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and needle in r.stderr, r.stderr
+        code, _, err = run_main(capsys, "make-dataset", target, "--samples", "8")
+        assert code == 2 and len(err.strip().splitlines()) == 1 and needle in err, err
     assert (tmp_path / "busy" / "notes.txt").read_text() == "keep me"
-    r = cli("make-dataset")
-    assert r.returncode == 2 and "OUT_DIR" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    code, _, err = run_main(capsys, "make-dataset")
+    assert code == 2 and "OUT_DIR" in err and len(err.strip().splitlines()) == 1
+    # the process exit status, once
+    r = cli("make-dataset", tmp_path / "busy")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "not empty" in r.stderr
 
 
 def test_example_task_encoder_packs_differ_in_image_tokens(dataset_dir, megatron_lm_dir):

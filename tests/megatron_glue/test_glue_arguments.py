@@ -20,13 +20,16 @@ def test_defaults_off_and_overlap_on():
     assert args.mm_balance_cost == "image-tokens"
     assert args.mm_balance_mode == "auto"
     assert args.mm_balance_log_interval is None
+    assert args.mm_balance_task_encoder is False
 
 
 def test_all_flags_parse():
     args = _parse(["--mm-balance", "--no-mm-balance-overlap", "--mm-balance-sync", "step",
                    "--mm-balance-cost", "model", "--mm-balance-cost-file", "c.json",
                    "--mm-balance-log-interval", "7", "--mm-balance-mode", "sampler",
-                   "--mm-balance-tolerance", "0.01", "--mm-balance-timeout", "60"])
+                   "--mm-balance-tolerance", "0.01", "--mm-balance-timeout", "60",
+                   "--mm-balance-task-encoder"])
+    assert args.mm_balance_task_encoder is True
     assert (args.mm_balance, args.mm_balance_overlap, args.mm_balance_sync) == (True, False, "step")
     assert (args.mm_balance_cost, args.mm_balance_cost_file) == ("model", "c.json")
     assert (args.mm_balance_log_interval, args.mm_balance_mode) == (7, "sampler")

@@ -25,7 +25,7 @@ MODEL_ARGS=(
   --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-2
   --moe-token-dispatcher-type alltoall      # packs differ in length: allgather needs equal counts
   --vision-model-type clip --img-h 56 --img-w 56 --patch-dim 14
-  --use-tiling --max-num-tiles 4 --use-thumbnail
+  --use-tiling --max-num-tiles 4
   --disable-vision-class-token
   --normalization RMSNorm --position-embedding-type rope --rotary-base 1000000
   --swiglu --untie-embeddings-and-output-weights --disable-bias-linear

@@ -24,7 +24,11 @@ rewriting, streams/events, the RNG tracker, ``te_general_gemm``):
   (``megatron.legacy.fused_kernels.load``): a no-op (the config turns the
   fusions off).
 * the rerun state machine saves and restores the CUDA RNG state every
-  iteration (``torch.cuda.get_rng_state``/``set_rng_state``): an empty state.
+  iteration, and checkpoints hold it (``torch.cuda.get_rng_state``/
+  ``set_rng_state``): an empty state. Checkpoints also hold the CUDA RNG
+  tracker's states and loading refuses an empty set: the CPU tracker (whose
+  ``fork()`` does nothing; ranks seed the CPU generator, which checkpoints
+  save as ``torch_rng_state``) carries one placeholder state.
 * ``triton`` is imported when megatron-core's inference contexts and batch
   invariant kernels load, even for training: a stub module whose attributes
   raise if anything ever calls them (nothing does during training).
@@ -39,10 +43,19 @@ rewriting, streams/events, the RNG tracker, ``te_general_gemm``):
   projection's norm spec is TE-only -> the local norm spec; local
   ``DotProductAttention`` refuses packed sequences -> attention restricted
   to each packed sample by a block-diagonal causal mask built from
-  ``cu_seqlens`` (the same result TE's THD attention computes).
+  ``cu_seqlens`` (the same result TE's THD attention computes); and the
+  local THD rotary embedding splits the pack by ``cu_seqlens``, which fails
+  when pipeline parallelism pads the pack to the fixed sequence length: the
+  padding tail (no real token attends to it) is left unrotated.
 * gloo has no ``all_to_all_single`` with split sizes (the ``alltoall`` MoE
   token dispatcher needs it: packs differ in length, so the token counts per
   expert rank differ): one built from point-to-point sends and receives.
+* without apex/TE the distributed optimizer wraps ``torch.optim.AdamW``, whose
+  ``step`` lives in per-parameter state that ``--ckpt-format torch``'s
+  parameter-state file does not hold: loading keeps the restored ``step``
+  instead of failing with ``KeyError: 'step'``; and ``load_state_dict`` gives
+  every parameter one shared ``step`` tensor, which AdamW's in-place increment
+  would advance once per parameter: each parameter gets its own copy.
 * Megatron compiles its dataset index helpers with ``make`` at start-up;
   the energon data path never calls them: skipped.
 """
@@ -197,6 +210,17 @@ def install() -> None:
             cuda.device_count = real
 
     minit._initialize_distributed = _initialize_distributed
+
+    _orig_seed = minit._set_random_seed
+
+    def _set_random_seed(*a, **k):
+        _orig_seed(*a, **k)
+        from megatron.core.tensor_parallel import random as mrandom
+        # A placeholder state: checkpoints must hold one, or resuming refuses the rng state.
+        mrandom.get_cuda_rng_tracker().states_.setdefault(
+            "model-parallel-rng", torch.zeros(1, dtype=torch.uint8))
+
+    minit._set_random_seed = _set_random_seed
     minit.fused_kernels.load = lambda args: None
 
     from megatron.core.datasets import utils as dutils
@@ -204,6 +228,7 @@ def install() -> None:
 
     _shrink_clip()
     _local_specs()
+    _torch_adam_resume()
     _DONE = True
 
 
@@ -281,6 +306,58 @@ def _local_specs() -> None:
         return _packed_attention(self, query, key, value, attn_mask_type, packed_seq_params)
 
     dpa.DotProductAttention.forward = forward
+
+    from megatron.core.models.common.embeddings import rope_utils
+    orig_rope_thd = rope_utils._apply_rotary_pos_emb_thd
+
+    def _apply_rotary_pos_emb_thd(t, cu_seqlens, freqs, *a, **k):
+        n = int(cu_seqlens[-1])
+        if n >= t.shape[0]:
+            return orig_rope_thd(t, cu_seqlens, freqs, *a, **k)
+        # Padded pack (pipeline parallel pads to the fixed sequence length): the real
+        # sequences as usual; the padding tail, which no real token attends to, unrotated.
+        return torch.cat([orig_rope_thd(t[:n], cu_seqlens, freqs, *a, **k), t[n:]], dim=0)
+
+    rope_utils._apply_rotary_pos_emb_thd = _apply_rotary_pos_emb_thd
+
+
+def _torch_adam_resume() -> None:
+    """Resume megatron's distributed optimizer when it wraps ``torch.optim.AdamW``.
+
+    Without apex/TE, megatron keeps Adam's ``step`` in torch's per-parameter state:
+    ``state_dict()`` saves it with the optimizer's common state, and
+    ``load_state_dict`` puts it back per parameter, but the per-parameter tensors
+    saved by ``save_parameter_state`` (``--ckpt-format torch``) hold only
+    ``param``/``exp_avg``/``exp_avg_sq``, so loading them fails on ``'step'``:
+    entries the file lacks keep the value ``load_state_dict`` restored. That value is
+    one tensor shared by all parameters, which AdamW would increment once per
+    parameter per step: each parameter gets its own copy.
+    """
+    import torch
+    from megatron.core.optimizer import distrib_optimizer as dopt
+
+    orig = dopt.DistributedOptimizer._set_main_param_and_optimizer_states
+
+    def _set_main_param_and_optimizer_states(self, model_param, tensors):
+        if not getattr(dopt, "HAVE_APEX_OR_TE", True):
+            group_index, group_order = self.model_param_group_index_map[model_param]
+            main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+            kept = {k: v for k, v in self.optimizer.state[main_param].items() if k not in tensors}
+            tensors = {**tensors, **kept}
+        return orig(self, model_param, tensors)
+
+    dopt.DistributedOptimizer._set_main_param_and_optimizer_states = _set_main_param_and_optimizer_states
+
+    orig_load = dopt.DistributedOptimizer.load_state_dict
+
+    def load_state_dict(self, state_dict):
+        orig_load(self, state_dict)
+        if not getattr(dopt, "HAVE_APEX_OR_TE", True):
+            for st in self.optimizer.state.values():
+                if isinstance(st.get("step"), torch.Tensor):
+                    st["step"] = st["step"].clone()
+
+    dopt.DistributedOptimizer.load_state_dict = load_state_dict
 
 
 def _packed_attention(self, query, key, value, attn_mask_type, params):

@@ -1,5 +1,5 @@
-"""Launch scripts and configs: the torchrun command they build, the Slurm fan-out, and
-(with the core_v0.16.1 tree of conftest.py) that Megatron's own parse_args and
+"""Launch scripts and configs: the torchrun (python -m torch.distributed.run) command they build, the Slurm fan-out, and
+(with the core_v0.16.1 tree of megatron_trees.py) that Megatron's own parse_args and
 validate_args accept every config. About 30 s with a checkout, 2 s without.
 """
 import os
@@ -46,7 +46,7 @@ def test_dry_run_builds_a_consistent_torchrun_command(cfg):
     assert r.returncode == 0, r.stderr
     argv = r.stdout.split("\n")
     v = config_vars(cfg)
-    assert argv[0] == "torchrun" and "examples/multimodal/train.py" in argv
+    assert argv[1:3] == ["-m", "torch.distributed.run"] and "examples/multimodal/train.py" in argv
     assert flag(argv, "--nproc-per-node") == str(v["GPUS_PER_NODE"])
     assert flag(argv, "--tensor-model-parallel-size") == str(v["TP"])
     assert flag(argv, "--pipeline-model-parallel-size") == str(v["PP"])

@@ -84,7 +84,7 @@ def test_patch_files_are_well_formed_unified_diffs(tag):
                 assert sum(1 for l in body if l[0] in " +") == nl, f"{p.name}: new count"
                 added += sum(1 for l in body if l[0] == "+")
     assert TARGETS <= targets(tag) <= TARGETS | EXTRA_TARGETS
-    assert added <= 40, f"patches add {added} lines; keep them minimal"
+    assert added <= 45, f"patches add {added} lines; keep them minimal"
 
 
 @pytest.mark.parametrize("tag", RELEASES)

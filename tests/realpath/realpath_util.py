@@ -1,0 +1,203 @@
+"""Helpers for the real-path acceptance tests: a patched Megatron-LM, a dataset, launcher runs.
+
+Everything here drives the user's commands as subprocesses (``scripts/apply_patches.sh``,
+``mm-balance make-dataset``, ``scripts/pretrain_vlm_moe.sh``) and reads what they print;
+nothing imports Megatron-LM into the test process.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional
+
+REPO = Path(__file__).resolve().parents[2]
+TAG = "core_v0.16.1"
+ARCHIVE = REPO.parent / "shared" / "megatron-lm" / f"Megatron-LM-{TAG}.tar.gz"
+CACHE = REPO / ".megatron-lm"
+LAUNCHER = REPO / "scripts" / "pretrain_vlm_moe.sh"
+CONFIG = REPO / "configs" / "megatron" / "tiny_cpu.sh"
+
+#: Megatron's per-iteration log line: "iteration 3/ 6 | ... | lm loss: 6.42E+00 | ...".
+ITER_RE = re.compile(r"\biteration\s+(\d+)/\s*\d+ \|.*?\blm loss: ([0-9.Ee+-]+)")
+#: Our telemetry line: "[mm-balance] iteration 3 | ... | packs_moved: 7 | ...".
+MOVED_RE = re.compile(r"^\[mm-balance\] iteration (\d+) \|.*?\bpacks_moved: (\d+)", re.M)
+
+
+def _patches_digest() -> str:
+    h = hashlib.sha256()
+    for p in sorted((REPO / "patches").glob("*.patch")):
+        h.update(p.name.encode())
+        h.update(p.read_bytes())
+    return h.hexdigest()[:12]
+
+
+def megatron_lm_dir() -> Optional[Path]:
+    """A Megatron-LM core_v0.16.1 tree with ``patches/`` applied, or None if there is none.
+
+    ``MEGATRON_LM_DIR`` when set (used as is: the launcher refuses it if patches are
+    pending); otherwise the release archive beside the repository, unpacked and patched
+    once into ``.megatron-lm/<tag>-<digest of patches/>`` (a changed patch gets a fresh tree).
+    """
+    env = os.environ.get("MEGATRON_LM_DIR")
+    if env:
+        return Path(env)
+    if not ARCHIVE.is_file():
+        return None
+    dest = CACHE / f"{TAG}-{_patches_digest()}"
+    tree = dest / f"Megatron-LM-{TAG}"
+    if (dest / ".ready").is_file():
+        return tree
+    tmp = CACHE / f".unpack-{os.getpid()}"
+    subprocess.run(["rm", "-rf", str(tmp)], check=True)
+    tmp.mkdir(parents=True)
+    with tarfile.open(ARCHIVE) as tf:
+        tf.extractall(tmp, filter="data")
+    subprocess.run(["bash", str(REPO / "scripts" / "apply_patches.sh"), str(tmp / f"Megatron-LM-{TAG}")],
+                   check=True, timeout=120, stdout=subprocess.DEVNULL)
+    (tmp / ".ready").write_text("patched\n")
+    subprocess.run(["rm", "-rf", str(dest)], check=True)
+    os.replace(tmp, dest)
+    return tree
+
+
+def make_dataset(out: Path, samples: int = 128, seed: int = 0) -> Dict[str, str]:
+    """``mm-balance make-dataset OUT --samples N --seed S``; returns its KEY=VALUE lines."""
+    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    res = subprocess.run([sys.executable, "-m", "megatron_mm_balance.cli", "make-dataset", str(out),
+                          "--samples", str(samples), "--seed", str(seed)],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, f"make-dataset failed:\n{res.stdout}\n{res.stderr}"
+    return dict(line.split("=", 1) for line in res.stdout.splitlines()
+                if re.match(r"^[A-Z_]+=", line))
+
+
+def single_val_split(data_path: str) -> str:
+    """The blend with one validation dataset, as examples/multimodal in core_v0.16.1 requires.
+
+    The example hands Megatron one validation loader per dataset of the ``val`` split and
+    ``build_train_valid_test_data_loaders`` asserts there is exactly one (unless
+    ``--multiple-validation-sets --full-validation``). make-dataset's blend lists two;
+    this writes ``<name>-val1.yaml`` beside it keeping the first, or returns the path as is.
+    """
+    import yaml
+
+    path = Path(data_path)
+    if path.suffix not in (".yaml", ".yml"):
+        return data_path
+    meta = yaml.safe_load(path.read_text())
+    val = meta.get("splits", {}).get("val", {})
+    key = "blend" if "blend" in val else "datasets" if "datasets" in val else None
+    if key is None or len(val[key]) <= 1:
+        return data_path
+    val[key] = val[key][:1]
+    out = path.with_name(path.stem + "-val1.yaml")
+    out.write_text(yaml.safe_dump(meta, sort_keys=False))
+    return str(out)
+
+
+@dataclass
+class Run:
+    """One launcher run: exit status, wall time, the log, and what it printed."""
+
+    rc: int
+    wall_s: float
+    log: str
+    losses: Dict[int, float] = field(default_factory=dict)
+    moved: Dict[int, int] = field(default_factory=dict)
+
+    def tail(self, n: int = 60) -> str:
+        return "\n".join(self.log.splitlines()[-n:])
+
+
+def parse_losses(log: str) -> Dict[int, float]:
+    """Per-iteration lm loss from Megatron's iteration lines (``--log-interval 1``).
+
+    Megatron does not reset its loss accumulators after the first iteration of a job
+    (``training_log(is_first_iteration=True)``), so the line of the job's second
+    iteration prints the mean of its first two; that iteration's own loss is
+    ``2 * printed - first``. Reconstructed here so that a resumed job's iterations
+    compare one to one with an uninterrupted run's.
+    """
+    printed = {int(m.group(1)): float(m.group(2)) for m in ITER_RE.finditer(log)}
+    its = sorted(printed)
+    if len(its) >= 2 and its[1] == its[0] + 1:
+        printed[its[1]] = 2 * printed[its[1]] - printed[its[0]]
+    return printed
+
+
+def parse_moved(log: str) -> Dict[int, int]:
+    return {int(m.group(1)): int(m.group(2)) for m in MOVED_RE.finditer(log)}
+
+
+def launcher_env(mlm: Path, data: Dict[str, str], *, mm_balance: bool, output_dir: Path,
+                 train_iters: int, **layout: int) -> Dict[str, str]:
+    env = dict(os.environ)
+    env.update(MEGATRON_LM_DIR=str(mlm), DATA_PATH=data["DATA_PATH"],
+               TOKENIZER_MODEL=data["TOKENIZER_MODEL"], MM_BALANCE="1" if mm_balance else "0",
+               OUTPUT_DIR=str(output_dir), TRAIN_ITERS=str(train_iters),
+               PYTHON=sys.executable, MASTER_PORT=str(free_port()),
+               PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    for k, v in layout.items():
+        env[k.upper()] = str(v)
+    return env
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(env: Dict[str, str], extra: List[str] = (), *, log_path: Path, timeout: float = 600.0) -> subprocess.Popen:
+    """Start ``pretrain_vlm_moe.sh --config tiny_cpu.sh`` in its own process group."""
+    log = open(log_path, "w")
+    return subprocess.Popen(["bash", str(LAUNCHER), "--config", str(CONFIG), *extra], env=env,
+                            stdout=log, stderr=subprocess.STDOUT, cwd=str(REPO), start_new_session=True)
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def run(env: Dict[str, str], extra: List[str] = (), *, log_path: Path, timeout: float = 600.0) -> Run:
+    """Run the launcher to completion (killing its whole process group at ``timeout``)."""
+    t0 = time.monotonic()
+    proc = launch(env, extra, log_path=log_path)
+    try:
+        rc = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_group(proc)
+        proc.wait()
+        rc = -9
+    finally:
+        kill_group(proc)  # no rank outlives its launcher
+    log = log_path.read_text(errors="replace")
+    return Run(rc=rc, wall_s=time.monotonic() - t0, log=log,
+               losses=parse_losses(log), moved=parse_moved(log))
+
+
+def max_rel_diff(a: Dict[int, float], b: Dict[int, float], iters) -> float:
+    return max(abs(a[i] - b[i]) / max(abs(b[i]), 1e-12) for i in iters)
+
+
+def loss_table(runs: Dict[str, Run]) -> str:
+    """Iterations as rows, runs as columns (for failure messages and the docs)."""
+    names = list(runs)
+    iters = sorted(set().union(*(r.losses for r in runs.values())))
+    lines = ["iter " + " ".join(f"{n:>14}" for n in names)]
+    for i in iters:
+        lines.append(f"{i:>4} " + " ".join(
+            f"{runs[n].losses[i]:>14.6E}" if i in runs[n].losses else f"{'-':>14}" for n in names))
+    return "\n".join(lines)

@@ -1,0 +1,164 @@
+"""The user's path, for real: ``scripts/pretrain_vlm_moe.sh --config configs/megatron/tiny_cpu.sh``.
+
+Each test launches the patched Megatron-LM ``examples/multimodal/train.py`` (its own
+``pretrain()``) on 4 CPU ranks over gloo, as a user would, with ``MM_BALANCE=0`` and
+``MM_BALANCE=1``, and reads Megatron's own iteration lines (``lm loss``) and our
+telemetry (``packs_moved``) from the log. Runs are shared between tests through
+module-scoped fixtures (the 6-iteration DP=2 x EP=2 runs serve the layout test and the
+resume test). Slow: ``python -m pytest tests/realpath -m realpath``.
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import time
+
+import pytest
+
+import realpath_util as rp
+
+pytestmark = [pytest.mark.realpath, pytest.mark.timeout(1800)]
+
+REL_TOL = 1e-5
+#: name -> (iterations, launcher environment overrides). DP = 4 / (TP*PP).
+LAYOUTS = {
+    "dp2_ep2": (6, {}),                       # the config's default: DP=2 x EP=2 (MoE alltoall)
+    "dp4": (3, {"EP": 1}),
+    "pp2_dp2": (3, {"EP": 1, "PP": 2}),       # vision encoder on the first stage
+    "tp2_dp2": (3, {"EP": 1, "TP": 2}),
+}
+RUN_TIMEOUT_S = 600
+
+
+@pytest.fixture(scope="module")
+def runner(megatron_lm, dataset, runs_dir):
+    """``runner(name, mm_balance, iters, extra=(), output=None, **layout)`` -> :class:`rp.Run`, cached."""
+    cache = {}
+
+    def go(name, mm_balance, iters, extra=(), output=None, **layout):
+        key = (name, mm_balance)
+        if key not in cache:
+            out = output or runs_dir / f"{name}-{'on' if mm_balance else 'off'}"
+            env = rp.launcher_env(megatron_lm, dataset, mm_balance=mm_balance, output_dir=out,
+                                  train_iters=iters, **layout)
+            cache[key] = rp.run(env, list(extra), log_path=runs_dir / f"{name}-{int(mm_balance)}.log",
+                                timeout=RUN_TIMEOUT_S)
+        return cache[key]
+
+    return go
+
+
+def _check_pair(off: rp.Run, on: rp.Run, iters: int, label: str) -> None:
+    table = rp.loss_table({"off": off, "on": on})
+    assert off.rc == 0, f"{label} off: exit {off.rc}\n{off.tail()}"
+    assert on.rc == 0, f"{label} on: exit {on.rc}\n{on.tail()}"
+    want = list(range(1, iters + 1))
+    assert sorted(off.losses) == want and sorted(on.losses) == want, f"{label}: iterations\n{table}"
+    diff = rp.max_rel_diff(on.losses, off.losses, want)
+    print(f"\n{label}: max relative lm-loss difference {diff:.2e}; packs moved per iteration "
+          f"{[on.moved[i] for i in sorted(on.moved)]}; wall off {off.wall_s:.0f}s on {on.wall_s:.0f}s\n{table}")
+    assert diff <= REL_TOL, f"{label}: lm loss off vs on differs by {diff:.2e} > {REL_TOL}\n{table}"
+    assert not off.moved, f"{label}: MM_BALANCE=0 printed balancer telemetry"
+    assert on.moved and sum(on.moved.values()) > 0, f"{label}: no packs moved\n{on.tail()}"
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_off_on_equal(runner, layout):
+    """Per-iteration lm loss equal off vs on, packs moved, exit 0 (both runs)."""
+    iters, env = LAYOUTS[layout]
+    off = runner(layout, False, iters, **env)
+    on = runner(layout, True, iters, **env)
+    _check_pair(off, on, iters, layout)
+
+
+def test_resume_equals_uninterrupted(runner, runs_dir):
+    """--mm-balance on: 3 iterations, then resume to 6 from the same OUTPUT_DIR; iterations 4-6
+    equal the uninterrupted 6-iteration run (Megatron's sampler state and energon's save_state)."""
+    iters, env = LAYOUTS["dp2_ep2"]
+    full = runner("dp2_ep2", True, iters, **env)
+    out = runs_dir / "resume-on"
+    # The first job stops after iteration 3 (checkpoint, exit 0) with the 6-iteration schedule.
+    first = runner("resume-first", True, iters, extra=["--exit-interval", "3"], output=out, **env)
+    second = runner("resume-second", True, iters, output=out, **env)
+    table = rp.loss_table({"uninterrupted": full, "first job": first, "resumed": second})
+    print(f"\nresume (DP=2 x EP=2, --mm-balance):\n{table}")
+    assert full.rc == 0 and first.rc == 0 and second.rc == 0, (
+        f"exit {full.rc}/{first.rc}/{second.rc}\n{second.tail()}")
+    assert sorted(first.losses) == [1, 2, 3], table
+    assert sorted(second.losses) == [4, 5, 6], f"the second job did not resume at iteration 4\n{table}"
+    assert "restored dataset state" in second.log, "energon dataloader state was not restored"
+    assert rp.max_rel_diff(first.losses, full.losses, [1, 2, 3]) <= REL_TOL, table
+    diff = rp.max_rel_diff(second.losses, full.losses, [4, 5, 6])
+    assert diff <= REL_TOL, f"resumed iterations differ by {diff:.2e}\n{table}"
+    assert sum(second.moved.values()) > 0, "no packs moved after the resume"
+
+
+def test_energon_mixin_on(runner):
+    """--mm-balance-task-encoder (patch 0005: the example builds the balancing task encoder):
+    lm loss equal off vs on, packs moved."""
+    extra = ["--mm-balance-task-encoder"]
+    off = runner("mixin", False, 3, extra=extra)
+    on = runner("mixin", True, 3, extra=extra)
+    _check_pair(off, on, 3, "dp2_ep2 + --mm-balance-task-encoder")
+
+
+def _rank_pids(agent_pid: int) -> dict:
+    """{RANK: pid} of the launcher's worker processes (children of torch.distributed.run)."""
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(agent_pid)], capture_output=True, text=True).stdout
+    ranks = {}
+    for pid in map(int, out.split()):
+        try:
+            env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        for kv in env:
+            if kv.startswith(b"RANK="):
+                ranks[int(kv[5:])] = pid
+    return ranks
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = open(f"/proc/{pid}/stat").read() if os.path.exists(f"/proc/{pid}/stat") else ""
+    return bool(stat) and stat.split(") ", 1)[1][0] != "Z"
+
+
+def test_killed_peer_fails_fast(megatron_lm, dataset, runs_dir):
+    """A rank killed mid-run: every rank exits non-zero within --mm-balance-timeout, no hang."""
+    timeout_s = 30
+    env = rp.launcher_env(megatron_lm, dataset, mm_balance=True, output_dir=runs_dir / "kill",
+                          train_iters=50)
+    log_path = runs_dir / "kill.log"
+    proc = rp.launch(env, ["--mm-balance-timeout", str(timeout_s)], log_path=log_path)
+    try:
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while not re.search(r"\biteration\s+2/", log_path.read_text(errors="replace")):
+            assert proc.poll() is None, f"the run ended before iteration 2:\n{log_path.read_text()[-4000:]}"
+            assert time.monotonic() < deadline, "no iteration 2 within the run timeout"
+            time.sleep(0.5)
+        ranks = _rank_pids(proc.pid)
+        assert sorted(ranks) == [0, 1, 2, 3], f"worker processes: {ranks}"
+        victim = 3
+        os.kill(ranks[victim], signal.SIGKILL)
+        t_kill = time.monotonic()
+        try:
+            rc = proc.wait(timeout=timeout_s + 30)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the launcher still runs {timeout_s + 30} s after rank {victim} was killed")
+        elapsed = time.monotonic() - t_kill
+        survivors = [r for r, pid in ranks.items() if _alive(pid)]
+    finally:
+        rp.kill_group(proc)
+    log = log_path.read_text(errors="replace")
+    print(f"\nkill: rank {victim} killed; launcher exit {rc} after {elapsed:.1f} s "
+          f"(--mm-balance-timeout {timeout_s}); ranks still alive: {survivors}")
+    assert rc != 0, "the launcher exited 0 after a rank was killed"
+    assert elapsed <= timeout_s, f"ranks took {elapsed:.1f} s > --mm-balance-timeout {timeout_s} s to exit"
+    assert not survivors, f"ranks {survivors} outlived the launcher"
+    assert re.search(rf"rank\s*:\s*{victim}\b.*\n.*exitcode\s*:\s*-9", log), (
+        f"the launcher's failure report does not name rank {victim}:\n{log[-3000:]}")

@@ -221,7 +221,8 @@ def install() -> None:
             "model-parallel-rng", torch.zeros(1, dtype=torch.uint8))
 
     minit._set_random_seed = _set_random_seed
-    minit.fused_kernels.load = lambda args: None
+    if hasattr(minit, "fused_kernels"):      # core_v0.19.0 no longer compiles them
+        minit.fused_kernels.load = lambda args: None
 
     from megatron.core.datasets import utils as dutils
     dutils.compile_helpers = lambda: None

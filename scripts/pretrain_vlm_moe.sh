@@ -6,8 +6,9 @@
 #     scripts/pretrain_vlm_moe.sh [--config configs/megatron/vlm_30b_moe.sh] [extra Megatron flags...]
 #
 # Environment:
-#   MEGATRON_LM_DIR  Megatron-LM checkout at core_v0.16.1 with our patches applied
-#                    (scripts/apply_patches.sh MEGATRON_LM_DIR); required
+#   MEGATRON_LM_DIR  Megatron-LM checkout of a supported release (core_v0.16.1, core_v0.17.1,
+#                    core_v0.18.2, core_v0.19.0; the last three need Python >= 3.12) with our
+#                    patches applied (scripts/apply_patches.sh MEGATRON_LM_DIR); required
 #   DATA_PATH        energon dataset (directory or blend .yaml); required unless DRY_RUN=1
 #   TOKENIZER_MODEL  HuggingFace tokenizer (name or local directory); default from the config
 #   OUTPUT_DIR       checkpoints, dataloader state and TensorBoard (default
@@ -51,11 +52,17 @@ die() { echo "pretrain_vlm_moe: $*" >&2; exit 1; }
 if [ "$DRY_RUN" = 1 ] && [ -z "${MEGATRON_LM_DIR:-}" ]; then
   MEGATRON_LM_DIR=/path/to/Megatron-LM          # printing only: no checkout needed
 else
-  [ -n "${MEGATRON_LM_DIR:-}" ] || die "set MEGATRON_LM_DIR to a Megatron-LM core_v0.16.1 checkout"
+  [ -n "${MEGATRON_LM_DIR:-}" ] || die "set MEGATRON_LM_DIR to a Megatron-LM checkout of a supported release ($(bash "$HERE/scripts/apply_patches.sh" --supported))"
   [ -f "$MEGATRON_LM_DIR/examples/multimodal/train.py" ] || die "$MEGATRON_LM_DIR has no examples/multimodal/train.py"
+  # The checkout's release (apply_patches.sh detects it and refuses unsupported ones).
   state=$(bash "$HERE/scripts/apply_patches.sh" "$MEGATRON_LM_DIR" --check 2>&1) || { echo "$state" >&2; exit 1; }
   if grep -q ": pending" <<<"$state"; then
     die "patches are not applied to $MEGATRON_LM_DIR: run scripts/apply_patches.sh $MEGATRON_LM_DIR"
+  fi
+  RELEASE=$(sed -n '1s/^Megatron-LM \(core_v[0-9.]*\) .*/\1/p' <<<"$state")
+  # core_v0.17.1 and later use typing.override (Python >= 3.12) in megatron/training.
+  if [ "$RELEASE" != core_v0.16.1 ] && ! "$PY" -c "import typing; typing.override" 2>/dev/null; then
+    die "Megatron-LM $RELEASE needs Python >= 3.12 (typing.override); $PY is $("$PY" -V 2>&1): set PYTHON (scripts/setup_env_py312.sh builds one)"
   fi
 fi
 if [ "$DRY_RUN" != 1 ]; then

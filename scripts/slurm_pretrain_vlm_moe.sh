@@ -21,6 +21,15 @@ HERE=${MM_BALANCE_HOME:-${SLURM_SUBMIT_DIR:-$(cd "$(dirname "$0")/.." && pwd)}}
   echo "slurm_pretrain_vlm_moe: set MM_BALANCE_HOME to the megatron-mm-balance checkout" >&2; exit 1; }
 [ -n "${SLURM_JOB_NODELIST:-}" ] || { echo "slurm_pretrain_vlm_moe: run it with sbatch (or inside salloc)" >&2; exit 1; }
 
+# Refuse an unsupported or unpatched Megatron-LM checkout here, before N nodes start.
+if [ "${DRY_RUN:-0}" != 1 ]; then
+  [ -n "${MEGATRON_LM_DIR:-}" ] || { echo "slurm_pretrain_vlm_moe: set MEGATRON_LM_DIR to a Megatron-LM checkout of a supported release ($(bash "$HERE/scripts/apply_patches.sh" --supported))" >&2; exit 1; }
+  state=$(bash "$HERE/scripts/apply_patches.sh" "$MEGATRON_LM_DIR" --check 2>&1) || { echo "$state" >&2; exit 1; }
+  if grep -q ": pending" <<<"$state"; then
+    echo "slurm_pretrain_vlm_moe: patches are not applied to $MEGATRON_LM_DIR: run scripts/apply_patches.sh $MEGATRON_LM_DIR" >&2; exit 1
+  fi
+fi
+
 MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | awk 'NR == 1')  # awk reads all: no SIGPIPE under pipefail
 export MASTER_ADDR MASTER_PORT=${MASTER_PORT:-29500} NNODES=$SLURM_JOB_NUM_NODES
 export NPROC_PER_NODE=${NPROC_PER_NODE:-${SLURM_GPUS_ON_NODE:-8}}

@@ -24,7 +24,7 @@ from typing import Any, Callable, Optional
 from .checks import checked_config
 from .config import MMBalanceConfig
 from .sampler import installed_train_sampler
-from .schedule import MicrobatchSchedule
+from .schedule import MicrobatchSchedule, variable_batch_size
 
 
 class BalancedTrainIterable:
@@ -136,7 +136,7 @@ def _schedule_for(source, args, num_microbatches):
     balancer gets a callable and starts each global batch only when training does.
     """
     if num_microbatches is None:
-        fixed = getattr(args, "rampup_batch_size", None) is None
+        fixed = not variable_batch_size(args)
         if fixed and not callable(getattr(source, "save_state", None)):
             from megatron.core.num_microbatches_calculator import get_num_microbatches
             return int(get_num_microbatches())

@@ -8,6 +8,37 @@ from __future__ import annotations
 from typing import Optional
 
 
+def variable_batch_size(args) -> bool:
+    """Whether Megatron's micro-batch count changes during training: ``--rampup-batch-size``
+    (releases up to core_v0.17.1) or ``--step-batch-size-schedule`` (its replacement from
+    core_v0.18.2). Read by attribute, so either release's args work."""
+    return bool(getattr(args, "rampup_batch_size", None)
+                or getattr(args, "step_batch_size_schedule", None))
+
+
+def private_microbatch_calculator(args):
+    """A private copy of Megatron's micro-batch calculator (rank 1: it does not log) and the
+    data-parallel size it counts in, built the way this Megatron's ``global_vars`` builds
+    its own. Branches on the builder's parameters, not on a version: up to core_v0.17.1 it
+    takes ``rampup_batch_size``; from core_v0.18.2 ``step_batch_size_schedule`` and
+    ``seq_length`` (and core_v0.19.0 counts data-parallel replicas times
+    ``gtp_weight_remat_size``)."""
+    import inspect
+
+    from megatron.core.num_microbatches_calculator import _build_num_microbatches_calculator as build
+    params = inspect.signature(build).parameters
+    dp = int(args.data_parallel_size) * int(getattr(args, "gtp_weight_remat_size", None) or 1)
+    kwargs = dict(rank=1, global_batch_size=args.global_batch_size,
+                  micro_batch_size=args.micro_batch_size, data_parallel_size=dp,
+                  decrease_batch_size_if_needed=getattr(args, "decrease_batch_size_if_needed", False))
+    if "rampup_batch_size" in params:
+        kwargs["rampup_batch_size"] = getattr(args, "rampup_batch_size", None)
+    if "step_batch_size_schedule" in params:
+        kwargs["step_batch_size_schedule"] = getattr(args, "step_batch_size_schedule", None)
+        kwargs["seq_length"] = getattr(args, "seq_length", None)
+    return build(**kwargs), dp
+
+
 class MicrobatchSchedule:
     """Zero-arg callable: the number of micro-batches of the next global batch.
 
@@ -17,7 +48,8 @@ class MicrobatchSchedule:
 
     Readers that run ahead of the training loop (the sampler mode's batch
     sampler, prefetched by the DataLoader) pass ``predict=True``: under
-    ``--rampup-batch-size`` it then runs a private copy of Megatron's calculator
+    ``--rampup-batch-size`` (``--step-batch-size-schedule`` from core_v0.18.2) it then
+    runs a private copy of Megatron's calculator
     on the samples consumed by the global batches it has already handed out.
     """
 
@@ -25,19 +57,11 @@ class MicrobatchSchedule:
                  consumed_samples: Optional[int] = None):
         self._calc = None
         self._consumed = 0
-        if predict and args is not None and getattr(args, "rampup_batch_size", None):
-            from megatron.core.num_microbatches_calculator import _build_num_microbatches_calculator
-            self._calc = _build_num_microbatches_calculator(
-                rank=1,  # not 0: keep the copy from logging
-                rampup_batch_size=args.rampup_batch_size,
-                global_batch_size=args.global_batch_size,
-                micro_batch_size=args.micro_batch_size,
-                data_parallel_size=args.data_parallel_size,
-                decrease_batch_size_if_needed=getattr(args, "decrease_batch_size_if_needed", False),
-            )
+        if predict and args is not None and variable_batch_size(args):
+            self._calc, dp = private_microbatch_calculator(args)
             self._consumed = int(consumed_samples if consumed_samples is not None
                                  else getattr(args, "consumed_train_samples", 0) or 0)
-            self._samples_per_mb = args.micro_batch_size * args.data_parallel_size
+            self._samples_per_mb = args.micro_batch_size * dp
 
     def __call__(self) -> int:
         if self._calc is None:

@@ -1,5 +1,5 @@
 """Launch scripts and configs: the torchrun (python -m torch.distributed.run) command they build, the Slurm fan-out, and
-(with a Megatron-LM checkout, see test_glue_patches.py) that Megatron's own parse_args and
+(with the core_v0.16.1 tree of megatron_trees.py) that Megatron's own parse_args and
 validate_args accept every config. About 30 s with a checkout, 2 s without.
 """
 import os
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from test_glue_patches import ROOT, _checkout_dir, run_script  # noqa: F401  (fixture helpers)
+from test_glue_patches import ROOT, run_script
 
 LAUNCH = ROOT / "scripts" / "pretrain_vlm_moe.sh"
 SLURM = ROOT / "scripts" / "slurm_pretrain_vlm_moe.sh"
@@ -117,11 +117,8 @@ print("VALID", args.world_size, args.data_parallel_size, args.expert_model_paral
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: c.stem)
-def test_megatron_accepts_each_config(cfg, tmp_path):
-    src = _checkout_dir()
-    clone = tmp_path / "Megatron-LM"
-    subprocess.run(["git", "clone", "-q", "--shared", "--no-checkout", src, str(clone)], check=True)
-    subprocess.run(["git", "-C", str(clone), "checkout", "-q", "55ac7082517c3878ae653c07c09c534b8aed49f6"], check=True)
+def test_megatron_accepts_each_config(cfg, tmp_path, mlm_trees):
+    clone = mlm_trees.copy("core_v0.16.1", tmp_path / "Megatron-LM")
     assert run_script(clone).returncode == 0
     r = dry_run(cfg, {"MEGATRON_LM_DIR": str(clone)})
     assert r.returncode == 0, r.stderr

@@ -1,75 +1,99 @@
-"""patches/*.patch and scripts/apply_patches.sh.
+"""patches/<release>/*.patch and scripts/apply_patches.sh.
 
-The well-formedness tests are pure Python and always run. The others need a
-Megatron-LM git checkout that contains commit 55ac708 (tag core_v0.16.1): set
-MEGATRON_LM_DIR to it (default: ./.megatron-lm when present). They never touch that checkout: they clone it (shared
-objects, about a second) into a temporary directory and work there. Without
-MEGATRON_LM_DIR they are skipped with the reason. About 40 s with a checkout.
+The well-formedness tests are pure Python and always run. The others use Megatron-LM
+release trees from the session cache of conftest.py (unpacked once from the archives in
+../shared/megatron-lm/, or MEGATRON_LM_DIR for the release it holds; skipped with the
+reason when neither exists). Each test works on its own copy: a plain source tree, or a
+git checkout carrying one local commit that edits a context line of the training.py hunk
+(so a plain apply fails there and the 3-way path is exercised). About 25 s for all.
 """
 import ast
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-PATCHES = sorted((ROOT / "patches").glob("*.patch"))
+from megatron_trees import INFO_VERSION, LOCAL_EDIT_FILE, RELEASES, ROOT, git, tree_hash
+
 SCRIPT = ROOT / "scripts" / "apply_patches.sh"
-COMMIT = "55ac7082517c3878ae653c07c09c534b8aed49f6"
+PATCH_SETS = {tag: sorted((ROOT / "patches" / tag).glob("*.patch")) for tag in RELEASES}
+PATCHES = PATCH_SETS["core_v0.16.1"]
 TARGETS = {"megatron/training/arguments.py", "megatron/training/training.py",
-           "megatron/training/datasets/data_samplers.py", "examples/multimodal/model.py",
-           "examples/multimodal/dataloader_provider.py"}
+           "megatron/training/datasets/data_samplers.py", "examples/multimodal/model.py"}
+# Files later patches touch too (examples/multimodal's task encoder switch and test loader,
+# Megatron's dataloader checkpoint directory; the last fixed upstream in core_v0.19.0).
+EXTRA_TARGETS = {"examples/multimodal/dataloader_provider.py", "megatron/training/checkpointing.py",
+                 "megatron/core/tokenizers/utils/build_tokenizer.py"}
 HUNK = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
+SUPPORTED_MSG = "supported releases: core_v0.16.1, core_v0.17.1, core_v0.18.2, core_v0.19.0"
 
 
 # -- pure python ---------------------------------------------------------------------------
 def parse_patch(text):
-    """(target path, [(old_start, old_len, new_start, new_len, lines)]) of a one-file git diff."""
+    """[(target path, [(old_start, old_len, new_start, new_len, lines)])] of a git diff."""
     lines = text.split("\n")
     assert text.endswith("\n"), "patch must end with a newline"
     assert "\r" not in text, "CRLF line endings"
     assert lines[0].startswith("diff --git a/"), lines[0]
-    i = next(k for k, l in enumerate(lines) if l.startswith("--- "))
-    old, new = lines[i][4:], lines[i + 1][4:]
-    assert old.startswith("a/") and new.startswith("b/") and old[2:] == new[2:], (old, new)
-    hunks, k = [], i + 2
-    while k < len(lines) and lines[k]:
-        m = HUNK.match(lines[k])
-        assert m, f"expected a hunk header, got {lines[k]!r}"
-        os_, ol, ns, nl = (int(m.group(1)), int(m.group(2) or 1), int(m.group(3)), int(m.group(4) or 1))
-        body, k = [], k + 1
-        while k < len(lines) and lines[k] and not lines[k].startswith("@@"):
-            assert lines[k][0] in " +-\\", f"bad hunk line {lines[k]!r}"
-            body.append(lines[k])
-            k += 1
-        hunks.append((os_, ol, ns, nl, body))
-    assert k == len(lines) - 1, "trailing garbage after the last hunk"
-    return old[2:], hunks
-
-
-def test_patch_files_are_well_formed_unified_diffs():
-    assert len(PATCHES) == 5
-    targets = set()
-    added = 0
-    for p in PATCHES:
-        target, hunks = parse_patch(p.read_text())
-        targets.add(target)
+    files, k = [], 0
+    while k < len(lines) - 1:
+        assert lines[k].startswith("diff --git a/"), f"expected a file header, got {lines[k]!r}"
+        i = next(j for j in range(k, len(lines)) if lines[j].startswith("--- "))
+        old, new = lines[i][4:], lines[i + 1][4:]
+        assert old.startswith("a/") and new.startswith("b/") and old[2:] == new[2:], (old, new)
+        hunks, k = [], i + 2
+        while k < len(lines) and lines[k] and not lines[k].startswith("diff --git"):
+            m = HUNK.match(lines[k])
+            assert m, f"expected a hunk header, got {lines[k]!r}"
+            os_, ol, ns, nl = (int(m.group(1)), int(m.group(2) or 1), int(m.group(3)), int(m.group(4) or 1))
+            body, k = [], k + 1
+            while k < len(lines) and lines[k] and not lines[k].startswith(("@@", "diff --git")):
+                assert lines[k][0] in " +-\\", f"bad hunk line {lines[k]!r}"
+                body.append(lines[k])
+                k += 1
+            hunks.append((os_, ol, ns, nl, body))
         assert hunks
-        for os_, ol, ns, nl, body in hunks:
-            assert sum(1 for l in body if l[0] in " -") == ol, f"{p.name}: old count"
-            assert sum(1 for l in body if l[0] in " +") == nl, f"{p.name}: new count"
-            added += sum(1 for l in body if l[0] == "+")
-    assert targets == TARGETS
-    assert added <= 25, f"patches add {added} lines; keep them minimal"
+        files.append((old[2:], hunks))
+    assert k == len(lines) - 1, "trailing garbage after the last hunk"
+    return files
 
 
-def test_patched_code_imports_our_package_only_when_asked():
+def targets(tag):
+    """The files the patch set of a release touches."""
+    return {f for p in PATCH_SETS[tag] for f, _ in parse_patch(p.read_text())}
+
+
+def test_every_supported_release_has_a_patch_set():
+    assert sorted(p.name for p in (ROOT / "patches").iterdir()) == sorted(RELEASES)
+    script = SCRIPT.read_text()
+    for tag in RELEASES:
+        assert f"[{tag}]={INFO_VERSION[tag]}" in script
+
+
+@pytest.mark.parametrize("tag", RELEASES)
+def test_patch_files_are_well_formed_unified_diffs(tag):
+    patches = PATCH_SETS[tag]
+    # 0007: core_v0.17.1+ only (their MultimodalTokenizer never got its path).
+    extra = [] if tag == "core_v0.16.1" else ["0007"]
+    assert [p.name[:4] for p in patches] == ["0001", "0002", "0003", "0004", "0005", "0006"] + extra
+    added = 0
+    for p in patches:
+        for target, hunks in parse_patch(p.read_text()):
+            for os_, ol, ns, nl, body in hunks:
+                assert sum(1 for l in body if l[0] in " -") == ol, f"{p.name}: old count"
+                assert sum(1 for l in body if l[0] in " +") == nl, f"{p.name}: new count"
+                added += sum(1 for l in body if l[0] == "+")
+    assert TARGETS <= targets(tag) <= TARGETS | EXTRA_TARGETS
+    assert added <= 45, f"patches add {added} lines; keep them minimal"
+
+
+@pytest.mark.parametrize("tag", RELEASES)
+def test_patched_code_imports_our_package_only_when_asked(tag):
     """Every added import of megatron_mm_balance is lazy (behind the flag or a guarded try)."""
-    for p in PATCHES:
+    for p in PATCH_SETS[tag]:
         plus = [l[1:] for l in p.read_text().splitlines() if l.startswith("+") and not l.startswith("+++")]
         for k, line in enumerate(plus):
             if "import" in line and "megatron_mm_balance" in line:
@@ -77,83 +101,105 @@ def test_patched_code_imports_our_package_only_when_asked():
                 assert re.search(r"getattr\(args, 'mm_balance[a-z_]*', False\)", guard) or "try:" in guard, (p.name, line)
 
 
-# -- against a real checkout ------------------------------------------------------------------
-def _checkout_dir():
-    d = os.environ.get("MEGATRON_LM_DIR")
-    if not d and (ROOT / ".megatron-lm" / ".git").exists():
-        d = str(ROOT / ".megatron-lm")
-    if not d:
-        pytest.skip("MEGATRON_LM_DIR is not set (a Megatron-LM git checkout containing core_v0.16.1)")
-    if not (Path(d) / ".git").exists():
-        pytest.skip(f"MEGATRON_LM_DIR={d} is not a git checkout")
-    if subprocess.run(["git", "-C", d, "cat-file", "-e", COMMIT + "^{commit}"], capture_output=True).returncode:
-        pytest.skip(f"MEGATRON_LM_DIR={d} does not contain commit {COMMIT[:10]} (core_v0.16.1)")
-    return d
-
-
-@pytest.fixture()
-def clone(tmp_path):
-    src = _checkout_dir()
-    dst = tmp_path / "Megatron-LM"
-    subprocess.run(["git", "clone", "-q", "--shared", "--no-checkout", src, str(dst)], check=True)
-    subprocess.run(["git", "-C", str(dst), "checkout", "-q", COMMIT], check=True)
-    return dst
-
-
+# -- against release trees -------------------------------------------------------------------
 def run_script(*args):
     return subprocess.run(["bash", str(SCRIPT), *map(str, args)], capture_output=True, text=True, timeout=120)
 
 
-def is_clean(d):
-    return subprocess.run(["git", "-C", str(d), "status", "--porcelain"], capture_output=True,
-                          text=True).stdout.strip() == ""
+@pytest.fixture()
+def clone(mlm_trees, tmp_path):
+    """core_v0.16.1 as a plain source tree of this test's own."""
+    return mlm_trees.copy("core_v0.16.1", tmp_path / "Megatron-LM")
 
 
-def test_check_apply_idempotent_revert(clone):
-    r = run_script(clone, "--check")
+def states(out):
+    """{file: state word} from the per-file lines of apply_patches.sh."""
+    return {m.group(1): m.group(2) for m in re.finditer(r"^(\S+\.py): (\w+)", out, re.M)}
+
+
+@pytest.mark.parametrize("kind", ["plain", "git"])
+@pytest.mark.parametrize("tag", RELEASES)
+def test_release_tree_accepted_idempotent_and_reverted_byte_for_byte(mlm_trees, tmp_path, tag, kind):
+    d = mlm_trees.copy(tag, tmp_path / "Megatron-LM", kind)
+    before = tree_hash(d)
+    r = run_script(d, "--check")
     assert r.returncode == 0, r.stderr
-    assert r.stdout.count(": pending") == 5 and is_clean(clone)
-    r = run_script(clone)
-    assert r.returncode == 0 and "applied 5 patch(es)" in r.stdout, r.stderr
-    changed = subprocess.run(["git", "-C", str(clone), "diff", "--name-only"], capture_output=True,
-                             text=True).stdout.split()
-    assert set(changed) == TARGETS
-    r = run_script(clone)                                    # idempotent
-    assert r.returncode == 0 and "applied 0 patch(es)" in r.stdout and r.stdout.count(": applied") == 5
-    assert run_script(clone, "--check").returncode == 0
-    r = run_script(clone, "--revert")
-    assert r.returncode == 0 and "reverted 5 patch(es)" in r.stdout and is_clean(clone)
-    r = run_script(clone, "--revert")                        # idempotent
-    assert r.returncode == 0 and "reverted 0 patch(es)" in r.stdout and is_clean(clone)
+    assert f"Megatron-LM {tag} (" in r.stdout
+    files = targets(tag)
+    assert states(r.stdout) == dict.fromkeys(files, "pending") and tree_hash(d) == before
+    r = run_script(d)
+    n = len(PATCH_SETS[tag])
+    assert r.returncode == 0 and f"applied {n} patch(es)" in r.stdout, r.stdout + r.stderr
+    if kind == "git":       # the local commit moved training.py's context: 3-way, reported
+        assert f"{LOCAL_EDIT_FILE}: applied with git apply --3way" in r.stdout
+        assert git(d, "diff", "--cached", "--name-only").stdout == ""        # index untouched
+        assert "# our team's local change" in (d / LOCAL_EDIT_FILE).read_text()
+    for f in files:
+        ast.parse((d / f).read_text())
+    for f in TARGETS:
+        text = (d / f).read_text()
+        assert "megatron_mm_balance" in text or "num_experts:  # MoE" in text, f
+    patched = tree_hash(d)
+    r = run_script(d)                                                  # idempotent
+    assert r.returncode == 0 and "applied 0 patch(es) to" in r.stdout, r.stdout + r.stderr
+    assert states(r.stdout) == dict.fromkeys(files, "applied") and tree_hash(d) == patched
+    assert states(run_script(d, "--check").stdout) == dict.fromkeys(files, "applied")
+    r = run_script(d, "--revert")
+    assert r.returncode == 0 and f"reverted {n} patch(es)" in r.stdout, r.stdout + r.stderr
+    assert tree_hash(d) == before                                       # byte for byte
+    r = run_script(d, "--revert")                                       # idempotent
+    assert r.returncode == 0 and "reverted 0 patch(es)" in r.stdout and tree_hash(d) == before
 
 
-def test_wrong_version_says_what_to_do(clone):
-    subprocess.run(["git", "-C", str(clone), "checkout", "-q", "HEAD~1"], check=True)
-    r = run_script(clone)
+@pytest.mark.parametrize("kind", ["plain", "git"])
+def test_unknown_release_is_refused_and_tree_untouched(mlm_trees, tmp_path, kind):
+    d = mlm_trees.copy("core_v0.18.2", tmp_path / "Megatron-LM", kind)
+    info = d / "megatron/core/package_info.py"
+    info.write_text(info.read_text().replace("MINOR = 18", "MINOR = 15"))
+    if kind == "git":        # a tag of an unsupported release, and its package_info
+        git(d, "commit", "-q", "-am", "0.15")
+        git(d, "tag", "core_v0.15.0")
+    before = tree_hash(d)
+    for mode in ((), ("--check",), ("--revert",)):
+        r = run_script(d, *mode)
+        assert r.returncode == 1, r.stdout
+        assert "0.15.2" in r.stderr and SUPPORTED_MSG in r.stderr and len(r.stderr.splitlines()) == 1
+        if kind == "git":
+            assert "git describe: core_v0.15.0" in r.stderr
+    assert tree_hash(d) == before
+
+
+@pytest.mark.parametrize("kind", ["plain", "git"])
+def test_conflicting_local_edit_is_refused_naming_the_file(mlm_trees, tmp_path, kind):
+    d = mlm_trees.copy("core_v0.19.0", tmp_path / "Megatron-LM", kind)
+    f = d / "megatron/training/training.py"
+    f.write_text(f.read_text().replace("    timers('train/valid/test-data-iterators-setup').stop()\n",
+                                       "    pass\n", 1))
+    before = tree_hash(d)
+    r = run_script(d)
     assert r.returncode == 1
-    assert "core_v0.16.1" in r.stderr and f"git -C {clone} checkout core_v0.16.1" in r.stderr
-    assert is_clean(clone)
+    assert states(r.stdout)["megatron/training/training.py"] == "conflict"
+    assert r.stderr.startswith("apply_patches: megatron/training/training.py:") and SUPPORTED_MSG in r.stderr
+    assert "Nothing was changed" in r.stderr and len(r.stderr.splitlines()) == 1
+    assert tree_hash(d) == before
+    r = run_script(d, "--check")
+    assert r.returncode == 1 and states(r.stdout)["megatron/training/training.py"] == "conflict"
 
 
-def test_locally_modified_file_changes_nothing(clone):
-    f = clone / "megatron/training/training.py"
-    text = f.read_text()
-    f.write_text(text.replace("    timers('train/valid/test-data-iterators-setup').stop()\n", "    pass\n", 1))
-    r = run_script(clone)
-    assert r.returncode == 1 and "conflict" in r.stdout and "nothing was changed" in r.stderr
-    out = subprocess.run(["git", "-C", str(clone), "diff", "--name-only"], capture_output=True, text=True).stdout
-    assert out.split() == ["megatron/training/training.py"]
+def test_release_from_git_describe_and_local_commits(mlm_trees, tmp_path):
+    d = mlm_trees.copy("core_v0.17.1", tmp_path / "Megatron-LM", "git")
+    git(d, "tag", "core_v0.17.1", "HEAD~1")
+    r = run_script(d, "--check")
+    assert r.returncode == 0 and re.search(r"Megatron-LM core_v0.17.1 \(git describe: core_v0.17.1-1-g", r.stdout)
 
 
-def test_source_tree_without_git(clone, tmp_path):
-    plain = tmp_path / "plain"
-    shutil.copytree(clone, plain, ignore=shutil.ignore_patterns(".git"))
-    r = run_script(plain)
-    assert r.returncode == 0 and "applied 5 patch(es)" in r.stdout, r.stderr
-    info = plain / "megatron/core/package_info.py"
-    info.write_text(info.read_text().replace("MINOR = 16", "MINOR = 15"))
-    r = run_script(plain, "--check")
-    assert r.returncode == 1 and "0.15.1" in r.stderr and "--branch core_v0.16.1" in r.stderr
+def test_patch_dir_inside_another_git_repository(mlm_trees, tmp_path):
+    """A plain tree inside some other repository is patched by its own paths."""
+    git(tmp_path, "init", "-q")
+    d = mlm_trees.copy("core_v0.16.1", tmp_path / "vendor", "plain")
+    r = run_script(d)
+    assert r.returncode == 0 and "applied 6 patch(es)" in r.stdout, r.stderr
+    assert "megatron_mm_balance" in (d / "megatron/training/training.py").read_text()
 
 
 def test_usage_errors(tmp_path):
@@ -222,14 +268,35 @@ def _get_model_call_keywords(training_py):
     return kws
 
 
-def test_multimodal_model_provider_accepts_what_get_model_passes(clone):
-    passed = _get_model_call_keywords(clone / "megatron/training/training.py")
+@pytest.mark.parametrize("tag", RELEASES)
+def test_multimodal_model_provider_accepts_what_get_model_passes(mlm_trees, tmp_path, tag):
+    d = mlm_trees.copy(tag, tmp_path / "Megatron-LM")
+    passed = _get_model_call_keywords(d / "megatron/training/training.py")
     assert {"config", "pg_collection", "vp_stage"} <= passed
-    params, _ = _params(clone / "examples/multimodal/model.py", "model_provider")
-    assert not passed <= params                     # the bug at core_v0.16.1
-    assert run_script(clone).returncode == 0
-    params, _ = _params(clone / "examples/multimodal/model.py", "model_provider")
+    params, _ = _params(d / "examples/multimodal/model.py", "model_provider")
+    # The bug at core_v0.16.1 (fixed upstream from core_v0.17.1 on, where the patch leaves
+    # the signature alone).
+    assert (passed <= params) == (tag != "core_v0.16.1")
+    assert run_script(d).returncode == 0
+    params, _ = _params(d / "examples/multimodal/model.py", "model_provider")
     assert passed <= params
+
+
+@pytest.mark.parametrize("tag", RELEASES)
+def test_moe_layer_spec_positional_order_in_each_release(mlm_trees, tag):
+    """The model.py hunk calls the GPT layer-spec builders positionally (num_experts,
+    moe_grouped_gemm, qk_layernorm): check that order in each release's source. From
+    core_v0.17.1 on the *_spec functions forward *args to *_submodules."""
+    src = mlm_trees.source(tag) / "megatron/core/models/gpt/gpt_layer_specs.py"
+    text = next(p for p in PATCH_SETS[tag] if "multimodal" in p.name).read_text()
+    assert "args.num_experts, args.moe_grouped_gemm, args.qk_layernorm" in text
+    tree = ast.parse(src.read_text())
+    fns = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+    for name in ("get_gpt_layer_local_spec", "get_gpt_layer_with_transformer_engine_spec"):
+        fn = fns[name]
+        if fn.args.vararg:        # def f(*args, **kwargs): return ModuleSpec(... f_submodules(*args, **kwargs))
+            fn = fns[name.replace("_spec", "_submodules")]
+        assert [a.arg for a in fn.args.args][:3] == ["num_experts", "moe_grouped_gemm", "qk_layernorm"], name
 
 
 def test_moe_layer_spec_call_matches_megatron_core():
@@ -238,7 +305,7 @@ def test_moe_layer_spec_call_matches_megatron_core():
     pytest.importorskip("megatron.core", reason="megatron-core 0.16.1 not installed")
     from megatron.core.models.gpt import gpt_layer_specs as specs
     text = next(p for p in PATCHES if "multimodal" in p.name).read_text()
-    assert "spec_fn(args.num_experts, args.moe_grouped_gemm, args.qk_layernorm)" in text
+    assert "args.num_experts, args.moe_grouped_gemm, args.qk_layernorm" in text
     for fn in (specs.get_gpt_layer_local_spec, specs.get_gpt_layer_with_transformer_engine_spec):
         assert list(inspect.signature(fn).parameters)[:3] == ["num_experts", "moe_grouped_gemm", "qk_layernorm"]
     spec = specs.get_gpt_layer_local_spec(8, False, True)

@@ -48,13 +48,21 @@ def test_model_cost_uses_images_and_lengths(tmp_path):
 
 # -- micro-batch schedule ---------------------------------------------------------------
 def test_predicted_schedule_matches_megatrons_rampup():
-    from megatron.core.num_microbatches_calculator import _build_num_microbatches_calculator
-    args = argparse.Namespace(rampup_batch_size=[4, 4, 40], global_batch_size=16, micro_batch_size=1,
-                              data_parallel_size=2, decrease_batch_size_if_needed=False,
-                              consumed_train_samples=0)
+    """The sampler's look-ahead count equals Megatron's own calculator step by step, under
+    the variable batch size this release has: --rampup-batch-size (up to core_v0.17.1) or
+    --step-batch-size-schedule (from core_v0.18.2). Branches on the builder's parameters."""
+    import inspect
+    from megatron.core.num_microbatches_calculator import _build_num_microbatches_calculator as build
+    base = dict(global_batch_size=16, micro_batch_size=1, data_parallel_size=2,
+                decrease_batch_size_if_needed=False)
+    if "rampup_batch_size" in inspect.signature(build).parameters:
+        var = dict(rampup_batch_size=[4, 4, 40])
+    else:
+        var = dict(step_batch_size_schedule="0:4 8:8 24:12 60:16", seq_length=None)
+    args = argparse.Namespace(**base, **var, consumed_train_samples=0)
     schedule = MicrobatchSchedule(args, predict=True)
     # What the training loop does: update with consumed samples, run a step, add its batch.
-    calc = _build_num_microbatches_calculator(1, [4, 4, 40], 16, 1, 2, False)
+    calc = build(rank=1, **base, **var)
     consumed, got, want = 0, [], []
     for _ in range(12):
         calc.update(consumed, False)

@@ -36,7 +36,7 @@ MOVED_RE = re.compile(r"^\[mm-balance\] iteration (\d+) \|.*?\bpacks_moved: (\d+
 
 def _patches_digest() -> str:
     h = hashlib.sha256()
-    for p in sorted((REPO / "patches").glob("*.patch")):
+    for p in sorted((REPO / "patches").rglob("*.patch")):
         h.update(p.name.encode())
         h.update(p.read_bytes())
     return h.hexdigest()[:12]

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Build (idempotently) the Python 3.12 environment used to test Megatron-LM releases
+# core_v0.17.1 and later, which require Python >= 3.12 (megatron/training uses
+# typing.override). It is separate from the main environment of scripts/setup_env.sh.
+#
+#   scripts/setup_env_py312.sh            create or complete .venv-py312/ at the repo root
+#   MM_BALANCE_PY312_VENV=DIR scripts/setup_env_py312.sh     put it elsewhere
+#   PYTHON312=/path/to/python3.12 scripts/setup_env_py312.sh  choose the interpreter
+#
+# megatron-mm-balance itself is not installed into it: tests run it from the source tree
+# (PYTHONPATH=<repo>), and a Megatron-LM checkout supplies megatron/core (put it first
+# on PYTHONPATH). torch 2.13.0 from the registry for Python 3.12 is a CUDA build (about
+# 4.7 GB); it runs on the CPU. Prints the venv's python path on success.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${MM_BALANCE_PY312_VENV:-$PWD/.venv-py312}
+TORCH_VERSION=${MM_BALANCE_PY312_TORCH_VERSION:-2.13.0}
+TORCHVISION_VERSION=${MM_BALANCE_PY312_TORCHVISION_VERSION:-0.28.0}
+
+find_python312() {
+  if [ -n "${PYTHON312:-}" ]; then echo "$PYTHON312"; return; fi
+  if command -v pyenv >/dev/null && [ -x "$(pyenv root)/versions/3.12.1/bin/python" ]; then
+    echo "$(pyenv root)/versions/3.12.1/bin/python"; return
+  fi
+  command -v python3.12 || true
+}
+
+PY=$VENV/bin/python
+if [ ! -x "$PY" ]; then
+  BASE=$(find_python312)
+  [ -n "$BASE" ] && "$BASE" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null \
+    || { echo "setup_env_py312: no Python 3.12 found (set PYTHON312=/path/to/python3.12)" >&2; exit 1; }
+  "$BASE" -m venv "$VENV"
+fi
+
+pipq() { "$PY" -m pip install -q --disable-pip-version-check "$@" 2>&1 | grep -v -E "^(WARNING: (Running pip as|Location .* is ignored)|\[notice\])" || true; }
+# Presence check without importing (importing the CUDA build of torch takes seconds).
+have() { "$PY" -c 'import importlib.util, sys; sys.exit(any(importlib.util.find_spec(m) is None for m in sys.argv[1:]))' "$@"; }
+installed=0
+if ! have torch torchvision; then
+  pipq "torch==${TORCH_VERSION}" "torchvision==${TORCHVISION_VERSION}"; installed=1
+fi
+REQS=("megatron-energon==7.4.1" "transformers>=4.40,<5" "pybind11" "numpy" "einops" "packaging"
+      "pytest>=8" "pytest-timeout>=2.3" "hypothesis>=6.100" "pyyaml>=6")
+if ! have megatron.energon transformers pybind11 numpy einops packaging pytest pytest_timeout hypothesis yaml; then
+  pipq "${REQS[@]}"; installed=1
+fi
+if [ $installed = 1 ]; then
+  "$PY" -c "import torch, torchvision, megatron.energon, transformers, pybind11, numpy, einops, pytest" \
+    || { echo "setup_env_py312: install into $VENV failed" >&2; exit 1; }
+fi
+echo "$PY"

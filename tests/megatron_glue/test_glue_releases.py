@@ -1,0 +1,119 @@
+"""Every supported Megatron-LM release after core_v0.16.1, under the Python they require.
+
+core_v0.17.1 and later need Python >= 3.12 (``typing.override`` in megatron/training).
+These tests build (once, idempotently) the separate Python 3.12 environment of
+``scripts/setup_env_py312.sh`` (``.venv-py312/``, about 5 GB, 3 minutes the first time)
+and run, in that interpreter, against each release's patched tree (its own
+``megatron/core`` first on PYTHONPATH):
+  * the patched tree imports (megatron.training.training, examples/multimodal model and
+    train), and Megatron's own parse_args + validate_args accept every config's launch
+    command (tests/megatron_glue/release_check.py);
+  * the glue's own tests (real gloo processes), which exercise the release's API:
+    RerunDataIterator, parallel_state, the micro-batch calculator, the samplers.
+They are skipped, with the reason, only when the environment cannot be built or a
+release's archive is missing. The launcher's release checks run under any Python.
+"""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_trees import ROOT, RELEASES
+from test_glue_launch import CONFIGS, config_vars, dry_run
+from test_glue_patches import SUPPORTED_MSG, run_script
+
+NEWER = [t for t in RELEASES if t != "core_v0.16.1"]
+HERE = Path(__file__).parent
+LAUNCH = ROOT / "scripts" / "pretrain_vlm_moe.sh"
+
+
+@pytest.fixture(scope="session")
+def py312():
+    """The Python 3.12 environment's interpreter (built here when missing)."""
+    try:
+        r = subprocess.run(["bash", str(ROOT / "scripts" / "setup_env_py312.sh")], capture_output=True,
+                           text=True, timeout=1800)
+    except subprocess.TimeoutExpired:
+        pytest.skip("scripts/setup_env_py312.sh did not finish in 30 minutes")
+    if r.returncode != 0:
+        pytest.skip(f"the Python 3.12 environment cannot be built here: {(r.stderr or r.stdout).strip()[-500:]}")
+    return r.stdout.strip().splitlines()[-1]
+
+
+def patched(mlm_trees, tmp_path, tag):
+    d = mlm_trees.copy(tag, tmp_path / "Megatron-LM")
+    r = run_script(d)
+    assert r.returncode == 0, r.stderr
+    return d
+
+
+def launch_env(**kw):
+    e = {k: v for k, v in os.environ.items() if k not in ("MEGATRON_LM_DIR", "DATA_PATH", "DRY_RUN", "PYTHON")}
+    e.update(kw)
+    return e
+
+
+# -- the launcher's release check (any Python) ------------------------------------------------
+def test_launcher_refuses_an_unsupported_release(mlm_trees, tmp_path):
+    d = mlm_trees.copy("core_v0.16.1", tmp_path / "Megatron-LM")
+    info = d / "megatron/core/package_info.py"
+    info.write_text(info.read_text().replace("MINOR = 16", "MINOR = 14"))
+    r = subprocess.run(["bash", str(LAUNCH), "--config", str(ROOT / "configs/megatron/tiny_cpu.sh")],
+                       capture_output=True, text=True, timeout=120,
+                       env=launch_env(MEGATRON_LM_DIR=str(d), DATA_PATH=str(tmp_path)))
+    assert r.returncode == 1 and "0.14.1" in r.stderr and SUPPORTED_MSG in r.stderr
+    r = subprocess.run(["bash", str(LAUNCH)], capture_output=True, text=True, timeout=60, env=launch_env())
+    assert r.returncode == 1 and "core_v0.16.1, core_v0.17.1, core_v0.18.2, core_v0.19.0" in r.stderr
+
+
+def test_launcher_asks_for_python312_on_newer_releases(mlm_trees, tmp_path):
+    if sys.version_info >= (3, 12):
+        pytest.skip("this interpreter is 3.12+; the refusal concerns older ones")
+    d = patched(mlm_trees, tmp_path, "core_v0.19.0")
+    r = subprocess.run(["bash", str(LAUNCH), "--config", str(ROOT / "configs/megatron/tiny_cpu.sh")],
+                       capture_output=True, text=True, timeout=120,
+                       env=launch_env(MEGATRON_LM_DIR=str(d), DATA_PATH=str(tmp_path), PYTHON=sys.executable))
+    assert r.returncode == 1 and "core_v0.19.0 needs Python >= 3.12" in r.stderr, r.stderr
+
+
+# -- in the Python 3.12 environment ---------------------------------------------------------------
+@pytest.mark.parametrize("tag", NEWER)
+def test_patched_release_imports_and_validates_every_config(py312, mlm_trees, tmp_path, tag):
+    d = patched(mlm_trees, tmp_path, tag)
+    specs = []
+    for cfg in CONFIGS:
+        r = dry_run(cfg, {"MEGATRON_LM_DIR": str(d), "PYTHON": py312})
+        assert r.returncode == 0, r.stderr
+        f = tmp_path / f"{cfg.stem}.argv"
+        f.write_text(r.stdout)
+        v = config_vars(cfg)
+        specs.append((cfg, f, v, v["NNODES"] * v["GPUS_PER_NODE"]))
+    r = subprocess.run([py312, str(HERE / "release_check.py"), str(d), str(ROOT),
+                        *[f"{f}:{world}" for _, f, _, world in specs]],
+                       capture_output=True, text=True, timeout=900, cwd=str(tmp_path))
+    assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
+    assert f"IMPORTED {d}" in r.stdout
+    for cfg, f, v, world in specs:
+        dp = world // (v["TP"] * v["PP"] * v["CP"])
+        assert f"VALID {f} {world} {dp} {v['EP']} True" in r.stdout, cfg.stem
+
+
+GLUE_TESTS = {tag: ["test_glue_units.py", "test_glue_multirank.py"] for tag in NEWER}
+GLUE_TESTS["core_v0.19.0"] += ["test_glue_sampler.py", "test_glue_checks.py", "test_glue_arguments.py"]
+
+
+@pytest.mark.parametrize("tag", NEWER)
+def test_glue_tests_pass_against_the_release(py312, mlm_trees, tmp_path, tag):
+    d = patched(mlm_trees, tmp_path, tag)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(d), str(ROOT)]))
+    r = subprocess.run([py312, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--timeout", "600",
+                        *[str(HERE / t) for t in GLUE_TESTS[tag]]],
+                       capture_output=True, text=True, timeout=1500, env=env, cwd=str(ROOT))
+    assert r.returncode == 0, r.stdout[-4000:]
+    assert " passed" in r.stdout and "skipped" not in r.stdout.splitlines()[-1], r.stdout[-1000:]
+    # The release's own megatron.core was the one tested, not a pip copy.
+    r = subprocess.run([py312, "-c", "import megatron.core, sys; print(megatron.core.__file__)"],
+                       capture_output=True, text=True, timeout=300, env=env)
+    assert r.stdout.strip().startswith(str(d)), r.stdout + r.stderr

@@ -20,26 +20,44 @@ placement.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple, Union
 
 from ..runtime.config import DEFAULT_TIMEOUT_S
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    """This rank's place in the data layout: does it read data, and its data-parallel ranks."""
+
+    holds_data: bool
+    dp_ranks: Tuple[int, ...]
+
+    @staticmethod
+    def of(layout: Union["RankLayout", dict]) -> "RankLayout":
+        """A :class:`RankLayout`, or a ``{"holds_data", "dp_ranks"}`` dict (harnesses)."""
+        if isinstance(layout, RankLayout):
+            return layout
+        return RankLayout(bool(layout["holds_data"]), tuple(int(r) for r in layout["dp_ranks"]))
+
 
 _GROUPS: Optional[List] = None      # per model chunk: this rank's exchange group or None
 _GROUP_RANKS: Optional[List[List[int]]] = None
 
 
-def data_holding_rank_lists(layouts: Sequence[dict]) -> List[List[int]]:
+def data_holding_rank_lists(layouts: Sequence[Union[RankLayout, dict]]) -> List[List[int]]:
     """Unique data-parallel rank lists of the data-holding ranks, in a canonical order.
 
-    ``layouts[r]`` is rank r's ``{"holds_data": bool, "dp_ranks": [...]}``. Pure
+    ``layouts[r]`` is rank r's :class:`RankLayout` (or the same as a dict). Pure
     function (tested without processes); raises ``ValueError`` when two ranks
     disagree about a group's members.
     """
     seen = {}
     for rank, lay in enumerate(layouts):
-        if not lay["holds_data"]:
+        lay = RankLayout.of(lay)
+        if not lay.holds_data:
             continue
-        ranks = tuple(sorted(int(r) for r in lay["dp_ranks"]))
+        ranks = tuple(sorted(lay.dp_ranks))
         if rank not in ranks:
             raise ValueError(f"rank {rank} is not in its own data-parallel group {list(ranks)}")
         seen[ranks] = True
@@ -53,7 +71,7 @@ def data_holding_rank_lists(layouts: Sequence[dict]) -> List[List[int]]:
     return [list(g) for g in lists]
 
 
-def megatron_layout(tp_rank0_only: bool = True) -> dict:
+def megatron_layout(tp_rank0_only: bool = True) -> RankLayout:
     """This rank's layout from Megatron's ``parallel_state`` (must be initialised)."""
     import torch.distributed as dist
     from megatron.core import parallel_state as mpu
@@ -63,10 +81,10 @@ def megatron_layout(tp_rank0_only: bool = True) -> dict:
     tp_rank = mpu.get_tensor_model_parallel_rank()
     holds = pp_rank in (0, pp_size - 1) and (tp_rank == 0 or not tp_rank0_only)
     dp_ranks = dist.get_process_group_ranks(mpu.get_data_parallel_group())
-    return {"holds_data": bool(holds), "dp_ranks": list(dp_ranks)}
+    return RankLayout(bool(holds), tuple(int(r) for r in dp_ranks))
 
 
-def init_exchange_groups(layout: Optional[dict] = None, *, num_chunks: int = 1,
+def init_exchange_groups(layout: Union[RankLayout, dict, None] = None, *, num_chunks: int = 1,
                          timeout: float = DEFAULT_TIMEOUT_S) -> List:
     """Create the exchange groups on every rank; return this rank's group per model chunk.
 
@@ -86,8 +104,7 @@ def init_exchange_groups(layout: Optional[dict] = None, *, num_chunks: int = 1,
 
     if num_chunks < 1:
         raise ValueError(f"num_chunks must be >= 1, got {num_chunks}")
-    if layout is None:
-        layout = megatron_layout()
+    layout = megatron_layout() if layout is None else RankLayout.of(layout)
     layouts = [None] * dist.get_world_size()
     dist.all_gather_object(layouts, layout)
     lists = data_holding_rank_lists(layouts)

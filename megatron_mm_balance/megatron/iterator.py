@@ -253,7 +253,8 @@ def wrap_train_data_iterator(train_data_iterator, args=None, *, num_microbatches
     Keyword overrides (for harnesses not running Megatron's ``pretrain``):
     ``num_microbatches`` (int or zero-arg callable, default :class:`MicrobatchSchedule`),
     ``cost_fn`` (default :func:`make_cost_fn`), ``layout`` (this rank's
-    ``{"holds_data", "dp_ranks"}``, default from ``megatron.core.parallel_state``).
+    :class:`~.groups.RankLayout`, or the same as a ``{"holds_data", "dp_ranks"}`` dict;
+    default from ``megatron.core.parallel_state``).
     """
     if args is None:
         from megatron.training import get_args

@@ -32,10 +32,8 @@ from collections.abc import Mapping
 
 DEFAULT_TOKENS_PER_TILE = 256
 
-#: keys holding token counts directly, most detailed first
+#: keys holding token counts directly, most detailed first (then num_tiles, imgs)
 _COUNT_KEYS = ("image_token_counts", "image_tokens", "num_image_tokens")
-#: every key a pack's images are read from
-IMAGE_KEYS = _COUNT_KEYS + ("num_tiles", "imgs")
 
 
 def flatten_ints(value, key: str = "value") -> list:

@@ -1,0 +1,216 @@
+"""Even out rank totals of a placement by swaps that keep the micro-step objective.
+
+After stage 2 of :func:`megatron_mm_balance.placement.solve_placement` every pack
+sits in a micro-step whose *level* (the sorted-grouping maximum of that step)
+admits it. Any swap of two packs that keeps each pack at or below the level of
+the micro-step it lands in keeps the micro-step objective at the optimum, so this
+pass may swap across micro-steps, not only inside one. In ``step`` mode there are
+no levels: any two packs may swap.
+
+Each round pairs every rank above the upper limit ``U`` with a distinct light
+rank and applies, per pair, the best swap of all ``G x G`` candidates:
+
+1. a swap whose cost difference lands both ranks at or below ``U`` (the
+   *window*), and among those the one adding the fewest moves: re-moving a pack
+   that already moves is free, sending a pack home saves a move; then the one
+   nearest the pair's midpoint;
+2. otherwise the swap that brings the pair closest to its midpoint (a strict
+   improvement of the pair's spread), fewest added moves on ties.
+
+A heavy rank that found no improving swap with its partner is paired with the
+next light rank in the following round. The sum of squared totals falls with
+every applied swap, so the pass ends; it stops when no rank is above ``U``, no
+pair improves, or after ``max_rounds``.
+
+Deterministic: integer costs, stable orderings, ties broken by rank and slot.
+Cost per round: O(P * G^2) vectorised for P heavy ranks.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+DEFAULT_RANK_TOLERANCE = 0.002
+
+
+def rank_limit(total: int, num_ranks: int, tolerance: float, grain: int = 1) -> int:
+    """The largest rank total allowed: ``mean * (1 + tolerance)`` rounded down, but
+    never below the integer floor: when every cost is a multiple of ``grain`` (tile-
+    quantised image tokens: 256), so is every rank total, and no placement puts the
+    heaviest rank below the mean rounded up to a multiple of ``grain``."""
+    mean = total / num_ranks
+    grain = max(int(grain), 1)
+    floor = -(-total // num_ranks)
+    floor = -(-floor // grain) * grain
+    return max(int(np.floor(mean * (1.0 + tolerance))), floor)
+
+
+def cost_grain(values: np.ndarray) -> int:
+    """The greatest common divisor of the costs (1 if all are zero)."""
+    g = int(np.gcd.reduce(np.asarray(values, dtype=np.int64).ravel()))
+    return g if g > 0 else 1
+
+
+def balance_rank_totals(c: np.ndarray, src_rank: np.ndarray, src_index: np.ndarray, *,
+                        tolerance: float = DEFAULT_RANK_TOLERANCE,
+                        levels: np.ndarray | None = None, max_rounds: int = 256,
+                        weights: np.ndarray | None = None) -> int:
+    """Swap packs in place (``src_rank``/``src_index`` ``[D, G]``) until no rank total
+    exceeds :func:`rank_limit`. ``levels[k]`` (``microstep`` mode): the most a pack
+    in micro-step ``k`` may cost. Returns the number of swaps applied.
+
+    ``weights`` (optional, ``[D, G]`` like ``c``): the scalar that is balanced, if not
+    ``c`` itself; levels always apply to ``c``.
+    """
+    D, G = c.shape
+    bal = c if weights is None else weights
+    home = np.arange(D)
+    a = bal[src_rank, src_index]                       # balanced quantity at each slot
+    lv = c[src_rank, src_index]                        # level-checked cost at each slot
+    totals = a.sum(axis=1)
+    grain = cost_grain(bal)
+    U = rank_limit(int(totals.sum()), D, tolerance, grain)
+    attempt = np.zeros(D, dtype=np.int64)
+    applied = 0
+    steps = np.arange(G)
+    for _ in range(max_rounds):
+        heavy = np.flatnonzero(totals > U)
+        if len(heavy) == 0:
+            break
+        heavy = heavy[np.lexsort((heavy, -totals[heavy]))]
+        pool = np.lexsort((home, totals))
+        pool = pool[totals[pool] < U]
+        if len(pool) == 0:
+            break
+        P = len(heavy)
+        # A partner helps only if lighter by more than one grain. Heavy rank i (in
+        # order) starts at the i-th lightest and walks on past partners that failed.
+        n_elig = np.searchsorted(totals[pool], totals[heavy] - grain, side="left")
+        live = attempt[heavy] < n_elig
+        if not live.any():
+            break
+        heavy, n_elig = heavy[live], n_elig[live]
+        P = len(heavy)
+        light = pool[(np.arange(P) + attempt[heavy]) % n_elig]
+        _, first = np.unique(light, return_index=True)
+        keep = np.zeros(P, dtype=bool)
+        keep[first] = True
+        attempt[heavy[~keep]] += 1
+        h, l = heavy[keep], light[keep]
+        ah, al = a[h], a[l]                             # [P, G]
+        delta = ah[:, :, None] - al[:, None, :]         # [P, G(heavy slot), G(light slot)]
+        gap = (totals[h] - totals[l])[:, None, None]
+        valid = (delta > 0) & (delta < gap)
+        if levels is not None:
+            ch, cl = lv[h], lv[l]
+            valid &= (ch[:, :, None] <= levels[None, None, :])    # heavy pack -> light's step
+            valid &= (cl[:, None, :] <= levels[None, :, None])    # light pack -> heavy's step
+        lo = (totals[h] - U)[:, None, None]
+        hi = (U - totals[l])[:, None, None]
+        window = valid & (delta >= lo) & (delta <= hi)
+        sh, sl = src_rank[h], src_rank[l]
+        hh, ll = h[:, None], l[:, None]
+        # Moves added by the swap: heavy's pack goes to l, light's pack goes to h.
+        add_h = (sh != ll).astype(np.int64) - (sh != hh)            # [P, G]
+        add_l = (sl != hh).astype(np.int64) - (sl != ll)
+        added = add_h[:, :, None] + add_l[:, None, :] + 2            # 0..4
+        spread = np.abs(2 * delta - gap)
+        big = np.iinfo(np.int64).max
+        # window first (by added moves, then spread), else best spread then moves.
+        key_w = np.where(window, added * (1 << 40) + spread, big)
+        key_v = np.where(valid, (1 << 50) + spread * 8 + added, big)
+        key = np.minimum(key_w, key_v).reshape(len(h), G * G)
+        best = np.argmin(key, axis=1)
+        ok = key[np.arange(len(h)), best] < big
+        attempt[h[~ok]] += 1
+        if not ok.any():
+            continue
+        h, l, best = h[ok], l[ok], best[ok]
+        i, j = best // G, best % G
+        d = a[h, i] - a[l, j]
+        for arr in (src_rank, src_index, a, lv):
+            arr[h, i], arr[l, j] = arr[l, j], arr[h, i].copy()
+        totals[h] -= d
+        totals[l] += d
+        applied += len(h)
+    del steps
+    return applied
+
+
+def send_home(c: np.ndarray, src_rank: np.ndarray, src_index: np.ndarray, *,
+              limit: int, levels: np.ndarray | None = None, max_rounds: int = 8,
+              weights: np.ndarray | None = None) -> int:
+    """Shorten move chains in place: swap a pack ``x`` sitting away from its home
+    rank ``h`` with a foreign pack ``y`` sitting on ``h``. ``x`` goes home (one move
+    less; two if ``y``'s home is where ``x`` sat) and no rank total rises above
+    ``limit`` (nor above its current value if already above). Levels are kept as
+    in :func:`balance_rank_totals`. Returns the moves saved.
+
+    Candidates are enumerated sparsely: each exported pack against the imports
+    of its home rank (about ``D * (moved per rank)^2`` pairs). Per round, each
+    slot takes part in one swap; a swap that changes totals also claims its two
+    ranks, so the limit holds however many swaps run in parallel."""
+    D, G = c.shape
+    bal = c if weights is None else weights
+    a = bal[src_rank, src_index]
+    lv = c[src_rank, src_index]
+    totals = a.sum(axis=1)
+    cap = np.maximum(totals, limit)
+    ranks = np.arange(D)
+    saved = 0
+    big = np.iinfo(np.int64).max
+    for _ in range(max_rounds):
+        foreign = src_rank != ranks[:, None]
+        slot = np.flatnonzero(foreign)                     # rank-major: grouped by location
+        if len(slot) == 0:
+            break
+        loc = slot // G
+        nimp = np.bincount(loc, minlength=D)
+        start = np.concatenate([[0], np.cumsum(nimp)])
+        home = src_rank.ravel()[slot]                       # x's home h
+        cnt = nimp[home]
+        if cnt.sum() == 0:
+            break
+        xs = np.repeat(np.arange(len(slot)), cnt)           # pair -> x (index into slot)
+        off = np.arange(len(xs)) - np.repeat(np.cumsum(cnt) - cnt, cnt)
+        ys = start[home[xs]] + off                          # pair -> y (index into slot)
+        x, y = slot[xs], slot[ys]
+        xr, xi, yr, yj = x // G, x % G, y // G, y % G
+        d = a.ravel()[y] - a.ravel()[x]                     # x's rank gains y, loses x
+        ok = (totals[xr] + d <= cap[xr]) & (totals[yr] - d <= cap[yr])
+        if levels is not None:
+            ok &= (lv.ravel()[x] <= levels[yj]) & (lv.ravel()[y] <= levels[xi])
+        gain = 1 + (src_rank.ravel()[y] == xr)
+        if not ok.any():
+            break
+        cand = np.flatnonzero(ok)
+        key = (2 - gain[cand]) * (1 << 40) + np.abs(d[cand])
+        cand = cand[np.lexsort((cand, key))]
+        # Each slot in one swap; swaps that change totals also claim both ranks.
+        keep = _first_touch(x[cand], y[cand], D * G)
+        cand = cand[keep]
+        moves = d[cand] != 0
+        claim = _first_touch(xr[cand[moves]], yr[cand[moves]], D)
+        keep = ~moves
+        keep[np.flatnonzero(moves)[claim]] = True
+        cand = cand[keep]
+        if len(cand) == 0:
+            break
+        fx, fy = x[cand], y[cand]
+        saved += int(gain[cand].sum())
+        for arr in (src_rank, src_index, a, lv):
+            fl = arr.reshape(-1)
+            fl[fx], fl[fy] = fl[fy], fl[fx].copy()
+        np.add.at(totals, xr[cand], d[cand])
+        np.subtract.at(totals, yr[cand], d[cand])
+    return saved
+
+
+def _first_touch(r: np.ndarray, h: np.ndarray, num_ranks: int) -> np.ndarray:
+    """Mask of the swaps (in priority order, each touching items ``r[k]`` and
+    ``h[k]`` out of ``num_ranks``) that are the first to touch both their items."""
+    n = len(r)
+    first = np.full(num_ranks, n, dtype=np.int64)
+    k = np.arange(n)
+    np.minimum.at(first, r, k)
+    np.minimum.at(first, h, k)
+    return (first[r] == k) & (first[h] == k)

@@ -48,6 +48,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .rank_balance import balance_rank_totals, cost_grain, rank_limit, send_home
+from .topology import check_ranks_per_node, node_ids, pair_within_nodes
 
 SYNC_MODES = ("microstep", "step")
 DEFAULT_BALANCE_TOLERANCE = 0.002
@@ -123,7 +124,8 @@ def sorted_grouping_optimum(costs) -> int:
 
 def solve_placement(costs, *, sync: str = "microstep",
                     balance_tolerance: float = DEFAULT_BALANCE_TOLERANCE,
-                    future_slack: float = DEFAULT_FUTURE_SLACK) -> Placement:
+                    future_slack: float = DEFAULT_FUTURE_SLACK,
+                    ranks_per_node: int | None = None) -> Placement:
     """Place one global batch. See the module docstring for the algorithm.
 
     ``balance_tolerance``: how far above the mean a rank's total may end, as a
@@ -131,6 +133,10 @@ def solve_placement(costs, *, sync: str = "microstep",
     :func:`~megatron_mm_balance.rank_balance.rank_limit`). Stage 2 lets a rank's
     running total drift ``STAGE2_BAND_FACTOR`` times as far while it keeps its own
     packs. Larger keeps more packs at home; smaller evens rank totals harder.
+
+    ``ranks_per_node``: ranks ``r // ranks_per_node`` share a node (None: flat).
+    Moves then stay inside a node wherever the balance allows (same objective,
+    same band); see :mod:`.topology`.
     """
     if sync not in SYNC_MODES:
         raise ValueError(f"sync must be one of {SYNC_MODES}, got {sync!r}")
@@ -138,6 +144,7 @@ def solve_placement(costs, *, sync: str = "microstep",
         raise ValueError(f"balance_tolerance must be >= 0, got {balance_tolerance}")
     c = as_cost_matrix(costs)
     D, G = c.shape
+    node = node_ids(D, check_ranks_per_node(ranks_per_node))
     if D == 1 or G == 1:
         # One rank: nothing to exchange. One micro-step: the slowest pack sets both
         # objectives whoever computes it, so moving anything only costs bandwidth.
@@ -146,7 +153,10 @@ def solve_placement(costs, *, sync: str = "microstep",
         # Only rank totals count: keep every pack home and swap pairs between the
         # heaviest and lightest ranks until the totals are even.
         pl = Placement.identity(D, G)
-        balance_rank_totals(c, pl.src_rank, pl.src_index, tolerance=balance_tolerance)
+        balance_rank_totals(c, pl.src_rank, pl.src_index, tolerance=balance_tolerance, node=node)
+        if node is not None:
+            send_home(c, pl.src_rank, pl.src_index, node=node,
+                      limit=rank_limit(int(c.sum()), D, balance_tolerance, cost_grain(c)))
         return pl
 
     order = np.argsort(-c, axis=1, kind="stable")        # own packs, heaviest first
@@ -209,7 +219,7 @@ def solve_placement(costs, *, sync: str = "microstep",
         # Heaviest mover to the lightest free rank; ties by origin then position / rank id.
         mv = movers[np.lexsort((p_idx[movers], r_idx[movers], -cost[movers]))]
         fr = free[np.lexsort((free, totals[free]))]
-        dest[mv] = fr
+        dest[mv] = pair_within_nodes(r_idx[mv], fr, node)
         dst_rank[r_idx, p_idx] = dest
         dst_step[r_idx, p_idx] = k
         np.add.at(totals, dest, cost)
@@ -219,8 +229,9 @@ def solve_placement(costs, *, sync: str = "microstep",
     src_index = np.empty((D, G), dtype=np.int64)
     src_rank[dst_rank, dst_step] = flat_rank
     src_index[dst_rank, dst_step] = order
-    balance_rank_totals(c, src_rank, src_index, tolerance=balance_tolerance, levels=levels)
-    send_home(c, src_rank, src_index, levels=levels,
+    balance_rank_totals(c, src_rank, src_index, tolerance=balance_tolerance, levels=levels,
+                        node=node, mates_first=False)
+    send_home(c, src_rank, src_index, levels=levels, node=node,
               limit=rank_limit(int(c.sum()), D, balance_tolerance, cost_grain(c)))
     return Placement(src_rank, src_index)
 

@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .topology import INTER_NODE_WEIGHT
+
 DEFAULT_RANK_TOLERANCE = 0.002
 
 
@@ -53,13 +55,17 @@ def cost_grain(values: np.ndarray) -> int:
 def balance_rank_totals(c: np.ndarray, src_rank: np.ndarray, src_index: np.ndarray, *,
                         tolerance: float = DEFAULT_RANK_TOLERANCE,
                         levels: np.ndarray | None = None, max_rounds: int = 256,
-                        weights: np.ndarray | None = None) -> int:
+                        weights: np.ndarray | None = None,
+                        node: np.ndarray | None = None, mates_first: bool = True) -> int:
     """Swap packs in place (``src_rank``/``src_index`` ``[D, G]``) until no rank total
     exceeds :func:`rank_limit`. ``levels[k]`` (``microstep`` mode): the most a pack
     in micro-step ``k`` may cost. Returns the number of swaps applied.
 
     ``weights`` (optional, ``[D, G]`` like ``c``): the scalar that is balanced, if not
-    ``c`` itself; levels always apply to ``c``.
+    ``c`` itself; levels always apply to ``c``. ``node`` (optional, ``[D]``): the
+    node of each rank; a pack crossing nodes then counts ``1 + INTER_NODE_WEIGHT``
+    moves when swaps of equal balance are compared, and with ``mates_first`` a heavy
+    rank tries its node-mates as partners before the global walk.
     """
     D, G = c.shape
     bal = c if weights is None else weights
@@ -71,6 +77,9 @@ def balance_rank_totals(c: np.ndarray, src_rank: np.ndarray, src_index: np.ndarr
     U = rank_limit(int(totals.sum()), D, tolerance, grain)
     attempt = np.zeros(D, dtype=np.int64)
     applied = 0
+    mates_first = mates_first and node is not None
+    if mates_first:
+        members = _members(node)
     steps = np.arange(G)
     for _ in range(max_rounds):
         heavy = np.flatnonzero(totals > U)
@@ -83,14 +92,28 @@ def balance_rank_totals(c: np.ndarray, src_rank: np.ndarray, src_index: np.ndarr
             break
         P = len(heavy)
         # A partner helps only if lighter by more than one grain. Heavy rank i (in
-        # order) starts at the i-th lightest and walks on past partners that failed.
+        # order) starts at the i-th lightest and walks on past partners that failed;
+        # with nodes, it first walks its node-mates, lightest first.
         n_elig = np.searchsorted(totals[pool], totals[heavy] - grain, side="left")
-        live = attempt[heavy] < n_elig
+        k = np.zeros(P, dtype=np.int64)
+        if mates_first:
+            mates = members[node[heavy]]                        # [P, R], -1 padded
+            mt = np.where(mates >= 0, totals[mates], np.iinfo(np.int64).max)
+            order = np.lexsort((mates, mt), axis=1)
+            mates = np.take_along_axis(mates, order, axis=1)
+            mt = np.take_along_axis(mt, order, axis=1)
+            k = ((mt < (totals[heavy] - grain)[:, None]) & (mt < U)).sum(axis=1)
+        live = attempt[heavy] < n_elig + k
         if not live.any():
             break
-        heavy, n_elig = heavy[live], n_elig[live]
+        heavy, n_elig, k = heavy[live], n_elig[live], k[live]
         P = len(heavy)
-        light = pool[(np.arange(P) + attempt[heavy]) % n_elig]
+        att = attempt[heavy]
+        light = pool[(np.arange(P) + att - k) % np.maximum(n_elig, 1)]
+        if mates_first:
+            mates = mates[live]
+            near = att < k
+            light[near] = mates[np.flatnonzero(near), att[near]]
         _, first = np.unique(light, return_index=True)
         keep = np.zeros(P, dtype=bool)
         keep[first] = True
@@ -110,9 +133,9 @@ def balance_rank_totals(c: np.ndarray, src_rank: np.ndarray, src_index: np.ndarr
         sh, sl = src_rank[h], src_rank[l]
         hh, ll = h[:, None], l[:, None]
         # Moves added by the swap: heavy's pack goes to l, light's pack goes to h.
-        add_h = (sh != ll).astype(np.int64) - (sh != hh)            # [P, G]
-        add_l = (sl != hh).astype(np.int64) - (sl != ll)
-        added = add_h[:, :, None] + add_l[:, None, :] + 2            # 0..4
+        add_h = move_weight(sh, ll, node) - move_weight(sh, hh, node)     # [P, G]
+        add_l = move_weight(sl, hh, node) - move_weight(sl, ll, node)
+        added = add_h[:, :, None] + add_l[:, None, :] + 2 * (1 + INTER_NODE_WEIGHT)
         spread = np.abs(2 * delta - gap)
         big = np.iinfo(np.int64).max
         # window first (by added moves, then spread), else best spread then moves.
@@ -136,19 +159,43 @@ def balance_rank_totals(c: np.ndarray, src_rank: np.ndarray, src_index: np.ndarr
     return applied
 
 
+def move_weight(origin, location, node: np.ndarray | None) -> np.ndarray:
+    """What a pack from rank ``origin`` computed on rank ``location`` costs in moves:
+    0 at home, 1 on another rank, ``1 + INTER_NODE_WEIGHT`` on another node."""
+    w = (np.asarray(origin) != location).astype(np.int64)
+    if node is not None:
+        w = w + INTER_NODE_WEIGHT * (node[origin] != node[location])
+    return w
+
+
 def send_home(c: np.ndarray, src_rank: np.ndarray, src_index: np.ndarray, *,
               limit: int, levels: np.ndarray | None = None, max_rounds: int = 8,
-              weights: np.ndarray | None = None) -> int:
+              weights: np.ndarray | None = None, node: np.ndarray | None = None) -> int:
     """Shorten move chains in place: swap a pack ``x`` sitting away from its home
     rank ``h`` with a foreign pack ``y`` sitting on ``h``. ``x`` goes home (one move
     less; two if ``y``'s home is where ``x`` sat) and no rank total rises above
     ``limit`` (nor above its current value if already above). Levels are kept as
-    in :func:`balance_rank_totals`. Returns the moves saved.
+    in :func:`balance_rank_totals`. Returns the moves saved (weighted by
+    :func:`move_weight` when ``node`` is given).
+
+    With ``node``, a first pass does the same one level up: a pack away from its
+    home node swaps with a pack on any rank of that node that came from another
+    node, so both end nearer home (inter-node moves weigh ``1 + INTER_NODE_WEIGHT``).
 
     Candidates are enumerated sparsely: each exported pack against the imports
-    of its home rank (about ``D * (moved per rank)^2`` pairs). Per round, each
-    slot takes part in one swap; a swap that changes totals also claims its two
-    ranks, so the limit holds however many swaps run in parallel."""
+    of its home rank (node) (about ``D * (moved per rank)^2`` pairs). Per round,
+    each slot takes part in one swap; a swap that changes totals also claims its
+    two ranks, so the limit holds however many swaps run in parallel."""
+    D = c.shape[0]
+    saved = 0
+    for group in ([node] if node is not None else []) + [np.arange(D)]:
+        saved += _shorten(c, src_rank, src_index, limit=limit, levels=levels,
+                          max_rounds=max_rounds, weights=weights, node=node, group=group)
+    return saved
+
+
+def _shorten(c, src_rank, src_index, *, limit, levels, max_rounds, weights, node, group):
+    """One level of :func:`send_home`: ``group[r]`` is rank r's home unit (rank or node)."""
     D, G = c.shape
     bal = c if weights is None else weights
     a = bal[src_rank, src_index]
@@ -158,32 +205,38 @@ def send_home(c: np.ndarray, src_rank: np.ndarray, src_index: np.ndarray, *,
     ranks = np.arange(D)
     saved = 0
     big = np.iinfo(np.int64).max
+    num_groups = int(group.max()) + 1
     for _ in range(max_rounds):
-        foreign = src_rank != ranks[:, None]
-        slot = np.flatnonzero(foreign)                     # rank-major: grouped by location
+        foreign = group[src_rank] != group[ranks][:, None]
+        slot = np.flatnonzero(foreign)                     # rank-major
         if len(slot) == 0:
             break
-        loc = slot // G
-        nimp = np.bincount(loc, minlength=D)
+        slot = slot[np.argsort(group[slot // G], kind="stable")]   # grouped by location
+        nimp = np.bincount(group[slot // G], minlength=num_groups)
         start = np.concatenate([[0], np.cumsum(nimp)])
-        home = src_rank.ravel()[slot]                       # x's home h
-        cnt = nimp[home]
+        home = src_rank.ravel()[slot]                       # x's home rank
+        hg = group[home]                                    # ... and its home unit
+        cnt = nimp[hg]
         if cnt.sum() == 0:
             break
         xs = np.repeat(np.arange(len(slot)), cnt)           # pair -> x (index into slot)
         off = np.arange(len(xs)) - np.repeat(np.cumsum(cnt) - cnt, cnt)
-        ys = start[home[xs]] + off                          # pair -> y (index into slot)
+        ys = start[hg[xs]] + off                            # pair -> y (index into slot)
         x, y = slot[xs], slot[ys]
         xr, xi, yr, yj = x // G, x % G, y // G, y % G
         d = a.ravel()[y] - a.ravel()[x]                     # x's rank gains y, loses x
         ok = (totals[xr] + d <= cap[xr]) & (totals[yr] - d <= cap[yr])
         if levels is not None:
             ok &= (lv.ravel()[x] <= levels[yj]) & (lv.ravel()[y] <= levels[xi])
-        gain = 1 + (src_rank.ravel()[y] == xr)
+        yo = src_rank.ravel()[y]
+        xo = home[xs]
+        gain = (move_weight(xo, xr, node) - move_weight(xo, yr, node)
+                + move_weight(yo, yr, node) - move_weight(yo, xr, node))
+        ok &= gain > 0
         if not ok.any():
             break
         cand = np.flatnonzero(ok)
-        key = (2 - gain[cand]) * (1 << 40) + np.abs(d[cand])
+        key = -gain[cand] * (1 << 40) + np.abs(d[cand])
         cand = cand[np.lexsort((cand, key))]
         # Each slot in one swap; swaps that change totals also claim both ranks.
         keep = _first_touch(x[cand], y[cand], D * G)
@@ -214,3 +267,14 @@ def _first_touch(r: np.ndarray, h: np.ndarray, num_ranks: int) -> np.ndarray:
     np.minimum.at(first, r, k)
     np.minimum.at(first, h, k)
     return (first[r] == k) & (first[h] == k)
+
+
+def _members(node: np.ndarray) -> np.ndarray:
+    """``[num_nodes, max ranks per node]``: the ranks of each node, -1 padded."""
+    num = int(node.max()) + 1
+    size = np.bincount(node, minlength=num)
+    out = np.full((num, int(size.max())), -1, dtype=np.int64)
+    order = np.argsort(node, kind="stable")
+    start = np.concatenate([[0], np.cumsum(size)])[:-1]
+    out[node[order], np.arange(len(node)) - start[node[order]]] = order
+    return out

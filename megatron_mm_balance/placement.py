@@ -134,6 +134,10 @@ def solve_placement(costs, *, sync: str = "microstep",
     running total drift ``STAGE2_BAND_FACTOR`` times as far while it keeps its own
     packs. Larger keeps more packs at home; smaller evens rank totals harder.
 
+    ``costs`` may also be ``[D, G, 2]``: (vision, language) per pack; ``microstep``
+    mode then minimises the sum over micro-steps of both phases' maxima
+    (:mod:`.two_phase`), ``step`` mode balances their sum.
+
     ``ranks_per_node``: ranks ``r // ranks_per_node`` share a node (None: flat).
     Moves then stay inside a node wherever the balance allows (same objective,
     same band); see :mod:`.topology`.
@@ -142,6 +146,17 @@ def solve_placement(costs, *, sync: str = "microstep",
         raise ValueError(f"sync must be one of {SYNC_MODES}, got {sync!r}")
     if not balance_tolerance >= 0:
         raise ValueError(f"balance_tolerance must be >= 0, got {balance_tolerance}")
+    if np.ndim(costs) == 3:
+        # (vision, language) per pack: minimise sum over micro-steps of both maxima.
+        from .two_phase import as_cost_pairs, solve_two_phase
+        pairs = as_cost_pairs(costs)
+        if sync != "microstep":
+            costs = pairs.sum(axis=2)                  # only rank totals count
+        elif not pairs[:, :, 1].any() or not pairs[:, :, 0].any():
+            costs = pairs.sum(axis=2)                  # one phase only: the scalar optimum
+        else:
+            return solve_two_phase(pairs, balance_tolerance=balance_tolerance,
+                                   ranks_per_node=ranks_per_node)
     c = as_cost_matrix(costs)
     D, G = c.shape
     node = node_ids(D, check_ranks_per_node(ranks_per_node))

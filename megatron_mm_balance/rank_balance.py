@@ -59,7 +59,9 @@ def balance_rank_totals(c: np.ndarray, src_rank: np.ndarray, src_index: np.ndarr
                         node: np.ndarray | None = None, mates_first: bool = True) -> int:
     """Swap packs in place (``src_rank``/``src_index`` ``[D, G]``) until no rank total
     exceeds :func:`rank_limit`. ``levels[k]`` (``microstep`` mode): the most a pack
-    in micro-step ``k`` may cost. Returns the number of swaps applied.
+    in micro-step ``k`` may cost; with two-phase costs (``c`` ``[D, G, 2]``),
+    ``levels[k]`` is a box ``(vision, language)`` and a pack must fit both.
+    Returns the number of swaps applied.
 
     ``weights`` (optional, ``[D, G]`` like ``c``): the scalar that is balanced, if not
     ``c`` itself; levels always apply to ``c``. ``node`` (optional, ``[D]``): the
@@ -67,7 +69,7 @@ def balance_rank_totals(c: np.ndarray, src_rank: np.ndarray, src_index: np.ndarr
     moves when swaps of equal balance are compared, and with ``mates_first`` a heavy
     rank tries its node-mates as partners before the global walk.
     """
-    D, G = c.shape
+    D, G = c.shape[:2]
     bal = c if weights is None else weights
     home = np.arange(D)
     a = bal[src_rank, src_index]                       # balanced quantity at each slot
@@ -125,8 +127,12 @@ def balance_rank_totals(c: np.ndarray, src_rank: np.ndarray, src_index: np.ndarr
         valid = (delta > 0) & (delta < gap)
         if levels is not None:
             ch, cl = lv[h], lv[l]
-            valid &= (ch[:, :, None] <= levels[None, None, :])    # heavy pack -> light's step
-            valid &= (cl[:, None, :] <= levels[None, :, None])    # light pack -> heavy's step
+            if levels.ndim == 1:
+                valid &= (ch[:, :, None] <= levels[None, None, :])    # heavy pack -> light's step
+                valid &= (cl[:, None, :] <= levels[None, :, None])    # light pack -> heavy's step
+            else:                                                     # boxes: every component
+                valid &= (ch[:, :, None, :] <= levels[None, None]).all(axis=-1)
+                valid &= (cl[:, None, :, :] <= levels[None, :, None]).all(axis=-1)
         lo = (totals[h] - U)[:, None, None]
         hi = (U - totals[l])[:, None, None]
         window = valid & (delta >= lo) & (delta <= hi)
@@ -196,7 +202,7 @@ def send_home(c: np.ndarray, src_rank: np.ndarray, src_index: np.ndarray, *,
 
 def _shorten(c, src_rank, src_index, *, limit, levels, max_rounds, weights, node, group):
     """One level of :func:`send_home`: ``group[r]`` is rank r's home unit (rank or node)."""
-    D, G = c.shape
+    D, G = c.shape[:2]
     bal = c if weights is None else weights
     a = bal[src_rank, src_index]
     lv = c[src_rank, src_index]
@@ -227,7 +233,9 @@ def _shorten(c, src_rank, src_index, *, limit, levels, max_rounds, weights, node
         d = a.ravel()[y] - a.ravel()[x]                     # x's rank gains y, loses x
         ok = (totals[xr] + d <= cap[xr]) & (totals[yr] - d <= cap[yr])
         if levels is not None:
-            ok &= (lv.ravel()[x] <= levels[yj]) & (lv.ravel()[y] <= levels[xi])
+            lf = lv.reshape(D * G, -1)
+            lvl = levels.reshape(G, -1)
+            ok &= (lf[x] <= lvl[yj]).all(axis=1) & (lf[y] <= lvl[xi]).all(axis=1)
         yo = src_rank.ravel()[y]
         xo = home[xs]
         gain = (move_weight(xo, xr, node) - move_weight(xo, yr, node)
@@ -251,7 +259,7 @@ def _shorten(c, src_rank, src_index, *, limit, levels, max_rounds, weights, node
         fx, fy = x[cand], y[cand]
         saved += int(gain[cand].sum())
         for arr in (src_rank, src_index, a, lv):
-            fl = arr.reshape(-1)
+            fl = arr.reshape(D * G, *arr.shape[2:])
             fl[fx], fl[fy] = fl[fy], fl[fx].copy()
         np.add.at(totals, xr[cand], d[cand])
         np.subtract.at(totals, yr[cand], d[cand])

@@ -175,7 +175,7 @@ def move_weight(origin, location, node: np.ndarray | None) -> np.ndarray:
 
 
 def send_home(c: np.ndarray, src_rank: np.ndarray, src_index: np.ndarray, *,
-              limit: int, levels: np.ndarray | None = None, max_rounds: int = 8,
+              limit: int, levels: np.ndarray | None = None, max_rounds: int = 4,
               weights: np.ndarray | None = None, node: np.ndarray | None = None) -> int:
     """Shorten move chains in place: swap a pack ``x`` sitting away from its home
     rank ``h`` with a foreign pack ``y`` sitting on ``h``. ``x`` goes home (one move
@@ -188,10 +188,10 @@ def send_home(c: np.ndarray, src_rank: np.ndarray, src_index: np.ndarray, *,
     home node swaps with a pack on any rank of that node that came from another
     node, so both end nearer home (inter-node moves weigh ``1 + INTER_NODE_WEIGHT``).
 
-    Candidates are enumerated sparsely: each exported pack against the imports
-    of its home rank (node) (about ``D * (moved per rank)^2`` pairs). Per round,
-    each slot takes part in one swap; a swap that changes totals also claims its
-    two ranks, so the limit holds however many swaps run in parallel."""
+    Candidates: each pack away from home against the foreign packs of the same
+    micro-step on its home rank (node): O(moved packs x ranks per node) per round.
+    Per round, each slot takes part in one swap; a swap that changes totals also
+    claims its two ranks, so the limit holds however many swaps run in parallel."""
     D = c.shape[0]
     saved = 0
     for group in ([node] if node is not None else []) + [np.arange(D)]:
@@ -201,68 +201,70 @@ def send_home(c: np.ndarray, src_rank: np.ndarray, src_index: np.ndarray, *,
 
 
 def _shorten(c, src_rank, src_index, *, limit, levels, max_rounds, weights, node, group):
-    """One level of :func:`send_home`: ``group[r]`` is rank r's home unit (rank or node)."""
+    """One level of :func:`send_home`: ``group[r]`` is rank r's home unit (rank or
+    node). With levels, candidates stay in their micro-step (the foreign pack ``y``
+    sits in the same micro-step as ``x``), so levels hold trivially: O(moved x
+    ranks per unit) per round; without (``step`` mode), any micro-step."""
     D, G = c.shape[:2]
     bal = c if weights is None else weights
     a = bal[src_rank, src_index]
-    lv = c[src_rank, src_index]
     totals = a.sum(axis=1)
     cap = np.maximum(totals, limit)
     ranks = np.arange(D)
+    members = _members(group)                               # [units, ranks per unit]
     saved = 0
-    big = np.iinfo(np.int64).max
-    num_groups = int(group.max()) + 1
     for _ in range(max_rounds):
         foreign = group[src_rank] != group[ranks][:, None]
-        slot = np.flatnonzero(foreign)                     # rank-major
-        if len(slot) == 0:
+        xr, xi = np.nonzero(foreign)
+        if len(xr) == 0:
             break
-        slot = slot[np.argsort(group[slot // G], kind="stable")]   # grouped by location
-        nimp = np.bincount(group[slot // G], minlength=num_groups)
-        start = np.concatenate([[0], np.cumsum(nimp)])
-        home = src_rank.ravel()[slot]                       # x's home rank
-        hg = group[home]                                    # ... and its home unit
-        cnt = nimp[hg]
-        if cnt.sum() == 0:
+        xo = src_rank[xr, xi]
+        yr = members[group[xo]]                             # [F, R]: ranks of x's home unit
+        if levels is None:                                  # no levels: any micro-step
+            R = yr.shape[1]
+            yr = np.repeat(yr, G, axis=1)
+            yi = np.broadcast_to(np.tile(np.arange(G), R), yr.shape)
+        else:
+            yi = np.broadcast_to(xi[:, None], yr.shape)
+        valid = yr >= 0
+        yr = np.where(valid, yr, 0)
+        yo = src_rank[yr, yi]
+        valid &= group[yo] != group[yr]                     # y is away from home too
+        d = a[yr, yi] - a[xr, xi][:, None]                  # x's rank gains y, loses x
+        valid &= (totals[xr][:, None] + d <= cap[xr][:, None]) & (totals[yr] - d <= cap[yr])
+        xo2, xr2 = xo[:, None], xr[:, None]
+        gain = (move_weight(xo2, xr2, node) - move_weight(xo2, yr, node)
+                + move_weight(yo, yr, node) - move_weight(yo, xr2, node))
+        valid &= gain > 0
+        if not valid.any():
             break
-        xs = np.repeat(np.arange(len(slot)), cnt)           # pair -> x (index into slot)
-        off = np.arange(len(xs)) - np.repeat(np.cumsum(cnt) - cnt, cnt)
-        ys = start[hg[xs]] + off                            # pair -> y (index into slot)
-        x, y = slot[xs], slot[ys]
-        xr, xi, yr, yj = x // G, x % G, y // G, y % G
-        d = a.ravel()[y] - a.ravel()[x]                     # x's rank gains y, loses x
-        ok = (totals[xr] + d <= cap[xr]) & (totals[yr] - d <= cap[yr])
-        if levels is not None:
-            lf = lv.reshape(D * G, -1)
-            lvl = levels.reshape(G, -1)
-            ok &= (lf[x] <= lvl[yj]).all(axis=1) & (lf[y] <= lvl[xi]).all(axis=1)
-        yo = src_rank.ravel()[y]
-        xo = home[xs]
-        gain = (move_weight(xo, xr, node) - move_weight(xo, yr, node)
-                + move_weight(yo, yr, node) - move_weight(yo, xr, node))
-        ok &= gain > 0
-        if not ok.any():
-            break
-        cand = np.flatnonzero(ok)
-        key = -gain[cand] * (1 << 40) + np.abs(d[cand])
-        cand = cand[np.lexsort((cand, key))]
+        big = np.iinfo(np.int64).max
+        key = np.where(valid, -gain * (1 << 40) + np.abs(d), big)
+        j = np.argmin(key, axis=1)
+        rows = np.arange(len(xr))
+        kb = key[rows, j]
+        cand = np.flatnonzero(kb < big)
+        cand = cand[np.lexsort((cand, kb[cand]))]
+        x = xr[cand] * G + xi[cand]
+        ycol = yr[cand, j[cand]]
+        y = ycol * G + yi[cand, j[cand]]
+        dd = d[cand, j[cand]]
         # Each slot in one swap; swaps that change totals also claim both ranks.
-        keep = _first_touch(x[cand], y[cand], D * G)
-        cand = cand[keep]
-        moves = d[cand] != 0
-        claim = _first_touch(xr[cand[moves]], yr[cand[moves]], D)
+        keep = _first_touch(x, y, D * G)
+        x, y, ycol, dd, cand = x[keep], y[keep], ycol[keep], dd[keep], cand[keep]
+        moves = dd != 0
+        claim = _first_touch(xr[cand[moves]], ycol[moves], D)
         keep = ~moves
         keep[np.flatnonzero(moves)[claim]] = True
-        cand = cand[keep]
-        if len(cand) == 0:
+        x, y, ycol, dd, cand = x[keep], y[keep], ycol[keep], dd[keep], cand[keep]
+        if len(x) == 0:
             break
-        fx, fy = x[cand], y[cand]
-        saved += int(gain[cand].sum())
-        for arr in (src_rank, src_index, a, lv):
-            fl = arr.reshape(D * G, *arr.shape[2:])
-            fl[fx], fl[fy] = fl[fy], fl[fx].copy()
-        np.add.at(totals, xr[cand], d[cand])
-        np.subtract.at(totals, yr[cand], d[cand])
+        saved += int(gain[cand, j[cand]].sum())
+        for arr in (src_rank, src_index, a):
+            fl = arr.reshape(-1)
+            fl[x], fl[y] = fl[y], fl[x].copy()
+        np.add.at(totals, xr[cand], dd)
+        np.subtract.at(totals, ycol, dd)
     return saved
 
 

@@ -17,7 +17,7 @@ microseconds of forward + backward), rank ``r``'s ``i``-th pack. Objective:
    * sorted grouping by vision, by language, and by their sum (one-dimensional
      keys; when one phase is zero everywhere, the key of the other is the exact
      optimum, as in the scalar solver);
-   * *bands* (both ways round): cut the packs by language cost into bands (a
+   * *bands*: cut the packs by language cost into bands (a
      multiple of D each) and group each band by sorted vision cost (or sorted
      language cost). Otherwise every vision-sorted micro-step holds some
      long-text pack and pays nearly the global language maximum. The bands come
@@ -85,8 +85,22 @@ def _grouping_objective(v, l, group, G):
     return int(vm.sum() + lm.sum())
 
 
+def _order_objective(v, l, order, D):
+    """Objective of the grouping that cuts ``order`` (pack indices) into runs of D."""
+    starts = np.arange(0, len(order), D)
+    return int(np.maximum.reduceat(v[order], starts).sum() + np.maximum.reduceat(l[order], starts).sum())
+
+
+def _desc_order(key, tie):
+    """Pack indices by ``key`` descending, ties by ``tie`` descending, then index."""
+    span = int(tie.max()) + 1 if len(tie) else 1
+    if int(key.max(initial=0)) < (np.iinfo(np.int64).max // 2) // span:
+        return np.argsort(-(key * span + tie), kind="stable")
+    return np.lexsort((np.arange(len(key)), -tie, -key))
+
+
 def _sorted_groups(key, tie, D):
-    order = np.lexsort((np.arange(len(key)), -tie, -key))
+    order = _desc_order(key, tie)
     group = np.empty(len(key), dtype=np.int64)
     group[order] = np.arange(len(key)) // D
     return group
@@ -98,12 +112,14 @@ def _banded_groups(p, q, D, G, units: int = 8):
     maximum of every vision-sorted micro-step, and vice versa. Band boundaries
     fall on multiples of ``G // units`` groups; the best bands come from a dynamic
     program over those boundaries (each band's cost O(N) from the global orders)."""
+    # Returns (pack order, group-major, and its objective).
     N = len(p)
     idx = np.arange(N)
-    q_order = np.lexsort((idx, -p, -q))
-    p_order = np.lexsort((idx, -q, -p))
+    q_order = _desc_order(q, p)
+    p_order = _desc_order(p, q)
     q_pos = np.empty(N, dtype=np.int64)
     q_pos[q_order] = idx
+    qp = q_pos[p_order]                         # q-rank of each pack, in p order
     step = max(1, G // units)
     cuts = sorted(set(list(range(0, G, step)) + [G]))
 
@@ -113,7 +129,7 @@ def _banded_groups(p, q, D, G, units: int = 8):
         starts = np.arange(0, hi - lo, D)
         mem = q_order[lo:hi]                                   # by q: q-sorted grouping
         cost_q = int(q[mem[::D]].sum()) + int(np.maximum.reduceat(p[mem], starts).sum())
-        inband = (q_pos[p_order] >= lo) & (q_pos[p_order] < hi)
+        inband = (qp >= lo) & (qp < hi)
         byp = p_order[inband]                                  # by p: p-sorted grouping
         cost_p = int(p[byp[::D]].sum()) + int(np.maximum.reduceat(q[byp], starts).sum())
         return (cost_p, byp) if cost_p <= cost_q else (cost_q, mem)
@@ -127,28 +143,28 @@ def _banded_groups(p, q, D, G, units: int = 8):
                 cost[(s, e)] = band(s, e)
             opts.append((best[s][0] + cost[(s, e)][0], s))
         best[e] = min(opts)
-    group = np.empty(N, dtype=np.int64)
+    parts = []
     e = G
     while e > 0:
         s = best[e][1]
-        members = cost[(s, e)][1]
-        group[members] = s + np.arange(len(members)) // D
+        parts.append(cost[(s, e)][1])
         e = s
-    return group
+    return np.concatenate(parts[::-1]), best[G][0]
 
 
 def group_two_phase(v: np.ndarray, l: np.ndarray, D: int, G: int) -> np.ndarray:
     """Group id (micro-step) of each of the ``D * G`` packs; see the module docstring."""
-    cands = [
-        _sorted_groups(v, l, D),
-        _sorted_groups(l, v, D),
-        _sorted_groups(v + l, v, D),
-    ]
+    cands = []
+    for key, tie in ((v, l), (l, v), (v + l, v)):
+        order = _desc_order(key, tie)
+        cands.append((_order_objective(v, l, order, D), len(cands), order))
     if v.any() and l.any():
-        cands.append(_banded_groups(v, l, D, G))
-        cands.append(_banded_groups(l, v, D, G))
-    scores = [_grouping_objective(v, l, g, G) for g in cands]
-    return cands[int(np.argmin(scores))]
+        order, obj = _banded_groups(v, l, D, G)
+        cands.append((obj, len(cands), order))
+    order = min(cands, key=lambda t: (t[0], t[1]))[2]
+    group = np.empty(len(v), dtype=np.int64)
+    group[order] = np.arange(len(v)) // D
+    return group
 
 
 def solve_two_phase(costs, *, balance_tolerance: float, ranks_per_node: int | None = None):

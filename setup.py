@@ -17,12 +17,13 @@ setup(
     # torch is pinned by the installer scripts (scripts/setup_env.sh) to a CPU wheel on
     # machines without CUDA; here we only state the range we support, so that pip never
     # replaces a torch the user already has.
-    install_requires=["numpy>=1.24", "torch>=2.4"],
+    # pyyaml: 'mm-balance simulate' reads its timing models from YAML (small, pure Python).
+    install_requires=["numpy>=1.24", "torch>=2.4", "pyyaml>=6"],
     extras_require={
         "megatron": ["megatron-core==0.16.1"],
         "energon": ["megatron-energon"],
         "gpu": ["transformer-engine", "apex"],
-        "sim": ["matplotlib>=3.7", "pyyaml>=6"],
+        "sim": ["matplotlib>=3.7"],
         "test": ["pytest>=8", "hypothesis>=6.100", "pytest-benchmark>=4", "pytest-timeout>=2.3",
                  "matplotlib>=3.7", "pyyaml>=6"],
     },

@@ -10,6 +10,7 @@ import importlib
 import importlib.util
 import json
 import os
+import subprocess
 import sys
 import time
 
@@ -123,11 +124,12 @@ def place_batches(costs: np.ndarray, dp: int, ga: int, sync: str, tolerance: flo
         t0 = time.perf_counter()
         pl = placement.solve_placement(c, sync=sync, balance_tolerance=tolerance)
         times.append((time.perf_counter() - t0) * 1000.0)
-        metrics.append(placement.evaluate(c, pl))
+        st = placement.PlanStats.of(c, pl)
+        metrics.append(st.metrics())
         # The micro-step ratio aggregates over batches: sum of objectives / sum of ideals.
-        ms_num += placement.microstep_objective(pl.apply(c))
-        base_ms_num += placement.microstep_objective(c)
-        denom += c.sum() / dp
+        ms_num += st.microstep_cost_after
+        base_ms_num += st.microstep_cost_before
+        denom += st.rank_total_mean
         if out is not None:
             out.write(json.dumps({"batch": b, "slots": pl.slots().tolist()}) + "\n")
     return {
@@ -207,9 +209,22 @@ def cmd_demo(args) -> int:
             r = place_batches(costs, dp, ga, sync, placement.DEFAULT_BALANCE_TOLERANCE)
             print(_place_summary(r))
     if args.train:
-        train = importlib.import_module("megatron_mm_balance.testing.train_demo")
-        return int(train.main(args.train_args) or 0)
+        # The training demo is the opt-in CPU harness (testing/), not part of the product:
+        # it runs as its own program rather than being imported here.
+        sys.stdout.flush()
+        cmd = [sys.executable, "-m", "megatron_mm_balance.testing.train_demo", *args.train_args]
+        return subprocess.run(cmd, check=False).returncode
     return 0
+
+
+def _make_dataset_arguments(parser) -> None:
+    from . import make_dataset
+    make_dataset.add_arguments(parser)
+
+
+def cmd_make_dataset(args) -> int:
+    from . import make_dataset
+    return make_dataset.run(args)
 
 
 # ---------------------------------------------------------------------------
@@ -250,6 +265,11 @@ def build_parser() -> argparse.ArgumentParser:
                          "balancing off vs on (default: on); other options go to the training demo, "
                          "see 'python -m megatron_mm_balance.testing.train_demo --help'")
     dm.set_defaults(func=cmd_demo)
+
+    md = sub.add_parser("make-dataset", help="write a small synthetic energon VLM dataset and tokenizer "
+                        "for Megatron-LM's examples/multimodal")
+    _make_dataset_arguments(md)
+    md.set_defaults(func=cmd_make_dataset)
 
     for name in EXTENSIONS:
         try:

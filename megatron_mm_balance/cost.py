@@ -5,7 +5,8 @@ for all of them; what differs is (a) the vision encoder, whose work follows the
 pack's image tokens, and (b) attention inside the language model, which for
 variable-length packed sequences follows the sum of squared sample lengths.
 
-* :func:`image_token_cost` — the default, and the seed's: the pack's image tokens.
+* the default, the pack's image tokens, is
+  :class:`megatron_mm_balance.runtime.costs.ImageTokenCost`;
 * :class:`CostModel` — vision ``a*sum(n_i) + b*sum(n_i**2)`` over the pack's images
   (the quadratic term is attention inside each image), language model
   ``c*sum(len_j**2)`` over its samples, a constant, and a backward/forward ratio.
@@ -21,16 +22,11 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict, dataclass
-from typing import Iterable, Sequence
+from typing import Iterable
 
 import numpy as np
 
 COST_FILE_FORMAT = "mm-balance-cost/v1"
-
-
-def image_token_cost(images: Sequence[int]) -> int:
-    """The default cost: total image tokens of the pack."""
-    return int(sum(images))
 
 
 @dataclass(frozen=True)

@@ -49,6 +49,7 @@ import numpy as np
 
 from .rank_balance import balance_rank_totals, cost_grain, rank_limit, send_home
 from .topology import check_ranks_per_node, node_ids, pair_within_nodes
+from .two_phase import as_cost_pairs, solve_two_phase
 
 SYNC_MODES = ("microstep", "step")
 DEFAULT_BALANCE_TOLERANCE = 0.002
@@ -148,15 +149,14 @@ def solve_placement(costs, *, sync: str = "microstep",
         raise ValueError(f"balance_tolerance must be >= 0, got {balance_tolerance}")
     if np.ndim(costs) == 3:
         # (vision, language) per pack: minimise sum over micro-steps of both maxima.
-        from .two_phase import as_cost_pairs, solve_two_phase
         pairs = as_cost_pairs(costs)
         if sync != "microstep":
             costs = pairs.sum(axis=2)                  # only rank totals count
         elif not pairs[:, :, 1].any() or not pairs[:, :, 0].any():
             costs = pairs.sum(axis=2)                  # one phase only: the scalar optimum
         else:
-            return solve_two_phase(pairs, balance_tolerance=balance_tolerance,
-                                   ranks_per_node=ranks_per_node)
+            return Placement(*solve_two_phase(pairs, balance_tolerance=balance_tolerance,
+                                              ranks_per_node=ranks_per_node))
     c = as_cost_matrix(costs)
     D, G = c.shape
     node = node_ids(D, check_ranks_per_node(ranks_per_node))
@@ -177,12 +177,10 @@ def solve_placement(costs, *, sync: str = "microstep",
     order = np.argsort(-c, axis=1, kind="stable")        # own packs, heaviest first
     cs = np.take_along_axis(c, order, axis=1)             # [D, G] sorted costs
     levels = np.sort(c.ravel())[::-1][::D]                 # L_k, non-increasing
-    if sync == "microstep":
-        # deadline[r, j]: the last micro-step whose level admits the pack.
-        deadline = np.searchsorted(-levels, -cs, side="right") - 1
-    else:
-        deadline = np.full((D, G), G - 1, dtype=np.int64)
-    floor = int(levels[-1]) if sync == "microstep" else int(cs.min())
+    # microstep mode from here on (step mode returned above).
+    # deadline[r, j]: the last micro-step whose level admits the pack.
+    deadline = np.searchsorted(-levels, -cs, side="right") - 1
+    floor = int(levels[-1])
     future = np.append(levels[1:], floor).astype(np.float64) - floor   # correcting power left
     band0 = STAGE2_BAND_FACTOR * balance_tolerance * float(c.sum()) / D
 
@@ -207,7 +205,7 @@ def solve_placement(costs, *, sync: str = "microstep",
             _drop(chosen, forced, deadline, cs, flat_rank, n - D)
         elif n < D:
             _fill(chosen, unplaced, cs, flat_rank, flat_pos, D - n, G - k)
-        if sync == "microstep" and k + 1 < G:
+        if k + 1 < G:
             _repair(chosen, forced, unplaced, deadline, cs, flat_rank, flat_pos, k, D, G)
 
         # Phase B: which chosen packs stay at home, and where the others go.
@@ -301,29 +299,7 @@ def _repair(chosen, forced, unplaced, deadline, cs, flat_rank, flat_pos, k, D, G
 
 def evaluate(costs, placement: Placement) -> dict:
     """Balance and movement metrics of a placement (and of the unbalanced baseline)."""
-    c = as_cost_matrix(costs)
-    D, G = c.shape
-    after = placement.apply(c)
-    mean_rank = c.sum() / D
-
-    def ratios(a):
-        ms = microstep_objective(a) / mean_rank if mean_rank else 1.0
-        rt = a.sum(axis=1)
-        rr = rt.max() / rt.mean() if rt.mean() else 1.0
-        return float(ms), float(rr)
-
-    ms, rr = ratios(after)
-    bms, brr = ratios(c)
-    opt = sorted_grouping_optimum(c)
-    return {
-        "microstep_ratio": ms,
-        "rank_ratio": rr,
-        "baseline_microstep_ratio": bms,
-        "baseline_rank_ratio": brr,
-        "microstep_vs_optimum": (microstep_objective(after) / opt) if opt else 1.0,
-        "moved": int(placement.moved().sum()),
-        "moved_fraction": float(placement.moved().mean()),
-    }
+    return PlanStats.of(costs, placement).metrics()
 
 
 def check_placement(placement: Placement, num_ranks: int, num_steps: int) -> None:
@@ -336,3 +312,165 @@ def check_placement(placement: Placement, num_ranks: int, num_steps: int) -> Non
     flat = np.sort(sr.ravel() * num_steps + si.ravel())
     if not np.array_equal(flat, np.arange(num_ranks * num_steps)):
         raise ValueError("placement is not a permutation: some pack is duplicated or lost")
+
+
+def order_steps(placement: Placement) -> Placement:
+    """Put the micro-step that moves the fewest packs first (ties: earliest).
+
+    Every later micro-step's exchange hides behind the previous step's compute;
+    the first one of a global batch cannot, so it should move as little as
+    possible. Permuting micro-steps changes neither objective.
+    """
+    moved = placement.moved().sum(axis=0)
+    first = int(np.argmin(moved))
+    if first == 0:
+        return placement
+    G = placement.shape[1]
+    cols = [first] + [c for c in range(G) if c != first]
+    return Placement(placement.src_rank[:, cols], placement.src_index[:, cols])
+
+
+def plan_placement(costs, *, sync: str = "microstep", balance_tolerance=None,
+                   ranks_per_node: int | None = None) -> Placement:
+    """The placement the runtime delivers for an all-gathered cost matrix.
+
+    :func:`solve_placement`, then :func:`order_steps`; the result is checked
+    (:func:`check_placement`, O(D*G log(D*G))) before it is returned, so a solver
+    bug surfaces here, the same on every rank, instead of as a lost pack.
+    ``balance_tolerance=None``: the solver's default. ``costs`` may be ``[D, G, 2]``
+    (vision, language): see :mod:`.two_phase`.
+    """
+    tol = DEFAULT_BALANCE_TOLERANCE if balance_tolerance is None else balance_tolerance
+    if np.ndim(costs) == 3:
+        c = as_cost_pairs(costs)
+    else:
+        c = as_cost_matrix(costs)
+    placement = order_steps(solve_placement(c, sync=sync, balance_tolerance=tol,
+                                            ranks_per_node=ranks_per_node))
+    check_placement(placement, *c.shape[:2])
+    return placement
+
+
+def _ratio(num, den) -> float:
+    return float(num / den) if den else 1.0
+
+
+@dataclass(frozen=True)
+class PlanStats:
+    """What one global batch's placement does: baseline and predicted costs, moved packs.
+
+    Computed once, with the plan (:meth:`of`), from the integer cost matrix
+    ``costs[r, m]`` (rank r's m-th pack, as drawn) and the placement; every
+    consumer (runtime statistics, sampler mode, CLI, simulator, telemetry, the
+    CPU demo) reads its figures from here. "before" is the order the packs were
+    drawn in (no balancing), "after" the placement.
+    """
+
+    microstep_cost_before: int             #: sum over micro-steps of the slowest rank's cost
+    microstep_cost_after: int
+    microstep_optimum: int                 #: the least micro-step cost any placement reaches
+    rank_total_max_before: int             #: the heaviest rank's total
+    rank_total_max_after: int
+    rank_total_mean: float                 #: mean rank total (the same before and after)
+    step_max_before: tuple[int, ...]       #: per micro-step: the heaviest pack across ranks
+    step_max_after: tuple[int, ...]
+    step_mean_before: tuple[float, ...]    #: per micro-step: the mean pack cost across ranks
+    step_mean_after: tuple[float, ...]
+    packs_moved: int                       #: slots that compute a pack drawn by another rank
+    num_packs: int                         #: D * G
+
+    @classmethod
+    def of(cls, costs, placement: Placement) -> "PlanStats":
+        c = as_cost_matrix(costs)
+        after = placement.apply(c)
+        return cls(
+            microstep_cost_before=microstep_objective(c),
+            microstep_cost_after=microstep_objective(after),
+            microstep_optimum=sorted_grouping_optimum(c),
+            rank_total_max_before=int(c.sum(axis=1).max()),
+            rank_total_max_after=int(after.sum(axis=1).max()),
+            rank_total_mean=float(c.sum(axis=1).mean()),
+            step_max_before=tuple(int(x) for x in c.max(axis=0)),
+            step_max_after=tuple(int(x) for x in after.max(axis=0)),
+            step_mean_before=tuple(float(x) for x in c.mean(axis=0)),
+            step_mean_after=tuple(float(x) for x in after.mean(axis=0)),
+            packs_moved=int(placement.moved().sum()),
+            num_packs=int(c.size),
+        )
+
+    # -- ratios (1.0 = perfect balance) ------------------------------------------
+    @property
+    def microstep_ratio(self) -> float:
+        """Micro-step cost over the mean rank total: the micro-step objective, normalised."""
+        return _ratio(self.microstep_cost_after, self.rank_total_mean)
+
+    @property
+    def baseline_microstep_ratio(self) -> float:
+        return _ratio(self.microstep_cost_before, self.rank_total_mean)
+
+    @property
+    def rank_ratio(self) -> float:
+        """Heaviest rank total over the mean rank total."""
+        return _ratio(self.rank_total_max_after, self.rank_total_mean)
+
+    @property
+    def baseline_rank_ratio(self) -> float:
+        return _ratio(self.rank_total_max_before, self.rank_total_mean)
+
+    @property
+    def microstep_vs_optimum(self) -> float:
+        return _ratio(self.microstep_cost_after, self.microstep_optimum)
+
+    @property
+    def moved_fraction(self) -> float:
+        return _ratio(self.packs_moved, self.num_packs) if self.num_packs else 0.0
+
+    @property
+    def imbalance_before(self) -> float:
+        """Mean over micro-steps of heaviest pack / mean pack (see :func:`step_imbalance`)."""
+        return step_imbalance(self.step_max_before, self.step_mean_before)
+
+    @property
+    def imbalance_after(self) -> float:
+        return step_imbalance(self.step_max_after, self.step_mean_before)
+
+    @property
+    def predicted_gain(self) -> float:
+        """Micro-step cost saved, as a fraction of the baseline's (0 when nothing to gain)."""
+        return (1.0 - _ratio(self.microstep_cost_after, self.microstep_cost_before)
+                if self.microstep_cost_before else 0.0)
+
+    # -- views ---------------------------------------------------------------------
+    def metrics(self) -> dict:
+        """The ratios :func:`evaluate` reports (the CLI's and the tests' view)."""
+        return {
+            "microstep_ratio": self.microstep_ratio,
+            "rank_ratio": self.rank_ratio,
+            "baseline_microstep_ratio": self.baseline_microstep_ratio,
+            "baseline_rank_ratio": self.baseline_rank_ratio,
+            "microstep_vs_optimum": self.microstep_vs_optimum,
+            "moved": self.packs_moved,
+            "moved_fraction": self.moved_fraction,
+        }
+
+    def record(self) -> dict:
+        """The per-global-batch statistics record (runtime and sampler ``.stats`` entries)."""
+        return {
+            "microstep_cost_before": self.microstep_cost_before,
+            "microstep_cost_after": self.microstep_cost_after,
+            "rank_total_max_before": self.rank_total_max_before,
+            "rank_total_max_after": self.rank_total_max_after,
+            "rank_total_mean": self.rank_total_mean,
+            "step_max_before": list(self.step_max_before),
+            "step_max_after": list(self.step_max_after),
+            "step_mean_before": list(self.step_mean_before),
+            "step_mean_after": list(self.step_mean_after),
+            "packs_moved": self.packs_moved,
+        }
+
+
+def step_imbalance(step_max, step_mean) -> float:
+    """Mean over micro-steps of ``step_max[m] / step_mean[m]`` (steps with mean 0 skipped;
+    1.0 when none is left): how much the slowest rank exceeds the average, per micro-step."""
+    ratios = [m / a for m, a in zip(step_max, step_mean) if a]
+    return sum(ratios) / len(ratios) if ratios else 1.0

@@ -168,15 +168,14 @@ def group_two_phase(v: np.ndarray, l: np.ndarray, D: int, G: int) -> np.ndarray:
 
 
 def solve_two_phase(costs, *, balance_tolerance: float, ranks_per_node: int | None = None):
-    """Place one global batch of two-phase costs; returns a
-    :class:`~megatron_mm_balance.placement.Placement`."""
-    from .placement import Placement
-
+    """Place one global batch of two-phase costs; returns ``(src_rank, src_index)``,
+    each ``[D, G]`` (what :class:`~megatron_mm_balance.placement.Placement` holds)."""
     c = as_cost_pairs(costs)
     D, G, _ = c.shape
     node = node_ids(D, check_ranks_per_node(ranks_per_node))
     if D == 1 or G == 1:
-        return Placement.identity(D, G)
+        r, m = np.meshgrid(np.arange(D), np.arange(G), indexing="ij")
+        return r.astype(np.int64), m.astype(np.int64)
     v, l = c[:, :, 0].ravel(), c[:, :, 1].ravel()
     w = (v + l).reshape(D, G)                                # rank totals: vision + language
     group = group_two_phase(v, l, D, G).reshape(D, G)
@@ -225,7 +224,7 @@ def solve_two_phase(costs, *, balance_tolerance: float, ranks_per_node: int | No
     balance_rank_totals(c, src_rank, src_index, tolerance=balance_tolerance, levels=boxes,
                         weights=w, node=node, mates_first=False)
     send_home(c, src_rank, src_index, limit=limit, levels=boxes, weights=w, node=node)
-    return Placement(src_rank, src_index)
+    return src_rank, src_index
 
 
 def evaluate_two_phase(costs, placement) -> dict:

@@ -25,15 +25,8 @@ import hashlib
 import importlib.util
 import json
 import os
-import socket
 import sys
 import time
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def environment() -> dict:
@@ -56,7 +49,8 @@ def init_single_process_group() -> None:
     if dist.is_initialized():
         return
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    from megatron_mm_balance.runtime.bench import free_port
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
 
 

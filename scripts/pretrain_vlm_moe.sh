@@ -9,15 +9,26 @@
 #   MEGATRON_LM_DIR  Megatron-LM checkout at core_v0.16.1 with our patches applied
 #                    (scripts/apply_patches.sh MEGATRON_LM_DIR); required
 #   DATA_PATH        energon dataset (directory or blend .yaml); required unless DRY_RUN=1
-#   OUTPUT_DIR       checkpoints, dataloader state and TensorBoard (default ./runs/<config>)
+#   TOKENIZER_MODEL  HuggingFace tokenizer (name or local directory); default from the config
+#   OUTPUT_DIR       checkpoints, dataloader state and TensorBoard (default
+#                    ./runs/<config>-mm-balance, or ./runs/<config>-baseline with MM_BALANCE=0,
+#                    so the two jobs never resume from each other's checkpoints)
 #   MM_BALANCE       1 (default) adds --mm-balance; 0 runs the same job unbalanced
+#   TRAIN_ITERS, TP, PP, EP, GBS, EVAL_ITERS, LOG_INTERVAL, PRECISION (bf16|fp16),
+#   NUM_WORKERS, PACKING_BUFFER_SIZE
+#                    override the config's values where the config reads them from the
+#                    environment (configs/megatron/tiny_cpu.sh does)
 #   NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT, NPROC_PER_NODE
 #                    torchrun rendezvous (defaults: the config's NNODES, 0, 127.0.0.1, 29500,
 #                    the config's GPUS_PER_NODE)
 #   DRY_RUN=1        print the command (one argument per line) and exit; without
 #                    MEGATRON_LM_DIR it prints with a placeholder path
-# transformer-engine and apex are used when importable (--transformer-impl transformer_engine
-# --use-te; apex's fused kernels), otherwise Megatron's local implementations.
+# examples/multimodal needs transformer-engine (--transformer-impl transformer_engine --use-te):
+# its no-TE specs cannot build the vision projector and CLIP's ln_pre, and local attention
+# refuses packed sequences, so the launcher refuses to start without it. apex's fused kernels
+# are used when importable. A config with CPU_HARNESS=auto (configs/megatron/tiny_cpu.sh) runs
+# on a machine without CUDA through megatron_mm_balance.testing.cpu_pretrain (gloo, local
+# implementations, the CPU stand-ins documented in docs/cpu_e2e.md); with CUDA it runs as above.
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")/.." && pwd)
 CONFIG=$HERE/configs/megatron/vlm_30b_moe.sh
@@ -32,6 +43,8 @@ source "$CONFIG"
 NNODES=${ENV_NNODES:-$NNODES}
 NAME=$(basename "$CONFIG" .sh)
 PY=${PYTHON:-python3}
+# The interpreter itself, not a version-manager shim that may pick another Python after `cd`.
+PY=$("$PY" -c "import sys; print(sys.executable)") || { echo "pretrain_vlm_moe: cannot run ${PYTHON:-python3}" >&2; exit 1; }
 DRY_RUN=${DRY_RUN:-0}
 
 die() { echo "pretrain_vlm_moe: $*" >&2; exit 1; }
@@ -49,7 +62,20 @@ if [ "$DRY_RUN" != 1 ]; then
   [ -n "${DATA_PATH:-}" ] || die "set DATA_PATH to an energon dataset (directory or blend .yaml)"
 fi
 DATA_PATH=${DATA_PATH:-/path/to/energon/dataset}
-OUTPUT_DIR=${OUTPUT_DIR:-$PWD/runs/$NAME}
+if [ "${MM_BALANCE:-1}" = 1 ]; then
+  OUTPUT_DIR=${OUTPUT_DIR:-$PWD/runs/$NAME-mm-balance}
+else
+  OUTPUT_DIR=${OUTPUT_DIR:-$PWD/runs/$NAME-baseline}
+fi
+EVAL_ITERS=${EVAL_ITERS:-10}
+LOG_INTERVAL=${LOG_INTERVAL:-10}
+# examples/multimodal/train.py reaches the model through Float16Module (model.module.module):
+# it runs in bf16 or fp16 only.
+case "${PRECISION:-bf16}" in
+  bf16) PRECISION_ARGS=(--bf16) ;;
+  fp16) PRECISION_ARGS=(--fp16) ;;
+  *) die "PRECISION must be bf16 or fp16 (got $PRECISION; examples/multimodal/train.py needs one of them)" ;;
+esac
 
 NPROC_PER_NODE=${NPROC_PER_NODE:-$GPUS_PER_NODE}
 WORLD=$(( NNODES * NPROC_PER_NODE ))
@@ -57,13 +83,24 @@ WORLD=$(( NNODES * NPROC_PER_NODE ))
 DP=$(( WORLD / (TP * PP * CP) ))
 (( GBS % (MBS * DP) == 0 )) || die "GBS=$GBS is not a multiple of MBS*DP = $((MBS * DP))"
 
-# transformer-engine / apex when present.
+# The CPU harness (configs that set CPU_HARNESS=auto, on a machine without CUDA).
+ENTRY=(examples/multimodal/train.py)
+CPU_RUN=0
+if [ "${CPU_HARNESS:-off}" = auto ] && [ "$DRY_RUN" != 1 ] && \
+   ! "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" >/dev/null 2>&1; then
+  CPU_RUN=1
+  ENTRY=(-m megatron_mm_balance.testing.cpu_pretrain examples/multimodal/train.py)
+fi
+
+# transformer-engine (required on GPU) / apex when present.
 IMPL_ARGS=()
-if "$PY" -c "import transformer_engine" >/dev/null 2>&1; then
+if [ "$CPU_RUN" = 1 ]; then
+  IMPL_ARGS+=(--transformer-impl local "${CPU_ARGS[@]}")
+  MODEL_ARGS=("${MODEL_ARGS[@]/--moe-grouped-gemm/}")      # TE's grouped GEMM only
+elif "$PY" -c "import transformer_engine" >/dev/null 2>&1 || [ "$DRY_RUN" = 1 ]; then
   IMPL_ARGS+=(--transformer-impl transformer_engine --use-te)
 else
-  IMPL_ARGS+=(--transformer-impl local)
-  MODEL_ARGS=("${MODEL_ARGS[@]/--moe-grouped-gemm/}")      # TE's grouped GEMM only
+  die "transformer-engine is not importable by $PY: examples/multimodal needs it (vision projector and CLIP specs, packed-sequence attention); install it (pip install --no-build-isolation transformer_engine[pytorch]) or use the NGC PyTorch container"
 fi
 if ! "$PY" -c "import apex" >/dev/null 2>&1; then
   IMPL_ARGS+=(--no-gradient-accumulation-fusion --no-masked-softmax-fusion)
@@ -71,7 +108,7 @@ fi
 
 BALANCE_ARGS=()
 if [ "${MM_BALANCE:-1}" = 1 ]; then
-  BALANCE_ARGS=(--mm-balance --mm-balance-sync auto --mm-balance-log-interval 10)
+  BALANCE_ARGS=(--mm-balance --mm-balance-sync auto --mm-balance-log-interval "$LOG_INTERVAL")
 fi
 
 ARGS=(
@@ -80,28 +117,28 @@ ARGS=(
   "${MODEL_ARGS[@]}"
   "${IMPL_ARGS[@]}"
   --seq-length 576 --decoder-seq-length "$SEQ_LEN" --max-position-embeddings "$SEQ_LEN"
-  --packing-seq-length "$SEQ_LEN" --packing-buffer-size 256
+  --packing-seq-length "$SEQ_LEN" --packing-buffer-size "${PACKING_BUFFER_SIZE:-256}"
   --micro-batch-size "$MBS" --global-batch-size "$GBS" --train-iters "$TRAIN_ITERS"
   --lr 1e-4 --min-lr 1e-5 --lr-decay-style cosine --lr-warmup-fraction 0.01
   --clip-grad 1.0 --weight-decay 0.01 --adam-beta1 0.9 --adam-beta2 0.95 --init-method-std 0.014
-  --attention-dropout 0.0 --hidden-dropout 0.0 --bf16 --attention-softmax-in-fp32
+  --attention-dropout 0.0 --hidden-dropout 0.0 "${PRECISION_ARGS[@]}" --attention-softmax-in-fp32
   --use-distributed-optimizer
   --tokenizer-type MultimodalTokenizer --tokenizer-model "$TOKENIZER_MODEL"
   --tokenizer-prompt-format "$PROMPT_FORMAT"
-  --dataloader-type external --data-path "$DATA_PATH" --num-workers 4 --split 100,0,0
+  --dataloader-type external --data-path "$DATA_PATH" --num-workers "${NUM_WORKERS:-4}" --split 100,0,0
   --prompt-path "$MEGATRON_LM_DIR/examples/multimodal/manual_prompts.json"
   --save "$OUTPUT_DIR/checkpoints" --load "$OUTPUT_DIR/checkpoints" --save-interval 1000
   --dataloader-save "$OUTPUT_DIR/checkpoints/dataloader" --ckpt-format torch
-  --tensorboard-dir "$OUTPUT_DIR/tensorboard" --log-interval 10
-  --eval-iters 10 --eval-interval 1000 --distributed-timeout-minutes 60
+  --tensorboard-dir "$OUTPUT_DIR/tensorboard" --log-interval "$LOG_INTERVAL"
+  --eval-iters "$EVAL_ITERS" --eval-interval 1000 --distributed-timeout-minutes 60
   "${BALANCE_ARGS[@]}"
 )
 # Drop the empty words left by removing a flag above.
 CLEAN=(); for a in "${ARGS[@]}"; do [ -n "$a" ] && CLEAN+=("$a"); done
 
-CMD=(torchrun --nnodes "$NNODES" --node-rank "${NODE_RANK:-0}" --nproc-per-node "$NPROC_PER_NODE"
+CMD=("$PY" -m torch.distributed.run --nnodes "$NNODES" --node-rank "${NODE_RANK:-0}" --nproc-per-node "$NPROC_PER_NODE"
      --master-addr "${MASTER_ADDR:-127.0.0.1}" --master-port "${MASTER_PORT:-29500}"
-     examples/multimodal/train.py "${CLEAN[@]}" "$@")
+     "${ENTRY[@]}" "${CLEAN[@]}" "$@")
 if [ "$DRY_RUN" = 1 ]; then
   printf '%s\n' "${CMD[@]}"
   exit 0

@@ -9,15 +9,17 @@ Registered two ways, both ending in :func:`add_mm_balance_args`:
   ``pretrain(..., extra_args_provider=...)``.
 
 Registering twice is harmless: the second call sees ``--mm-balance`` and returns.
+The flags' choices and defaults live in :mod:`.config` (one typed
+:class:`~.config.MMBalanceConfig` per run); they are validated by :mod:`.checks`.
 """
 from __future__ import annotations
 
 import argparse
 from typing import Callable, Optional
 
-SYNC_CHOICES = ("auto", "microstep", "step")
-COST_CHOICES = ("image-tokens", "model")
-MODE_CHOICES = ("auto", "exchange", "sampler")
+from .config import COST_CHOICES, MODE_CHOICES, SYNC_CHOICES, MMBalanceConfig
+
+_DEFAULTS = MMBalanceConfig()
 
 
 def add_mm_balance_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -29,7 +31,7 @@ def add_mm_balance_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                        help="Balance image tokens across data-parallel ranks every global batch "
                             "by moving whole micro-batches (packs) between ranks.")
     group.add_argument("--mm-balance-overlap", dest="mm_balance_overlap", action="store_true",
-                       default=True,
+                       default=_DEFAULTS.overlap,
                        help="Gather costs and exchange packs for the next global batch on a "
                             "background thread, overlapped with compute (default).")
     group.add_argument("--no-mm-balance-overlap", dest="mm_balance_overlap", action="store_false",
@@ -39,24 +41,30 @@ def add_mm_balance_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                             "expert-parallel all-to-alls synchronise ranks each micro-step), "
                             "'step' balances per-rank totals (pure data parallel). 'auto' picks "
                             "microstep when --expert-model-parallel-size > 1, else step.")
-    group.add_argument("--mm-balance-cost", choices=COST_CHOICES, default="image-tokens",
+    group.add_argument("--mm-balance-cost", choices=COST_CHOICES, default=_DEFAULTS.cost,
                        help="Cost of a pack: its image tokens, or a calibrated cost model read "
                             "from --mm-balance-cost-file.")
     group.add_argument("--mm-balance-cost-file", type=str, default=None,
                        help="Cost file (JSON, format mm-balance-cost/v1) for --mm-balance-cost model.")
-    group.add_argument("--mm-balance-mode", choices=MODE_CHOICES, default="auto",
+    group.add_argument("--mm-balance-mode", choices=MODE_CHOICES, default=_DEFAULTS.mode,
                        help="'exchange' moves packed tensors between ranks; 'sampler' reassigns "
                             "sample indices before loading (needs --dataloader-type single and a "
                             "dataset with mm_balance_image_tokens(idx)); 'auto' uses the sampler "
-                            "when it applies, else the exchange.")
+                            "when it applies, else the exchange; 'shadow' gathers costs and solves "
+                            "like the exchange and logs the predicted gain, but moves nothing.")
     group.add_argument("--mm-balance-log-interval", type=int, default=None,
                        help="Write balance statistics every this many iterations "
                             "(default: --log-interval).")
     group.add_argument("--mm-balance-tolerance", type=float, default=None,
                        help="How far above the mean (fraction) a rank's total may end; larger keeps more "
                             "packs home (solver default 0.002 if unset).")
-    group.add_argument("--mm-balance-timeout", type=float, default=300.0,
+    group.add_argument("--mm-balance-timeout", type=float, default=_DEFAULTS.timeout,
                        help="Seconds the exchange waits on its collectives before failing.")
+    group.add_argument("--mm-balance-task-encoder", action="store_true",
+                       help="examples/multimodal: build the example's TaskEncoder with "
+                            "BalancedPackingMixin (per-pack image tokens in the batch; with "
+                            "--packing-buffer-size, best-fit packing of whole samples into "
+                            "--packing-seq-length). Works with or without --mm-balance.")
     return parser
 
 
@@ -71,32 +79,3 @@ def with_mm_balance_args(provider: Optional[Callable] = None) -> Callable:
         return add_mm_balance_args(parser)
     _provider.__name__ = f"with_mm_balance_args({getattr(provider, '__name__', provider)})"
     return _provider
-
-
-def validate_mm_balance_args(args) -> None:
-    """Raise ``ValueError`` (one line, naming the flag) on invalid or unsupported settings.
-
-    A no-op unless ``--mm-balance`` is set. Delegates the Megatron-setting checks
-    to :func:`megatron_mm_balance.megatron.checks.check_args`.
-    """
-    if not getattr(args, "mm_balance", False):
-        return
-    from .checks import check_args
-    check_args(args)
-
-
-def resolve_sync(args) -> str:
-    """``--mm-balance-sync`` with ``auto`` resolved: microstep under expert parallel."""
-    sync = getattr(args, "mm_balance_sync", "auto") or "auto"
-    if sync != "auto":
-        return sync
-    ep = getattr(args, "expert_model_parallel_size", 1) or 1
-    return "microstep" if ep > 1 else "step"
-
-
-def log_interval(args) -> int:
-    """``--mm-balance-log-interval``, defaulting to Megatron's ``--log-interval`` (or 100)."""
-    value = getattr(args, "mm_balance_log_interval", None)
-    if value is None:
-        value = getattr(args, "log_interval", None) or 100
-    return int(value)

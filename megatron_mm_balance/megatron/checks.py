@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import os
 
-from .arguments import COST_CHOICES, MODE_CHOICES, SYNC_CHOICES
+from .config import COST_CHOICES, MODE_CHOICES, SYNC_CHOICES, MMBalanceConfig
 
 
 class MMBalanceConfigError(ValueError):
@@ -88,7 +88,7 @@ def check_args(args) -> None:
     interval = getattr(args, "mm_balance_log_interval", None)
     if interval is not None and interval < 1:
         fail(f"--mm-balance-log-interval must be >= 1, got {interval}")
-    timeout = getattr(args, "mm_balance_timeout", 300.0)
+    timeout = getattr(args, "mm_balance_timeout", MMBalanceConfig.timeout)
     if timeout is None or not timeout > 0:
         fail(f"--mm-balance-timeout must be > 0 seconds, got {timeout}")
     tol = getattr(args, "mm_balance_tolerance", None)
@@ -115,3 +115,9 @@ def check_args(args) -> None:
     if mode == "sampler" and dl_type not in (None, "single"):
         fail(f"--mm-balance-mode sampler needs --dataloader-type single (got {dl_type}); "
              "use --mm-balance-mode exchange")
+
+
+def checked_config(args) -> MMBalanceConfig:
+    """:func:`check_args`, then the run's :class:`~.config.MMBalanceConfig` (built once)."""
+    check_args(args)
+    return MMBalanceConfig.from_args(args)

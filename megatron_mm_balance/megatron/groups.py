@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from typing import List, Optional, Sequence
 
+from ..runtime.config import DEFAULT_TIMEOUT_S
+
 _GROUPS: Optional[List] = None      # per model chunk: this rank's exchange group or None
 _GROUP_RANKS: Optional[List[List[int]]] = None
 
@@ -65,7 +67,7 @@ def megatron_layout(tp_rank0_only: bool = True) -> dict:
 
 
 def init_exchange_groups(layout: Optional[dict] = None, *, num_chunks: int = 1,
-                         timeout: float = 300.0) -> List:
+                         timeout: float = DEFAULT_TIMEOUT_S) -> List:
     """Create the exchange groups on every rank; return this rank's group per model chunk.
 
     Collective over the default (world) group: every rank must call it, in the

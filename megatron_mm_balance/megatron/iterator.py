@@ -21,48 +21,10 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
-from .arguments import log_interval, resolve_sync
-
-
-class MicrobatchSchedule:
-    """Zero-arg callable: the number of micro-batches of the next global batch.
-
-    The balanced iterator reads it at the first ``next()`` of every global batch,
-    after Megatron's training loop has called ``update_num_microbatches`` for that
-    step, so by default it simply returns ``get_num_microbatches()``.
-
-    Readers that run ahead of the training loop (the sampler mode's batch
-    sampler, prefetched by the DataLoader) pass ``predict=True``: under
-    ``--rampup-batch-size`` it then runs a private copy of Megatron's calculator
-    on the samples consumed by the global batches it has already handed out.
-    """
-
-    def __init__(self, args=None, *, predict: bool = False,
-                 consumed_samples: Optional[int] = None):
-        self._calc = None
-        self._consumed = 0
-        if predict and args is not None and getattr(args, "rampup_batch_size", None):
-            from megatron.core.num_microbatches_calculator import _build_num_microbatches_calculator
-            self._calc = _build_num_microbatches_calculator(
-                rank=1,  # not 0: keep the copy from logging
-                rampup_batch_size=args.rampup_batch_size,
-                global_batch_size=args.global_batch_size,
-                micro_batch_size=args.micro_batch_size,
-                data_parallel_size=args.data_parallel_size,
-                decrease_batch_size_if_needed=getattr(args, "decrease_batch_size_if_needed", False),
-            )
-            self._consumed = int(consumed_samples if consumed_samples is not None
-                                 else getattr(args, "consumed_train_samples", 0) or 0)
-            self._samples_per_mb = args.micro_batch_size * args.data_parallel_size
-
-    def __call__(self) -> int:
-        if self._calc is None:
-            from megatron.core.num_microbatches_calculator import get_num_microbatches
-            return int(get_num_microbatches())
-        self._calc.update(self._consumed, False)
-        n = int(self._calc.get())
-        self._consumed += n * self._samples_per_mb
-        return n
+from .checks import checked_config
+from .config import MMBalanceConfig
+from .sampler import installed_train_sampler
+from .schedule import MicrobatchSchedule
 
 
 class BalancedTrainIterable:
@@ -118,94 +80,18 @@ def _tokens_per_tile(args) -> Optional[int]:
         getattr(args, "tokenizer_prompt_format", None)))
 
 
-def flatten_ints(value) -> list:
-    """A scalar, tensor or nested list/tuple of counts as a flat list of ints (None: [])."""
-    if value is None:
-        return []
-    if hasattr(value, "tolist"):
-        value = value.tolist()
-    if isinstance(value, (list, tuple)):
-        out = []
-        for v in value:
-            out.extend(flatten_ints(v))
-        return out
-    return [int(value)]
-
-
-def image_counts(batch, tokens_per_tile: Optional[int] = None) -> list:
-    """Per-image token counts of a micro-batch (``image_tokens``, else ``num_tiles``)."""
-    if not isinstance(batch, dict):
-        raise TypeError(f"mm-balance: micro-batch is a {type(batch).__name__}, expected a dict")
-    if "image_token_counts" in batch:
-        return flatten_ints(batch["image_token_counts"])
-    if "image_tokens" in batch:
-        return flatten_ints(batch["image_tokens"])
-    if "num_tiles" in batch:
-        tiles = flatten_ints(batch["num_tiles"])
-        return [t * (tokens_per_tile or 1) for t in tiles]
-    raise KeyError("mm-balance: micro-batch has neither 'image_tokens' nor 'num_tiles'; record "
-                   "them in the task encoder (megatron_mm_balance.megatron.energon."
-                   "BalancedPackingMixin) or pass a cost_fn")
-
-
-class ImageTokensCost:
-    """``--mm-balance-cost image-tokens``: a micro-batch's image tokens.
-
-    Reads ``image_token_counts`` or ``image_tokens`` (our task encoder), else
-    ``num_tiles`` x embeddings per tile (stock examples/multimodal batches; the
-    embeddings per tile follow from ``--img-h/--img-w/--patch-dim/...``). A
-    micro-batch with none of these keys (text only) costs 0, as in the runtime's
-    default. Sums over every pack of the micro-batch, so it also serves
-    ``--micro-batch-size`` > 1.
-    """
-
-    def __init__(self, tokens_per_tile: Optional[int] = None):
-        self.tokens_per_tile = tokens_per_tile
-
-    @property
-    def identity(self) -> str:
-        return f"megatron_mm_balance.megatron.image_tokens(tokens_per_tile={self.tokens_per_tile})"
-
-    def __call__(self, batch) -> int:
-        if not isinstance(batch, dict) or not any(k in batch for k in _IMAGE_KEYS):
-            return 0
-        return int(sum(image_counts(batch, self.tokens_per_tile)))
-
-
-class ModelCost:
-    """``--mm-balance-cost model``: a calibrated :class:`~megatron_mm_balance.cost.CostModel`
-    on per-image tokens and per-sample lengths (from ``cu_lengths``)."""
-
-    def __init__(self, path: str, tokens_per_tile: Optional[int] = None):
-        from ..cost import load_cost_file
-        self.model = load_cost_file(path)
-        self.tokens_per_tile = tokens_per_tile
-
-    @property
-    def identity(self) -> str:
-        return f"megatron_mm_balance.megatron.model_cost({self.model.to_json()}, {self.tokens_per_tile})"
-
-    def __call__(self, batch) -> int:
-        from ..cost import PackFeatures
-        if not isinstance(batch, dict):
-            return 0
-        images = ()
-        if any(k in batch for k in _IMAGE_KEYS):
-            images = tuple(image_counts(batch, self.tokens_per_tile))
-        cu = flatten_ints(batch.get("cu_lengths"))
-        lengths = tuple(b - a for a, b in zip(cu, cu[1:]) if b > a)
-        return self.model.cost(PackFeatures(images, lengths))
-
-
-_IMAGE_KEYS = ("image_token_counts", "image_tokens", "num_tiles")
-
-
 def make_cost_fn(args=None):
-    """The cost function ``--mm-balance-cost`` asks for."""
+    """The cost function ``--mm-balance-cost`` asks for (see :mod:`..runtime.costs`).
+
+    Tokens per tile follow the multimodal flags; without them (not an
+    examples/multimodal run) the runtime's default applies.
+    """
+    from ..runtime.costs import DEFAULT_TOKENS_PER_TILE, ImageTokenCost, ModelCost
     tpt = _tokens_per_tile(args)
+    tpt = DEFAULT_TOKENS_PER_TILE if tpt is None else tpt
     if getattr(args, "mm_balance_cost", "image-tokens") == "model":
         return ModelCost(args.mm_balance_cost_file, tpt)
-    return ImageTokensCost(tpt)
+    return ImageTokenCost(tpt)
 
 
 class _Constant:
@@ -231,12 +117,13 @@ class _NextOnly:
         return next(self.obj)
 
 
-def _loader(iterator):
+def _unwrap(iterator):
+    """The loader inside Megatron's ``RerunDataIterator`` (anything else as it is)."""
     from megatron.core.rerun_state_machine import RerunDataIterator
     return iterator.iterable if isinstance(iterator, RerunDataIterator) else iterator
 
 
-def _schedule_for(iterator, args, num_microbatches):
+def _schedule_for(source, args, num_microbatches):
     """What the balancer reads its micro-batch count from, one per chunk.
 
     A fixed int lets the exchange thread run ahead into the next global batch, so
@@ -250,40 +137,65 @@ def _schedule_for(iterator, args, num_microbatches):
     """
     if num_microbatches is None:
         fixed = getattr(args, "rampup_batch_size", None) is None
-        if fixed and not callable(getattr(_loader(iterator), "save_state", None)):
+        if fixed and not callable(getattr(source, "save_state", None)):
             from megatron.core.num_microbatches_calculator import get_num_microbatches
             return int(get_num_microbatches())
         return MicrobatchSchedule(args)
     if callable(num_microbatches):
         return num_microbatches
-    if callable(getattr(_loader(iterator), "save_state", None)):
+    if callable(getattr(source, "save_state", None)):
         return _Constant(int(num_microbatches))
     return int(num_microbatches)
 
 
-def _wrap_one(iterator, group, args, *, num_microbatches, cost_fn, chunk: int):
-    from megatron.core.rerun_state_machine import RerunDataIterator
-    from ..runtime import BalancedDataIterator
-    from .telemetry import Telemetry
+class Coordinator:
+    """How one run balances its train iterators: one object per mode, chosen once.
 
-    source = iterator.iterable if isinstance(iterator, RerunDataIterator) else iterator
-    if not hasattr(source, "__next__"):
-        source = iter(source)
-    reader = source if hasattr(source, "__iter__") else _NextOnly(source)
-    balanced = BalancedDataIterator(
-        reader,
-        num_microbatches=num_microbatches,
-        group=group,
-        exchange_group=group,
-        cost_fn=cost_fn,
-        sync=resolve_sync(args),
-        overlap=bool(getattr(args, "mm_balance_overlap", True)),
-        timeout=float(getattr(args, "mm_balance_timeout", 300.0)),
-        device=None,   # packs stay where the loader put them; get_batch moves them
-        balance_tolerance=getattr(args, "mm_balance_tolerance", None),
-    )
-    telemetry = Telemetry(balanced, args, interval=log_interval(args), group=group, chunk=chunk)
-    return RerunDataIterator(BalancedTrainIterable(balanced, source, telemetry))
+    :meth:`wrap` takes one model chunk's loader (already out of its
+    ``RerunDataIterator``) and its exchange group, and returns what Megatron
+    iterates. Both implementations report through :class:`~.telemetry.Telemetry`
+    from an object with ``.stats`` (one record per global batch).
+    """
+
+    mode = ""
+
+    def __init__(self, cfg: MMBalanceConfig, args):
+        self.cfg = cfg
+        self.args = args
+
+    def wrap(self, source, group, chunk: int):
+        raise NotImplementedError
+
+    def _telemetry(self, stats_source, group, chunk):
+        from .telemetry import Telemetry
+        return Telemetry(stats_source, self.args, interval=self.cfg.log_interval, group=group,
+                         chunk=chunk)
+
+
+class ExchangeCoordinator(Coordinator):
+    """Exchange (and shadow) mode: a :class:`~megatron_mm_balance.runtime.BalancedDataIterator`
+    per chunk moves packed micro-batches between ranks (shadow: solves, logs, moves nothing)."""
+
+    def __init__(self, cfg, args, *, cost_fn=None, num_microbatches=None):
+        super().__init__(cfg, args)
+        self.mode = cfg.mode if cfg.mode == "shadow" else "exchange"
+        self.cost_fn = make_cost_fn(args) if cost_fn is None else cost_fn
+        self.num_microbatches = num_microbatches
+
+    def wrap(self, source, group, chunk: int):
+        from megatron.core.rerun_state_machine import RerunDataIterator
+        from ..runtime import BalancedDataIterator
+
+        schedule = _schedule_for(source, self.args, self.num_microbatches)
+        if not hasattr(source, "__next__"):
+            source = iter(source)
+        reader = source if hasattr(source, "__iter__") else _NextOnly(source)
+        # Packs stay where the loader put them (device None); get_batch moves them.
+        balanced = BalancedDataIterator(reader, num_microbatches=schedule, group=group,
+                                        exchange_group=group, cost_fn=self.cost_fn,
+                                        config=self.cfg.runtime())
+        telemetry = self._telemetry(balanced, group, chunk)
+        return RerunDataIterator(BalancedTrainIterable(balanced, source, telemetry))
 
 
 class _Reporting:
@@ -305,17 +217,28 @@ class _Reporting:
         return getattr(self.source, name)
 
 
-def _with_sampler_telemetry(iterator, group, args, chunk):
-    from megatron.core.rerun_state_machine import RerunDataIterator
-    from .sampler import current_train_sampler
-    from .telemetry import Telemetry
+class SamplerCoordinator(Coordinator):
+    """Sampler mode: indices were reassigned before loading (:mod:`.sampler`); nothing to
+    exchange, only the sampler's statistics to report."""
 
-    if iterator is None or group is None:
-        return iterator
-    source = iterator.iterable if isinstance(iterator, RerunDataIterator) else iterator
-    telemetry = Telemetry(current_train_sampler(), args, interval=log_interval(args), group=group,
-                          chunk=chunk)
-    return RerunDataIterator(_Reporting(source, telemetry))
+    mode = "sampler"
+
+    def __init__(self, cfg, args, sampler):
+        super().__init__(cfg, args)
+        self.sampler = sampler
+
+    def wrap(self, source, group, chunk: int):
+        from megatron.core.rerun_state_machine import RerunDataIterator
+        return RerunDataIterator(_Reporting(source, self._telemetry(self.sampler, group, chunk)))
+
+
+def coordinator_for(cfg: MMBalanceConfig, args, *, cost_fn=None, num_microbatches=None) -> Coordinator:
+    """Sampler mode when :func:`~.sampler.maybe_balanced_sampler` installed a sampler for
+    ``args`` (it runs first, when the loaders are built), else the exchange."""
+    sampler = installed_train_sampler(args)
+    if sampler is not None:
+        return SamplerCoordinator(cfg, args, sampler)
+    return ExchangeCoordinator(cfg, args, cost_fn=cost_fn, num_microbatches=num_microbatches)
 
 
 def wrap_train_data_iterator(train_data_iterator, args=None, *, num_microbatches=None,
@@ -337,31 +260,15 @@ def wrap_train_data_iterator(train_data_iterator, args=None, *, num_microbatches
         args = get_args()
     if not getattr(args, "mm_balance", False):
         return train_data_iterator
-    from .checks import check_args
     from .groups import init_exchange_groups
-    from .sampler import train_sampler_installed
 
-    check_args(args)
+    cfg = checked_config(args)
     is_list = isinstance(train_data_iterator, list)
     iterators = train_data_iterator if is_list else [train_data_iterator]
-    groups = init_exchange_groups(layout, num_chunks=len(iterators),
-                                  timeout=float(getattr(args, "mm_balance_timeout", 300.0)))
-    if train_sampler_installed():
-        # Sampler mode: indices were reassigned before loading; nothing to exchange,
-        # only the sampler's statistics to report.
-        wrapped = [_with_sampler_telemetry(it, g, args, chunk)
-                   for chunk, (it, g) in enumerate(zip(iterators, groups))]
-        return wrapped if is_list else wrapped[0]
-    if cost_fn is None:
-        cost_fn = make_cost_fn(args)
-    wrapped = []
-    for chunk, (it, group) in enumerate(zip(iterators, groups)):
-        if it is None or group is None:
-            wrapped.append(it)
-        else:
-            schedule = _schedule_for(it, args, num_microbatches)
-            wrapped.append(_wrap_one(it, group, args, num_microbatches=schedule,
-                                     cost_fn=cost_fn, chunk=chunk))
+    groups = init_exchange_groups(layout, num_chunks=len(iterators), timeout=cfg.timeout)
+    coordinator = coordinator_for(cfg, args, cost_fn=cost_fn, num_microbatches=num_microbatches)
+    wrapped = [it if it is None or group is None else coordinator.wrap(_unwrap(it), group, chunk)
+               for chunk, (it, group) in enumerate(zip(iterators, groups))]
     return wrapped if is_list else wrapped[0]
 
 

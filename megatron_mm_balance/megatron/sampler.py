@@ -13,7 +13,7 @@ covers the same samples).
 
 It applies when all of these hold (``--mm-balance-mode auto`` checks them and
 otherwise falls back to the tensor exchange; ``--mm-balance-mode sampler``
-makes a failed check an error):
+makes a failed check an error; ``exchange`` and ``shadow`` never use it):
 
 * ``--dataloader-type single`` (Megatron's own batch sampler; energon and other
   ``external`` loaders pack on the fly, so only the exchange can help them);
@@ -23,28 +23,30 @@ makes a failed check an error):
   built, which is the train loader in ``build_train_valid_test_data_loaders``).
 
 Whole micro-batches move, as in the exchange, so the loss is unchanged.
+
+The sampler installed for the train loader is recorded on Megatron's ``args``
+(``args.mm_balance_train_sampler``, as Megatron records its own run state there),
+which is how ``wrap_train_data_iterator``, called later with the same ``args``,
+knows that this run balances in sampler mode.
 """
 from __future__ import annotations
 
 import collections
 from typing import Callable, Optional, Union
 
-_TRAIN_SAMPLER = None
+from .checks import MMBalanceConfigError
+from .config import MMBalanceConfig
+from .schedule import MicrobatchSchedule
 
 
-def train_sampler_installed() -> bool:
+def installed_train_sampler(args):
+    """The balanced train sampler :func:`maybe_balanced_sampler` installed for ``args`` (or None)."""
+    return getattr(args, "mm_balance_train_sampler", None)
+
+
+def train_sampler_installed(args) -> bool:
     """True once :func:`maybe_balanced_sampler` put a balanced sampler on the train loader."""
-    return _TRAIN_SAMPLER is not None
-
-
-def current_train_sampler():
-    """The balanced train sampler installed in this process (None if none)."""
-    return _TRAIN_SAMPLER
-
-
-def reset_train_sampler() -> None:
-    global _TRAIN_SAMPLER
-    _TRAIN_SAMPLER = None
+    return installed_train_sampler(args) is not None
 
 
 class BalancedPretrainingSampler:
@@ -95,7 +97,7 @@ class BalancedPretrainingSampler:
 
     def __iter__(self):
         import numpy as np
-        from ..placement import evaluate, solve_placement
+        from ..placement import PlanStats, solve_placement
 
         D, mbs = self.data_parallel_size, self.micro_batch_size
         start = self.consumed_samples
@@ -111,13 +113,9 @@ class BalancedPretrainingSampler:
                     costs[r, m] = sum(int(self.cost_of_index(i)) for i in self._micro_batch(start, r, m))
             kw = {} if self.balance_tolerance is None else {"balance_tolerance": self.balance_tolerance}
             placement = solve_placement(costs, sync=self.sync, **kw)
-            stats = dict(evaluate(costs, placement))
-            stats["packs_moved"] = stats.pop("moved")
-            after = placement.apply(costs)       # same per-micro-step lists as the runtime's stats
-            stats.update(step_max_before=costs.max(axis=0).tolist(), step_max_after=after.max(axis=0).tolist(),
-                         step_mean_before=costs.mean(axis=0).tolist(),
-                         step_mean_after=after.mean(axis=0).tolist(),
-                         global_batch=gb, num_microbatches=G)
+            plan = PlanStats.of(costs, placement)
+            stats = {**plan.metrics(), **plan.record(), "global_batch": gb, "num_microbatches": G}
+            del stats["moved"]                   # the record's packs_moved, as in the runtime
             self.stats.append(stats)
             me = self.data_parallel_rank
             for m in range(G):
@@ -144,28 +142,27 @@ def maybe_balanced_sampler(batch_sampler, dataset, args=None):
 
     Called by the ``data_samplers.py`` patch after the batch sampler is built.
     Returns ``batch_sampler`` unchanged when ``--mm-balance`` is off, the mode is
-    ``exchange``, or (mode ``auto``) :func:`sampler_applies` says no.
+    ``exchange`` or ``shadow``, or (mode ``auto``) :func:`sampler_applies` says no.
     """
-    global _TRAIN_SAMPLER
     if args is None:
         from megatron.training import get_args
         args = get_args()
-    mode = getattr(args, "mm_balance_mode", "auto")
-    if not getattr(args, "mm_balance", False) or mode == "exchange":
+    if not getattr(args, "mm_balance", False):
+        return batch_sampler
+    cfg = MMBalanceConfig.from_args(args)      # checked by Megatron's validate_args (patch)
+    if cfg.mode in ("exchange", "shadow"):
         return batch_sampler
     split = getattr(dataset, "split", getattr(dataset, "index_split", None))
     if split is not None and getattr(split, "name", str(split)) != "train":
         return batch_sampler
-    if split is None and _TRAIN_SAMPLER is not None:
+    if split is None and train_sampler_installed(args):
         # No split attribute: Megatron builds the train loader first; later ones are eval.
         return batch_sampler
     reason = sampler_applies(batch_sampler, dataset)
     if reason is not None:
-        if mode == "sampler":
-            raise ValueError(f"--mm-balance-mode sampler does not apply: {reason}")
+        if cfg.mode == "sampler":
+            raise MMBalanceConfigError(f"--mm-balance-mode sampler does not apply: {reason}")
         return batch_sampler
-    from .arguments import resolve_sync
-    from .iterator import MicrobatchSchedule
     sampler = BalancedPretrainingSampler(
         total_samples=batch_sampler.total_samples,
         consumed_samples=batch_sampler.consumed_samples,
@@ -175,8 +172,8 @@ def maybe_balanced_sampler(batch_sampler, dataset, args=None):
         cost_of_index=dataset.mm_balance_image_tokens,
         num_microbatches=MicrobatchSchedule(args, predict=True,
                                             consumed_samples=batch_sampler.consumed_samples),
-        sync=resolve_sync(args),
-        balance_tolerance=getattr(args, "mm_balance_tolerance", None),
+        sync=cfg.sync,
+        balance_tolerance=cfg.tolerance,
     )
-    _TRAIN_SAMPLER = sampler
+    args.mm_balance_train_sampler = sampler
     return sampler

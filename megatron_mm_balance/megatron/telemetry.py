@@ -32,6 +32,7 @@ def derive(entry: dict) -> dict:
     micro-steps of the max), ``image_tokens_step_mean`` and
     ``imbalance_*`` (mean over micro-steps of max/mean: 1.0 is perfect balance).
     """
+    from ..placement import step_imbalance
     out = dict(entry)
     mean = entry.get("step_mean_before")
     for when in ("before", "after"):
@@ -39,9 +40,8 @@ def derive(entry: dict) -> dict:
         if not isinstance(mx, (list, tuple)) or not isinstance(mean, (list, tuple)) or not mx:
             continue
         out[f"image_tokens_step_max_{when}"] = sum(mx) / len(mx)
-        ratios = [m / a for m, a in zip(mx, mean) if a]
-        if ratios:
-            out[f"imbalance_{when}"] = sum(ratios) / len(ratios)
+        if any(a for _, a in zip(mx, mean)):
+            out[f"imbalance_{when}"] = step_imbalance(mx, mean)
     if isinstance(mean, (list, tuple)) and mean:
         out["image_tokens_step_mean"] = sum(mean) / len(mean)
     return out

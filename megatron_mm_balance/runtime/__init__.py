@@ -2,14 +2,25 @@
 
 See :mod:`.iterator` for the life of a global batch, :mod:`.wire` for the pack
 format, :mod:`.groups` for the exchange's process groups, :mod:`.costs` for the
-default cost function and :mod:`.device` for the CUDA side stream.
-"""
-from .costs import ImageTokenCost, default_cost_fn
-from .engine import SourceExhausted, plan_placement
-from .errors import BalancerError, ExchangeThreadError, InconsistentConfig, PeerFailure
-from .groups import new_exchange_groups
-from .iterator import BalancedDataIterator
+cost functions and :mod:`.device` for the CUDA side stream.
 
-__all__ = ["BalancedDataIterator", "new_exchange_groups", "plan_placement", "default_cost_fn",
-           "ImageTokenCost", "BalancerError", "PeerFailure", "InconsistentConfig",
-           "ExchangeThreadError", "SourceExhausted"]
+Names are resolved lazily: :mod:`.costs` and :mod:`.errors` import without
+torch (the energon task encoder and the pure CLI use them), the rest on first use.
+"""
+import importlib
+
+_HOME = {
+    "BalancedDataIterator": ".iterator", "new_exchange_groups": ".groups",
+    "plan_placement": "..placement", "default_cost_fn": ".costs", "ImageTokenCost": ".costs",
+    "ModelCost": ".costs", "BalancerError": ".errors", "PeerFailure": ".errors",
+    "InconsistentConfig": ".errors", "ExchangeThreadError": ".errors",
+    "SourceExhausted": ".engine",
+}
+
+__all__ = list(_HOME)
+
+
+def __getattr__(name):
+    if name in _HOME:
+        return getattr(importlib.import_module(_HOME[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -9,7 +9,7 @@ Sleeping keeps 8 ranks honest on a 2-core machine. Every micro-step ends in a
 barrier (the MoE expert-parallel case: ranks meet every micro-step) and every
 global batch in an all-reduce.
 
-Four modes run side by side in one launch, on identical data:
+Five modes run side by side in one launch, on identical data:
 
 * ``off``: ``BalancedDataIterator(enabled=False)``, each rank computes its own packs;
 * ``sync``: balanced, ``overlap=False`` (the exchange sits in ``next()``);
@@ -44,7 +44,8 @@ _DESCRIPTION = ("Emulated-straggler benchmark of the balanced iterator: gloo ran
 # ---------------------------------------------------------------------------
 # launcher
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a gloo rendezvous of local processes)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -68,7 +69,7 @@ def spawn(fn, world: int, cfg: dict, hard_timeout: float) -> list[dict]:
     killed after ``hard_timeout`` seconds. Returns the ranks' dicts."""
     import torch.multiprocessing as mp
     with tempfile.TemporaryDirectory() as tmp:
-        ctx = mp.start_processes(_entry, args=(fn, world, _free_port(), tmp, cfg), nprocs=world,
+        ctx = mp.start_processes(_entry, args=(fn, world, free_port(), tmp, cfg), nprocs=world,
                                  join=False, start_method="spawn")
         deadline = time.monotonic() + hard_timeout
         try:
@@ -106,7 +107,7 @@ def _bench_rank(rank, world, cfg):
     import torch.distributed as dist
 
     from ..cost import CostModel, PackFeatures
-    from .engine import plan_placement
+    from ..placement import plan_placement
     from .iterator import BalancedDataIterator
 
     G, W, B = cfg["microbatches"], cfg["warmup"], cfg["batches"]

@@ -1,70 +1,127 @@
-"""The default per-pack cost: the pack's image-token count.
+"""What a pack costs: the one image-token convention, shared by the runtime and the glue.
 
-:func:`default_cost_fn` looks, in order, for
+:func:`image_counts` reads the per-image token counts of a pack (or of a
+micro-batch of several packs), looking, in order, for
 
-1. ``image_tokens``: an int, or a 0-d / 1-element tensor (the energon packer
-   records it per pack);
-2. ``num_image_tokens``: same forms;
-3. ``num_tiles``: an int, or a tensor of per-image tile counts that is summed,
-   times ``tokens_per_tile`` (default 256);
-4. ``imgs``: a tensor whose first dimension counts tiles, times
+1. ``image_token_counts``: one count per image (our energon task encoder
+   records it);
+2. ``image_tokens``: one count per pack (the same encoder), or a scalar;
+3. ``num_image_tokens``: same forms;
+4. ``num_tiles``: tiles per image, times ``tokens_per_tile`` (stock
+   examples/multimodal batches carry only this);
+5. ``imgs``: a tensor whose first dimension counts tiles, times
    ``tokens_per_tile``.
 
-A pack with none of these keys (text only, or not a dict) costs 0. Costs are
-converted to non-negative integers so every rank computes the identical
-placement from the all-gathered matrix.
+Every value may be a number, a tensor of any shape, or a (nested) list/tuple:
+all of it is summed, so a micro-batch of several packs costs the sum of its
+packs. A pack with none of these keys (text only) has no images.
+
+:class:`ImageTokenCost` is the default cost (their sum, as an int);
+:class:`ModelCost` feeds the same counts, and the per-sample lengths, to a
+calibrated :class:`~megatron_mm_balance.cost.CostModel`. Costs are converted to
+non-negative integers so every rank computes the identical placement from the
+all-gathered matrix.
+
+This module imports no torch: tensors are read by duck typing (``tolist``,
+``shape``), so the energon task encoder and the pure CLI can use it.
 """
 from __future__ import annotations
 
 import numbers
 from collections.abc import Mapping
 
-import torch
-
 DEFAULT_TOKENS_PER_TILE = 256
 
+#: keys holding token counts directly, most detailed first
+_COUNT_KEYS = ("image_token_counts", "image_tokens", "num_image_tokens")
+#: every key a pack's images are read from
+IMAGE_KEYS = _COUNT_KEYS + ("num_tiles", "imgs")
 
-def _scalar(value, key: str) -> float:
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1:
-            raise ValueError(f"cost key {key!r} must be a scalar or 1-element tensor, "
-                             f"got shape {tuple(value.shape)}")
-        return value.reshape(-1)[0].item()
-    if isinstance(value, numbers.Number):
-        return value
-    raise ValueError(f"cost key {key!r} must be a number or tensor, got {type(value).__name__}")
+
+def flatten_ints(value, key: str = "value") -> list:
+    """A scalar, tensor or nested list/tuple of counts as a flat list of ints (None: [])."""
+    if value is None:
+        return []
+    if hasattr(value, "tolist"):          # torch / numpy, any shape (0-d gives a scalar)
+        value = value.tolist()
+    if isinstance(value, (list, tuple)):
+        out = []
+        for v in value:
+            out.extend(flatten_ints(v, key))
+        return out
+    if isinstance(value, numbers.Number) and not isinstance(value, complex):
+        return [int(round(value))]
+    raise ValueError(f"cost key {key!r} must hold numbers, got {type(value).__name__}")
+
+
+def check_tokens_per_tile(tokens_per_tile) -> int:
+    """``tokens_per_tile`` as an int > 0; a one-line error otherwise."""
+    try:
+        tpt = int(tokens_per_tile)
+    except (TypeError, ValueError):
+        tpt = 0
+    if tpt <= 0 or tpt != tokens_per_tile:
+        raise ValueError(f"tokens_per_tile must be an int > 0, got {tokens_per_tile!r}")
+    return tpt
+
+
+def image_counts(pack, tokens_per_tile: int = DEFAULT_TOKENS_PER_TILE) -> list:
+    """Per-image token counts of a pack or micro-batch (see module docstring); [] if it has none."""
+    if not isinstance(pack, Mapping):
+        raise TypeError(f"mm-balance: micro-batch is a {type(pack).__name__}, expected a dict")
+    for key in _COUNT_KEYS:
+        if pack.get(key) is not None:
+            return flatten_ints(pack[key], key)
+    if pack.get("num_tiles") is not None:
+        return [t * tokens_per_tile for t in flatten_ints(pack["num_tiles"], "num_tiles")]
+    shape = getattr(pack.get("imgs"), "shape", None)
+    if shape is not None:
+        return [int(shape[0]) * tokens_per_tile] if len(shape) else []
+    return []
 
 
 class ImageTokenCost:
-    """Callable ``pack -> int``: the image-token count (see module docstring)."""
+    """Callable ``pack -> int``: the pack's image tokens (see module docstring).
+
+    ``--mm-balance-cost image-tokens`` and the runtime's default. A pack that is
+    not a dict, or has no image keys (text only), costs 0.
+    """
 
     def __init__(self, tokens_per_tile: int = DEFAULT_TOKENS_PER_TILE):
-        if int(tokens_per_tile) <= 0:
-            raise ValueError(f"tokens_per_tile must be > 0, got {tokens_per_tile}")
-        self.tokens_per_tile = int(tokens_per_tile)
+        self.tokens_per_tile = check_tokens_per_tile(tokens_per_tile)
 
     @property
     def identity(self) -> str:
         """A string every rank must agree on (part of the settings hash)."""
         return f"megatron_mm_balance.image_tokens(tokens_per_tile={self.tokens_per_tile})"
 
-    def __call__(self, pack) -> float:
+    def __call__(self, pack) -> int:
         if not isinstance(pack, Mapping):
             return 0
-        for key in ("image_tokens", "num_image_tokens"):
-            if key in pack and pack[key] is not None:
-                return _scalar(pack[key], key)
-        if "num_tiles" in pack and pack["num_tiles"] is not None:
-            tiles = pack["num_tiles"]
-            if isinstance(tiles, torch.Tensor):
-                tiles = tiles.sum().item()
-            elif isinstance(tiles, (list, tuple)):
-                tiles = sum(tiles)
-            return _scalar(tiles, "num_tiles") * self.tokens_per_tile
-        if "imgs" in pack and isinstance(pack["imgs"], torch.Tensor):
-            imgs = pack["imgs"]
-            return (imgs.shape[0] if imgs.dim() else 0) * self.tokens_per_tile
-        return 0
+        return int(sum(image_counts(pack, self.tokens_per_tile)))
+
+
+class ModelCost:
+    """``--mm-balance-cost model``: a calibrated :class:`~megatron_mm_balance.cost.CostModel`
+    on per-image tokens (:func:`image_counts`) and per-sample lengths (from ``cu_lengths``)."""
+
+    def __init__(self, path: str, tokens_per_tile: int = DEFAULT_TOKENS_PER_TILE):
+        from ..cost import load_cost_file
+        self.model = load_cost_file(path)
+        self.tokens_per_tile = check_tokens_per_tile(tokens_per_tile)
+
+    @property
+    def identity(self) -> str:
+        return f"megatron_mm_balance.model_cost({self.model.to_json()}, {self.tokens_per_tile})"
+
+    def __call__(self, pack) -> int:
+        from ..cost import PackFeatures
+        if not isinstance(pack, Mapping):
+            return 0
+        images = tuple(image_counts(pack, self.tokens_per_tile))
+        cu = flatten_ints(pack.get("cu_lengths"), "cu_lengths")
+        lengths = tuple(b - a for a, b in zip(cu, cu[1:]) if b > a)
+        return self.model.cost(PackFeatures(images, lengths))
 
 
 default_cost_fn = ImageTokenCost()

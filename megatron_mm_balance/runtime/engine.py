@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..placement import DEFAULT_BALANCE_TOLERANCE, Placement, microstep_objective, solve_placement
+from ..placement import DEFAULT_BALANCE_TOLERANCE, Placement, PlanStats, plan_placement
 from . import wire
 from .costs import to_int_cost
 from .device import CudaMover
@@ -45,28 +45,6 @@ def settings_string(sync: str, tolerance, cost_identity: str) -> str:
 
 def settings_hash(text: str) -> int:
     return zlib.crc32(text.encode()) & 0x7FFFFFFF
-
-
-def order_steps(placement: Placement) -> Placement:
-    """Put the micro-step that moves the fewest packs first (ties: earliest).
-
-    Every later micro-step's exchange hides behind the previous step's compute;
-    the first one of a global batch cannot, so it should move as little as
-    possible. Permuting micro-steps changes neither objective.
-    """
-    moved = placement.moved().sum(axis=0)
-    first = int(np.argmin(moved))
-    if first == 0:
-        return placement
-    G = placement.shape[1]
-    cols = [first] + [c for c in range(G) if c != first]
-    return Placement(placement.src_rank[:, cols], placement.src_index[:, cols])
-
-
-def plan_placement(costs, *, sync: str = "microstep", balance_tolerance=None) -> Placement:
-    """The placement the runtime delivers for an all-gathered cost matrix."""
-    tol = DEFAULT_BALANCE_TOLERANCE if balance_tolerance is None else balance_tolerance
-    return order_steps(solve_placement(costs, sync=sync, balance_tolerance=tol))
 
 
 class SourceExhausted(StopIteration):
@@ -102,24 +80,23 @@ class Item:
     stats: dict | None = None
 
 
-def _gather_stats(costs: np.ndarray, placement: Placement, me: int) -> dict:
-    after = placement.apply(costs)
+def _gather_stats(costs: np.ndarray, placement: Placement, me: int, planned=None) -> dict:
+    """The batch's :class:`PlanStats` record plus this rank's own share of the moves.
+
+    ``planned`` (shadow mode): the placement that was solved but not delivered; the
+    record then describes it (``shadow``, ``predicted_gain``), the rank's own share
+    describes what was delivered."""
     moved = placement.moved()
-    return {
-        "microstep_cost_before": microstep_objective(costs),
-        "microstep_cost_after": microstep_objective(after),
-        "rank_total_max_before": int(costs.sum(axis=1).max()),
-        "rank_total_max_after": int(after.sum(axis=1).max()),
-        "rank_total_mean": float(costs.sum(axis=1).mean()),
-        "step_max_before": [int(x) for x in costs.max(axis=0)],
-        "step_max_after": [int(x) for x in after.max(axis=0)],
-        "step_mean_before": [float(x) for x in costs.mean(axis=0)],
-        "step_mean_after": [float(x) for x in after.mean(axis=0)],
-        "packs_moved": int(moved.sum()),
+    plan = PlanStats.of(costs, placement if planned is None else planned)
+    st = {
+        **plan.record(),
         "packs_sent": int(((placement.src_rank == me) & moved).sum()),
         "packs_received": int(moved[me].sum()),
-        "my_costs": [int(x) for x in after[me]],
+        "my_costs": [int(x) for x in placement.apply(costs)[me]],
     }
+    if planned is not None:
+        st.update(shadow=True, predicted_gain=plan.predicted_gain)
+    return st
 
 
 class Engine:
@@ -127,7 +104,7 @@ class Engine:
     thread (the consumer or the background thread) drives it."""
 
     def __init__(self, source, *, ranks, rank_index, exchange_group, cost_fn, cost_identity,
-                 sync, balance_tolerance, device, timeout, board):
+                 sync, balance_tolerance, device, timeout, board, shadow: bool = False):
         self.source = source
         self.ranks = list(ranks)
         self.me = rank_index
@@ -141,7 +118,8 @@ class Engine:
         self.device = device
         self.timeout = float(timeout)
         self.board = board
-        self._cuda_mover = CudaMover(device) if device is not None and device.type == "cuda" else None
+        self.shadow = bool(shadow)
+        self.cuda_mover = CudaMover(device) if device is not None and device.type == "cuda" else None
         self.heartbeat = time.monotonic()
         self.phase = "idle"
 
@@ -232,7 +210,13 @@ class Engine:
     def _plan(self, gb, G, packs, costs, gather_ms, solve_ms, placement=None) -> BatchPlan:
         if placement is None:
             placement = Placement.identity(self.world, G)
-        st = _gather_stats(costs, placement, self.me)
+        if self.shadow:
+            # Measured and solved as usual, but every rank keeps its own packs in their
+            # order: the statistics are the plan's (what balancing would give), marked so.
+            planned, placement = placement, Placement.identity(self.world, G)
+            st = _gather_stats(costs, placement, self.me, planned=planned)
+        else:
+            st = _gather_stats(costs, placement, self.me)
         st.update(global_batch=gb, num_microbatches=G, allgather_ms=gather_ms, solver_ms=solve_ms,
                   bytes_sent=0, bytes_received=0, exchange_ms=0.0, consumer_wait_ms=0.0)
         return BatchPlan(gb, G, list(packs), placement, st)
@@ -277,7 +261,7 @@ class Engine:
         store = self.board.store if self.board else None
         if store is None:
             return ""
-        key = self.board._key("err", rank)
+        key = self.board.key("err", rank)
         try:
             store.wait([key], datetime.timedelta(seconds=min(5.0, self.timeout)))
             return ": " + store.get(key).decode(errors="replace")
@@ -342,7 +326,7 @@ class Engine:
             raise PeerFailure(f"rank {self.ranks[self.me]}: pack header from rank {peer} does not match "
                               f"its record at global batch {gb}, micro-step {k}",
                               global_batch=gb, peers=(peer,))
-        data = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._cuda_mover is not None)
+        data = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.cuda_mover is not None)
         works = [dist.irecv(data[r.offset: r.offset + r.nbytes], src=peer, group=self.group) for r in refs]
         for w in works:
             self._wait(w, "receiving a pack", gb, (peer,), k)
@@ -370,17 +354,15 @@ class Engine:
                     event, (dev,))
 
     def _cuda(self) -> CudaMover:
-        if self._cuda_mover is None:
+        if self.cuda_mover is None:
             if not torch.cuda.is_available():
                 raise RuntimeError("a peer sent CUDA tensors but CUDA is not available on this rank; "
                                    "pass device='cpu' to receive them on the host")
-            self._cuda_mover = CudaMover(torch.device("cuda", torch.cuda.current_device()))
-            self._cuda_mover.enter_thread()
-        return self._cuda_mover
+            self.cuda_mover = CudaMover(torch.device("cuda", torch.cuda.current_device()))
+            self.cuda_mover.enter_thread()
+        return self.cuda_mover
 
 
 def _all_on(pack, device: torch.device) -> bool:
-    found = []
-    wire._map(pack, lambda t: found.append(t.device) or t, torch.Tensor)
     return all(d.type == device.type and (device.index is None or d.index == device.index)
-               for d in found)
+               for d in wire.tensor_devices(pack))

@@ -21,6 +21,8 @@ import datetime
 
 import torch.distributed as dist
 
+from .config import DEFAULT_TIMEOUT_S
+
 EXCHANGE_BACKEND = "gloo"
 
 
@@ -37,7 +39,7 @@ def group_ranks(group) -> list[int]:
     return list(dist.get_process_group_ranks(group))
 
 
-def new_exchange_groups(rank_lists, timeout=300.0, backend: str = EXCHANGE_BACKEND):
+def new_exchange_groups(rank_lists, timeout=DEFAULT_TIMEOUT_S, backend: str = EXCHANGE_BACKEND):
     """Create one exchange group per rank list; returns the one holding this rank.
 
     Collective over the world: every world rank must call this with the same
@@ -60,7 +62,7 @@ def new_exchange_groups(rank_lists, timeout=300.0, backend: str = EXCHANGE_BACKE
     return mine
 
 
-def exchange_group_for(ranks, timeout=300.0, backend: str = EXCHANGE_BACKEND):
+def exchange_group_for(ranks, timeout=DEFAULT_TIMEOUT_S, backend: str = EXCHANGE_BACKEND):
     """A new exchange group over ``ranks`` (collective over the world, see module doc)."""
     return dist.new_group(list(ranks), timeout=_timedelta(timeout), backend=backend)
 
@@ -83,13 +85,13 @@ class ProgressBoard:
         except Exception:                                  # pragma: no cover
             self.store = None
 
-    def _key(self, kind: str, rank: int) -> str:
+    def key(self, kind: str, rank: int) -> str:
         return f"{self.prefix}/{kind}/{rank}"
 
     def post_progress(self, rank: int, global_batch: int) -> None:
         if self.store is not None:
             try:
-                self.store.set(self._key("gb", rank), str(global_batch))
+                self.store.set(self.key("gb", rank), str(global_batch))
             except Exception:
                 pass
 
@@ -99,7 +101,7 @@ class ProgressBoard:
         self.posted = True
         if self.store is not None:
             try:
-                self.store.set(self._key("err", rank), message[:2000])
+                self.store.set(self.key("err", rank), message[:2000])
             except Exception:
                 pass
 
@@ -112,11 +114,11 @@ class ProgressBoard:
             for r in self.ranks:
                 if r == me:
                     continue
-                ek = self._key("err", r)
+                ek = self.key("err", r)
                 if self.store.check([ek]):
                     parts.append(f"rank {r} reported: {self.store.get(ek).decode(errors='replace')}")
                     continue
-                gk = self._key("gb", r)
+                gk = self.key("gb", r)
                 reached = int(self.store.get(gk)) if self.store.check([gk]) else None
                 if reached is None or reached < global_batch:
                     seen = "never started" if reached is None else f"last reached global batch {reached}"

@@ -36,6 +36,7 @@ import weakref
 
 import torch.distributed as dist
 
+from .config import BalancerConfig
 from .costs import cost_fn_identity, default_cost_fn
 from .device import resolve_device
 from .engine import Engine, Item, SourceExhausted
@@ -87,8 +88,8 @@ class _Worker:
     def run(self) -> None:
         eng = self.engine
         try:
-            if eng._cuda_mover is not None:
-                eng._cuda_mover.enter_thread()
+            if eng.cuda_mover is not None:
+                eng.cuda_mover.enter_thread()
             gb = -1
             while True:
                 if self.fixed_G is not None:        # free-running: the next batch needs no request
@@ -131,38 +132,32 @@ class BalancedDataIterator:
             no collective is ever issued on it.
         cost_fn: ``pack -> number``; default :data:`~.costs.default_cost_fn`
             (image tokens). Rounded to int.
-        sync: ``"microstep"`` (ranks meet every micro-step, e.g. MoE) or ``"step"``.
-        overlap: exchange on a background thread ahead of the consumer.
-        timeout: seconds any wait on a peer may take before a clear error.
-        device: None (tensors keep their device type), ``"cpu"``, ``"cuda"`` or
-            ``"cuda:N"`` (every tensor delivered there, copied on a side stream).
-        enabled: False = pure pass-through of ``source``, no collectives, no thread.
-        balance_tolerance: the solver's knob (None: solver default).
         exchange_group: dedicated gloo group over ``group``'s ranks. None: one is
             created with ``new_group``, which is collective over the WORLD: only
             safe when every world rank builds its iterator at the same time (a
             framework should pre-create them with :func:`new_exchange_groups`).
-        stats_history: how many global batches :attr:`stats` keeps.
+        config: a :class:`~.config.BalancerConfig` (sync, overlap, timeout,
+            device, enabled, balance_tolerance, shadow, stats_history).
+        **settings: the same fields as keywords, a convenience that builds the
+            config (``sync="step", overlap=False``); not together with ``config``.
     """
 
-    def __init__(self, source, *, num_microbatches, group=None, cost_fn=None, sync="microstep",
-                 overlap=True, timeout=300.0, device=None, enabled=True, balance_tolerance=None,
-                 exchange_group=None, stats_history=1024):
+    def __init__(self, source, *, num_microbatches, group=None, cost_fn=None, exchange_group=None,
+                 config: BalancerConfig | None = None, **settings):
         if not (callable(num_microbatches) or _is_count(num_microbatches)):
             raise ValueError(f"num_microbatches must be a positive int or a callable, got {num_microbatches!r}")
-        if sync not in ("microstep", "step"):
-            raise ValueError(f"sync must be 'microstep' or 'step', got {sync!r}")
-        if not float(timeout) > 0:
-            raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
-        if balance_tolerance is not None and not balance_tolerance >= 0:
-            raise ValueError(f"balance_tolerance must be >= 0, got {balance_tolerance!r}")
+        if config is None:
+            config = BalancerConfig(**settings)
+        elif settings:
+            raise TypeError(f"pass either config or settings keywords, not both: {sorted(settings)}")
+        self.config = config
         self._source = iter(source)
         self.device = None
         self._num_mb = num_microbatches
-        self.enabled = bool(enabled)
-        self.overlap = bool(overlap)
-        self.timeout = float(timeout)
-        self.stats: collections.deque = collections.deque(maxlen=int(stats_history))
+        self.enabled = bool(config.enabled)
+        self.overlap = bool(config.overlap)
+        self.timeout = float(config.timeout)
+        self.stats: collections.deque = collections.deque(maxlen=int(config.stats_history))
         self._closed = False
         self._error: BaseException | None = None
         self._exhausted: StopIteration | None = None
@@ -177,7 +172,7 @@ class BalancedDataIterator:
         if not self.enabled:
             return
 
-        self.device = resolve_device(device)
+        self.device = resolve_device(config.device)
         cost_fn = default_cost_fn if cost_fn is None else cost_fn
         if dist.is_available() and dist.is_initialized():
             ranks = group_ranks(group)
@@ -202,9 +197,9 @@ class BalancedDataIterator:
         self._board = board
         self._engine = Engine(self._source, ranks=ranks, rank_index=ranks.index(me),
                               exchange_group=exchange_group, cost_fn=cost_fn,
-                              cost_identity=cost_fn_identity(cost_fn), sync=sync,
-                              balance_tolerance=balance_tolerance, device=self.device,
-                              timeout=self.timeout, board=board)
+                              cost_identity=cost_fn_identity(cost_fn), sync=config.sync,
+                              balance_tolerance=config.balance_tolerance, device=self.device,
+                              timeout=self.timeout, board=board, shadow=config.shadow)
         if self.overlap:
             fixed = None if callable(self._num_mb) else int(self._num_mb)
             self._worker = _Worker(self._engine, fixed)
@@ -234,7 +229,7 @@ class BalancedDataIterator:
         if self._k == 0:
             self._wait_first_ms = waited
         if item.event is not None:
-            self._engine._cuda_mover.ready(item.event, item.buffers)
+            self._engine.cuda_mover.ready(item.event, item.buffers)
         self._k += 1
         if item.last:
             self._finish_batch(item)
@@ -332,21 +327,18 @@ class BalancedDataIterator:
             self._board.post_error(me, f"closed its iterator at global batch {self._gb}"
                                    + (f" after {reason}" if reason else ""), overwrite=False)
         w, self._worker = self._worker, None
+        thread_done = True
         if w is not None:
             w.stop.set()
             w.requests.put(None)
             w.thread.join(self.timeout + 5.0 if join_timeout is None else join_timeout)
-            if w.thread.is_alive():
+            thread_done = not w.thread.is_alive()
+            if thread_done:
+                _drain(w.items)
+            else:
                 log.warning("mm-balance: exchange thread still blocked after close(); abandoned "
                             "(it ends when its pending wait times out)")
-            else:
-                _drain(w.items)
-                if self._owned_group is not None:
-                    try:
-                        dist.destroy_process_group(self._owned_group)
-                    except Exception:
-                        pass
-        elif self._owned_group is not None:
+        if self._owned_group is not None and thread_done:   # never under a thread still using it
             try:
                 dist.destroy_process_group(self._owned_group)
             except Exception:

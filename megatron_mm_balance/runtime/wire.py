@@ -81,6 +81,13 @@ def _map(obj, leaf, kind):
     return obj
 
 
+def tensor_devices(obj) -> list:
+    """The device of every tensor in a pack, in structure order."""
+    found = []
+    _map(obj, lambda t: found.append(t.device) or t, torch.Tensor)
+    return found
+
+
 def _strip(obj, tensors: list):
     """The structure with tensors replaced by their index in ``tensors``."""
     def leaf(t):

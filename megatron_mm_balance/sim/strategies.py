@@ -8,9 +8,9 @@
   with heavy packs: micro-step 0 holds each rank's heaviest pack, the last one
   each rank's lightest, so the per-micro-step maxima fall. The rule cannot change
   a rank's total, so it does nothing when ranks meet only at the step's end.
-* ``redistribute-sync`` / ``redistribute-overlap``: the global placement from
-  :func:`megatron_mm_balance.placement.solve_placement` (same placement; the two
-  differ only in how the exchange is timed, see :mod:`.timeline`).
+* ``redistribute-sync`` / ``redistribute-overlap``: the placement the runtime
+  delivers, :func:`megatron_mm_balance.placement.plan_placement` (same placement;
+  the two differ only in how the exchange is timed, see :mod:`.timeline`).
 
 Each function returns a flat gather index ``[.., D, G]`` into the rank-major
 ``D * G`` packs of a global batch (``src_rank * G + src_index``).
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..placement import solve_placement
+from ..placement import plan_placement
 
 STRATEGIES = ("none", "budget", "local", "redistribute-sync", "redistribute-overlap")
 
@@ -38,9 +38,14 @@ def local_order(costs: np.ndarray) -> np.ndarray:
 
 
 def redistribute_order(costs: np.ndarray, *, sync: str, ranks_per_node=None) -> np.ndarray:
-    """Global placement of one batch's ``[D, G]`` integer costs (``[D, G, 2]``:
-    two-phase) as a gather index."""
-    pl = solve_placement(costs, sync=sync, ranks_per_node=ranks_per_node)
+    """The runtime's placement of one batch's ``[D, G]`` integer costs (``[D, G, 2]``:
+    two-phase), as a gather index.
+
+    :func:`megatron_mm_balance.placement.plan_placement`: the solver and then the
+    runtime's micro-step order (the step that moves the fewest packs first, so the
+    one exchange that cannot hide behind compute is the smallest).
+    """
+    pl = plan_placement(costs, sync=sync, ranks_per_node=ranks_per_node)
     G = costs.shape[1]
     return pl.src_rank * G + pl.src_index
 

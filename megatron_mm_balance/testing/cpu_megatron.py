@@ -36,12 +36,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import socket
 import traceback
 import warnings
 
 import torch
 from torch.overrides import TorchFunctionMode
+
+from ..runtime.bench import free_port
 
 _CPU = torch.device("cpu")
 _INSTALLED = False
@@ -234,12 +235,6 @@ def check_config(config) -> None:
 
 
 # --------------------------------------------------------------------------- launcher
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _worker(rank, world_size, port, fn, args, queue, threads):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),

@@ -453,17 +453,22 @@ def run_layouts(cfg: DemoConfig, layouts: list[str], modes=(False, True), *, int
 
 # --------------------------------------------------------------------------- analysis
 
+def seen_stats(seen_by_rank: list[list[tuple[int, int]]], dp_ranks: list[int]):
+    """:class:`~megatron_mm_balance.placement.PlanStats` of one step as the ranks computed it
+    (rank r's m-th delivered micro-batch's image tokens; one row per data-parallel rank)."""
+    from ..placement import Placement, PlanStats
+    by_dp = {}
+    for seen, d in zip(seen_by_rank, dp_ranks):
+        by_dp.setdefault(d, seen)
+    rows = np.array([[c for _, c in by_dp[d]] for d in sorted(by_dp)], dtype=np.int64)
+    return PlanStats.of(rows, Placement.identity(*rows.shape))
+
+
 def imbalance(seen_by_rank: list[list[tuple[int, int]]], dp_ranks: list[int]) -> float:
     """Image-token imbalance of one step: sum over micro-steps of the max over data-parallel
     ranks, over the sum of the means (1.0 = balanced). The micro-step objective the balancer
     minimises, normalised."""
-    by_dp = {}
-    for seen, d in zip(seen_by_rank, dp_ranks):
-        by_dp.setdefault(d, seen)
-    rows = [[c for _, c in by_dp[d]] for d in sorted(by_dp)]
-    cols = list(zip(*rows))
-    total_mean = sum(sum(col) / len(col) for col in cols)
-    return sum(max(col) for col in cols) / total_mean if total_mean else 1.0
+    return seen_stats(seen_by_rank, dp_ranks).baseline_microstep_ratio
 
 
 def summarize(results: dict, layout: str, cfg: DemoConfig | None = None) -> dict:
@@ -494,9 +499,9 @@ def summarize(results: dict, layout: str, cfg: DemoConfig | None = None) -> dict
     def total_imb(res):
         ratios = []
         for s in range(steps):
-            tot = [sum(c for _, c in res[i]["seen"][s]) for i in readers]
-            if sum(tot):
-                ratios.append(max(tot) * len(tot) / sum(tot))
+            st = seen_stats([res[i]["seen"][s] for i in readers], list(range(len(readers))))
+            if st.rank_total_mean:
+                ratios.append(st.baseline_rank_ratio)
         return statistics.mean(ratios) if ratios else 1.0
 
     ep = LAYOUTS[layout][3]

@@ -1,12 +1,13 @@
 import numpy as np
 import pytest
 
-from megatron_mm_balance.cost import (CostModel, PackFeatures, image_token_cost,
-                                      load_cost_file)
+from megatron_mm_balance.cost import CostModel, PackFeatures, load_cost_file
+from megatron_mm_balance.runtime.costs import ImageTokenCost
 
 
 def test_image_token_cost_is_the_sum():
-    assert image_token_cost([256, 256, 64]) == 576 and image_token_cost([]) == 0
+    cost = ImageTokenCost()
+    assert cost({"image_token_counts": [256, 256, 64]}) == 576 and cost({}) == 0
 
 
 def test_fit_recovers_known_coefficients():

@@ -158,3 +158,34 @@ def test_identical_across_processes_with_different_hash_seeds():
         h.update(p.src_rank.tobytes()); h.update(p.src_index.tobytes())
     digests.add(h.hexdigest())
     assert len(digests) == 1
+
+
+def test_plan_placement_is_the_solver_with_the_fewest_moves_first():
+    from megatron_mm_balance.placement import order_steps, plan_placement
+    rng = np.random.default_rng(7)
+    for _ in range(20):
+        c = rng.integers(0, 5000, size=(6, 5))
+        solved = solve_placement(c)
+        plan = plan_placement(c)
+        check_placement(plan, *c.shape)
+        moved = plan.moved().sum(axis=0)
+        assert moved[0] == moved.min()                       # the exposed exchange is the smallest
+        assert sorted(map(tuple, plan.slots()[:, 2:].tolist())) == sorted(map(tuple, solved.slots()[:, 2:].tolist()))
+        assert microstep_objective(plan.apply(c)) == microstep_objective(solved.apply(c))
+        assert order_steps(plan) is plan                     # already ordered: unchanged
+
+
+def test_plan_stats_carry_the_metrics_once():
+    from megatron_mm_balance.placement import PlanStats, plan_placement
+    c = np.array([[900, 10, 10], [10, 10, 800]])
+    pl = plan_placement(c, sync="microstep")
+    st = PlanStats.of(c, pl)
+    assert st.microstep_cost_before == 1710 and st.microstep_cost_after == st.microstep_optimum == 920
+    assert st.rank_total_mean == 870.0 and st.rank_total_max_before == 920
+    assert st.step_max_before == (900, 10, 800) and st.step_mean_before == (455.0, 10.0, 405.0)
+    assert evaluate(c, pl) == st.metrics()
+    assert st.metrics()["moved"] == st.packs_moved == st.record()["packs_moved"]
+    assert st.imbalance_before == pytest.approx((900 / 455 + 1 + 800 / 405) / 3)
+    assert 0 < st.predicted_gain < 1
+    with pytest.raises(Exception):
+        st.packs_moved = 0                                   # frozen

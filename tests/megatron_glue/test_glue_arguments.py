@@ -3,8 +3,9 @@ import argparse
 
 import pytest
 
-from megatron_mm_balance.megatron.arguments import (
-    add_mm_balance_args, log_interval, resolve_sync, validate_mm_balance_args, with_mm_balance_args)
+from megatron_mm_balance.megatron.arguments import add_mm_balance_args, with_mm_balance_args
+from megatron_mm_balance.megatron.checks import check_args
+from megatron_mm_balance.megatron.config import log_interval, resolve_sync
 
 
 def _parse(argv, parser=None):
@@ -20,13 +21,16 @@ def test_defaults_off_and_overlap_on():
     assert args.mm_balance_cost == "image-tokens"
     assert args.mm_balance_mode == "auto"
     assert args.mm_balance_log_interval is None
+    assert args.mm_balance_task_encoder is False
 
 
 def test_all_flags_parse():
     args = _parse(["--mm-balance", "--no-mm-balance-overlap", "--mm-balance-sync", "step",
                    "--mm-balance-cost", "model", "--mm-balance-cost-file", "c.json",
                    "--mm-balance-log-interval", "7", "--mm-balance-mode", "sampler",
-                   "--mm-balance-tolerance", "0.01", "--mm-balance-timeout", "60"])
+                   "--mm-balance-tolerance", "0.01", "--mm-balance-timeout", "60",
+                   "--mm-balance-task-encoder"])
+    assert args.mm_balance_task_encoder is True
     assert (args.mm_balance, args.mm_balance_overlap, args.mm_balance_sync) == (True, False, "step")
     assert (args.mm_balance_cost, args.mm_balance_cost_file) == ("model", "c.json")
     assert (args.mm_balance_log_interval, args.mm_balance_mode) == (7, "sampler")
@@ -77,4 +81,31 @@ def test_log_interval_defaults_to_megatrons():
 
 
 def test_validate_is_noop_when_off():
-    validate_mm_balance_args(argparse.Namespace(mm_balance=False, micro_batch_size=8))
+    check_args(argparse.Namespace(mm_balance=False, micro_batch_size=8))
+
+
+def test_config_built_once_from_args_resolves_auto_and_defaults():
+    from megatron_mm_balance.megatron.checks import checked_config
+    from megatron_mm_balance.megatron.config import MMBalanceConfig
+    from megatron_mm_balance.runtime.config import DEFAULT_TIMEOUT_S
+    args = _parse(["--mm-balance"])
+    args.expert_model_parallel_size, args.log_interval = 4, 10
+    cfg = checked_config(args)
+    assert cfg == MMBalanceConfig(enabled=True, sync="microstep", log_interval=10)
+    assert cfg.timeout == DEFAULT_TIMEOUT_S == _parse([]).mm_balance_timeout
+    rt = cfg.runtime()
+    assert (rt.sync, rt.overlap, rt.timeout, rt.device, rt.shadow) == ("microstep", True, 300.0, None, False)
+    assert MMBalanceConfig.from_args(argparse.Namespace(mm_balance=True)).sync == "step"
+    shadow = checked_config(_parse(["--mm-balance", "--mm-balance-mode", "shadow",
+                                    "--mm-balance-tolerance", "0.01"]))
+    assert shadow.runtime().shadow and shadow.runtime().balance_tolerance == 0.01
+    with pytest.raises(Exception):
+        cfg.timeout = 1.0                                     # frozen
+
+
+def test_sampler_mode_flag_error_is_a_config_error():
+    from megatron_mm_balance.megatron.checks import MMBalanceConfigError
+    from megatron_mm_balance.megatron.sampler import maybe_balanced_sampler
+    args = argparse.Namespace(mm_balance=True, mm_balance_mode="sampler")
+    with pytest.raises(MMBalanceConfigError, match="--mm-balance-mode sampler does not apply"):
+        maybe_balanced_sampler(object(), object(), args)

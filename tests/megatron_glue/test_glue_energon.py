@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megatron_mm_balance.megatron.energon import BalancedPackingMixin, balanced_task_encoder
-from megatron_mm_balance.megatron.iterator import ImageTokensCost
+from megatron_mm_balance.runtime.costs import ImageTokenCost
 from megatron_mm_balance.packing import OverlongSampleError
 
 
@@ -71,10 +71,10 @@ def test_batch_records_image_tokens_per_pack_and_cost_reads_them():
     raw = enc.encode_batch(enc.batch([pack]))
     assert raw["image_tokens"].tolist() == [40]
     assert raw["image_token_counts"].tolist() == [30, 10]
-    assert ImageTokensCost(10)(raw) == 40
+    assert ImageTokenCost(10)(raw) == 40
     # Micro-batch size 2: one count per pack.
     raw = enc.encode_batch(enc.batch([pack, Sample("s2", [1, 1], 40)]))
-    assert raw["image_tokens"].tolist() == [40, 20] and ImageTokensCost(10)(raw) == 60
+    assert raw["image_tokens"].tolist() == [40, 20] and ImageTokenCost(10)(raw) == 60
     # Without the recorded values (a batch from elsewhere), num_tiles still gives the count.
     raw2 = enc.encode_batch(Batch(num_tiles=torch.tensor([2, 2]), keys=[]))
     assert raw2["image_tokens"].tolist() == [40]
@@ -106,3 +106,48 @@ def test_with_real_energon_default_task_encoder():
 
     packs = TE().select_samples_to_pack(samples())
     assert sorted(s.key for p in packs for s in p) == sorted(s.key for s in samples())
+
+
+# -- energon's stateless contract --------------------------------------------------------------
+def _stateless(fn):
+    return bool(getattr(fn, "__stateless__", False))
+
+
+def test_marks_follow_energons_default_task_encoder():
+    energon = pytest.importorskip("megatron.energon", reason="megatron-energon not installed")
+    from megatron.energon.task_encoder.base import get_stateless
+    assert get_stateless(energon.DefaultTaskEncoder.batch) and get_stateless(energon.DefaultTaskEncoder.encode_batch)
+    cls = balanced_task_encoder(energon.DefaultTaskEncoder)
+    te = cls()
+    assert get_stateless(te.batch) and get_stateless(te.encode_batch)
+    assert te._is_overridden(te.batch) and te._is_overridden(te.encode_batch)
+
+    class Sub(cls):                    # a subclass keeps the marks
+        packing_seq_length = 100
+    assert get_stateless(Sub().batch) and get_stateless(Sub().encode_batch)
+
+
+def test_unmarked_base_stays_unmarked_unless_declared():
+    assert not _stateless(Encoder().batch) and not _stateless(Encoder().encode_batch)
+    pytest.importorskip("megatron.energon", reason="megatron-energon not installed")
+
+    class Declared(BalancedPackingMixin, StockEncoder):
+        mm_balance_batch_stateless = True
+    assert _stateless(Declared().batch) and _stateless(Declared().encode_batch)
+
+    class Own(BalancedPackingMixin, StockEncoder):   # a class's own batch keeps its own marks
+        def batch(self, samples):
+            return super().batch(samples)
+    assert not _stateless(Own().batch) and Own.batch.__qualname__.endswith("Own.batch")
+
+
+def test_wrapped_methods_still_record_image_tokens():
+    pytest.importorskip("megatron.energon", reason="megatron-energon not installed")
+    from megatron_mm_balance.megatron.energon import balanced_example_task_encoder
+
+    te = balanced_example_task_encoder(StockEncoder)
+    assert _stateless(te.batch) and _stateless(te.encode_batch)
+    assert isinstance(te, StockEncoder) and isinstance(te, BalancedPackingMixin)
+    out = te.encode_batch(te.batch(samples()[:3]))
+    assert out["image_tokens"].tolist() == [30, 0, 20]
+    assert out["image_token_counts"].tolist() == [30, 10, 10]

@@ -98,7 +98,6 @@ def sampler_mode_phase(rank, layout):
     from test_glue_sampler import MegatronPretrainingSampler
 
     reset_exchange_groups()
-    sm.reset_train_sampler()
     holds = layout["holds_data"]
     it = None
     args = _args(rampup_batch_size=None)
@@ -112,7 +111,7 @@ def sampler_mode_phase(rank, layout):
     out = wrap_train_data_iterator(it, args, layout=layout)
     if not holds:
         return out is None
-    assert balancers(out) == [] and sm.train_sampler_installed()
+    assert balancers(out) == [] and sm.train_sampler_installed(args)
     got, log = [], io.StringIO()
     with contextlib.redirect_stdout(log):
         for step in range(1, STEPS + 1):

@@ -125,13 +125,6 @@ def args(mode="auto", on=True):
                               rampup_batch_size=None)
 
 
-@pytest.fixture(autouse=True)
-def _reset():
-    sampler_mod.reset_train_sampler()
-    yield
-    sampler_mod.reset_train_sampler()
-
-
 def test_sampler_applies_reasons():
     ok = MegatronPretrainingSampler(100, 0, 1, 0, 2)
     assert sampler_applies(ok, Dataset()) is None
@@ -146,15 +139,17 @@ def test_maybe_balanced_sampler_installs_only_for_train(monkeypatch):
     nmc.init_num_microbatches_calculator(0, None, 8, 1, 2)
     try:
         ms = MegatronPretrainingSampler(100, 0, 1, 1, 2)
-        assert maybe_balanced_sampler(ms, Dataset("valid"), args()) is ms
+        run = args()                          # the run's args: where the installed sampler is recorded
+        assert maybe_balanced_sampler(ms, Dataset("valid"), run) is ms
         assert maybe_balanced_sampler(ms, Dataset(), args(on=False)) is ms
         assert maybe_balanced_sampler(ms, Dataset(), args(mode="exchange")) is ms
-        assert maybe_balanced_sampler(ms, object(), args()) is ms          # auto: falls back
-        assert not sampler_mod.train_sampler_installed()
+        assert maybe_balanced_sampler(ms, Dataset(), args(mode="shadow")) is ms
+        assert maybe_balanced_sampler(ms, object(), run) is ms            # auto: falls back
+        assert not sampler_mod.train_sampler_installed(run)
         with pytest.raises(ValueError, match="--mm-balance-mode sampler does not apply"):
             maybe_balanced_sampler(ms, object(), args(mode="sampler"))
-        bs = maybe_balanced_sampler(ms, Dataset(costs=list(range(100))), args())
-        assert isinstance(bs, BalancedPretrainingSampler) and sampler_mod.train_sampler_installed()
+        bs = maybe_balanced_sampler(ms, Dataset(costs=list(range(100))), run)
+        assert isinstance(bs, BalancedPretrainingSampler) and sampler_mod.train_sampler_installed(run)
         assert bs.data_parallel_rank == 1 and bs.data_parallel_size == 2
         first = list(bs)[:4]
         assert all(len(mb) == 1 for mb in first)

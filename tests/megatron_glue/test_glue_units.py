@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from megatron_mm_balance.megatron.groups import data_holding_rank_lists
-from megatron_mm_balance.megatron.iterator import (
-    BalancedTrainIterable, ImageTokensCost, MicrobatchSchedule, ModelCost, image_counts,
-    wrap_train_data_iterator)
+from megatron_mm_balance.megatron.iterator import BalancedTrainIterable, wrap_train_data_iterator
+from megatron_mm_balance.megatron.schedule import MicrobatchSchedule
+from megatron_mm_balance.runtime.costs import ImageTokenCost, ModelCost, image_counts
 from megatron_mm_balance.megatron.telemetry import Telemetry, format_line, summarize
 
 
@@ -20,13 +20,14 @@ def stock_batch(tiles):
 
 
 def test_image_token_cost_reads_stock_and_recorded_batches():
-    cost = ImageTokensCost(tokens_per_tile=256)
+    cost = ImageTokenCost(tokens_per_tile=256)
     assert cost(stock_batch([2, 1])) == 3 * 256
     assert cost({"image_tokens": torch.tensor([700])}) == 700
     assert cost({"image_token_counts": torch.tensor([100, 50]), "image_tokens": torch.tensor([150])}) == 150
     assert cost({"image_tokens": torch.tensor([3, 4])}) == 7            # micro-batch of two packs
     assert cost({"tokens": torch.zeros(3)}) == 0                        # text only
-    assert ImageTokensCost(None)(stock_batch([4])) == 4                 # unknown tokens/tile: tiles
+    with pytest.raises(ValueError, match="tokens_per_tile must be an int > 0"):
+        ImageTokenCost(None)                                            # no silent 1 token per tile
     assert "tokens_per_tile=256" in cost.identity
 
 
@@ -196,7 +197,8 @@ def test_make_cost_fn_knows_multimodal_tile_size():
     assert make_cost_fn(args)(stock_batch([2])) == 2 * 576            # (336/14)^2 patches per tile
     args.pixel_shuffle = True
     assert make_cost_fn(args)(stock_batch([2])) == 2 * 144
-    assert make_cost_fn(argparse.Namespace(mm_balance_cost="image-tokens"))(stock_batch([2])) == 2
+    # Not a multimodal run: the runtime's default tokens per tile.
+    assert make_cost_fn(argparse.Namespace(mm_balance_cost="image-tokens"))(stock_batch([2])) == 2 * 256
 
 
 def test_importing_the_glue_pulls_in_no_megatron_energon_te_or_apex():

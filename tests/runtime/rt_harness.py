@@ -12,20 +12,15 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 
+from megatron_mm_balance.runtime.bench import free_port
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(world: int, scenario: str, hard_timeout: float = 120.0, **kw) -> list[dict]:
@@ -215,6 +210,23 @@ def scenario_disabled(rank, world):
                "threads_delta": threading.active_count() - before, "stats": len(it.stats)}
         it.close()
     return out
+
+
+def scenario_shadow(rank, world, G=4, batches=3):
+    """Shadow mode: costs gathered and solved, every rank delivered its own packs in order."""
+    from megatron_mm_balance.runtime import BalancedDataIterator
+    from megatron_mm_balance.runtime.config import BalancerConfig
+    pulled, got = [], []
+    src = recording_source(rank, batches * G, pulled)
+    with BalancedDataIterator(src, num_microbatches=G,
+                              config=BalancerConfig(shadow=True, timeout=60)) as it:
+        _run_iterator(it, G, got)
+        stats = [{k: s[k] for k in ("shadow", "packs_moved", "packs_sent", "packs_received",
+                                     "bytes_sent", "bytes_received", "predicted_gain",
+                                     "microstep_cost_before", "microstep_cost_after") if k in s}
+                 for s in it.stats if not s.get("exhausted")]
+    return {"pulled": [p[0] for p in pulled], "costs": [p[1] for p in pulled],
+            "delivered": [row[2] for row in got], "stats": stats}
 
 
 def _outcome(fn):

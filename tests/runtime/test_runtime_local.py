@@ -103,8 +103,11 @@ def test_default_cost_keys():
     assert c({"imgs": torch.zeros(6, 3, 2, 2)}) == 60
     assert c({"tokens": torch.zeros(9)}) == 0 and c("not a dict") == 0
     assert default_cost_fn({"num_tiles": 1}) == 256
+    assert c({"image_tokens": torch.tensor([3, 4])}) == 7      # micro-batch of two packs: summed
     with pytest.raises(ValueError, match="image_tokens"):
-        c({"image_tokens": torch.zeros(2)})
+        c({"image_tokens": "seven"})
+    with pytest.raises(ValueError, match="tokens_per_tile"):
+        ImageTokenCost(tokens_per_tile=0)
 
 
 NT = collections.namedtuple("NT", "a b")      # module level: the header pickles the class by name
@@ -149,7 +152,7 @@ def test_cuda_tagged_tensors_use_the_mover_and_keep_host_tensors():
             return buf.clone(), "event"
 
     eng = _engine()
-    eng._cuda_mover = FakeMover()
+    eng.cuda_mover = FakeMover()
     pack = {"on_gpu": torch.arange(6.0), "on_cpu": torch.ones(3, dtype=torch.int8), "k": "v"}
     header, data = wire.encode(pack)
     header["on_gpu"] = dataclasses.replace(header["on_gpu"], device_type="cuda")

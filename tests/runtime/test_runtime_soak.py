@@ -41,3 +41,27 @@ def test_bench_runtime_cli_smoke():
     bad = subprocess.run(cmd[:4] + ["--world", "1"], capture_output=True, text=True, timeout=60,
                          cwd=harness.ROOT)
     assert bad.returncode == 2 and "--world" in bad.stderr
+
+
+def test_shadow_measures_the_plan_and_moves_nothing():
+    """Shadow mode on real gloo ranks: each rank gets its own packs in draw order, no bytes
+    travel, and the statistics are the plan's (what balancing would have given)."""
+    import numpy as np
+    from megatron_mm_balance.placement import PlanStats, plan_placement
+    G, batches, world = 4, 3, 3
+    res = harness.launch(world, "shadow", hard_timeout=90, G=G, batches=batches)
+    for r, x in enumerate(res):
+        assert "delivered" in x, f"rank {r}: {x.get('error') or x}"
+        assert x["delivered"] == x["pulled"]                      # own packs, own order
+        assert len(x["stats"]) == batches
+    for gb in range(batches):
+        costs = np.array([x["costs"][gb * G:(gb + 1) * G] for x in res])
+        want = PlanStats.of(costs, plan_placement(costs))
+        for x in res:
+            st = x["stats"][gb]
+            assert st["shadow"] is True and st["packs_sent"] == st["packs_received"] == 0
+            assert st["bytes_sent"] == st["bytes_received"] == 0
+            assert st["packs_moved"] == want.packs_moved
+            assert st["microstep_cost_after"] == want.microstep_cost_after
+            assert st["predicted_gain"] == want.predicted_gain
+    assert any(x["stats"][0]["packs_moved"] for x in res)         # there was something to gain

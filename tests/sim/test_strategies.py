@@ -77,3 +77,14 @@ def test_inter_node_mask_follows_ranks_per_node():
     m = inter_node_mask(order, 2)
     assert m.sum() == 2 and m[0, 2, 1] and m[0, 1, 1]
     assert inter_node_mask(order, None).sum() == 4
+
+
+def test_simulator_models_the_runtimes_order():
+    from megatron_mm_balance.placement import plan_placement
+    rng = np.random.default_rng(3)
+    for sync in ("microstep", "step"):
+        c = rng.integers(0, 1000, size=(8, 6))
+        pl = plan_placement(c, sync=sync)
+        assert np.array_equal(redistribute_order(c, sync=sync), pl.src_rank * 6 + pl.src_index)
+        moved = pl.moved().sum(axis=0)
+        assert moved[0] == moved.min()

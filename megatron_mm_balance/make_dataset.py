@@ -1,0 +1,441 @@
+"""``mm-balance make-dataset``: a small synthetic VLM dataset and tokenizer for examples/multimodal.
+
+Writes, under ``OUT_DIR``, everything Megatron-LM's ``examples/multimodal/train.py``
+needs to train without downloading anything:
+
+* ``captions/``: an energon-prepared WebDataset of ``CaptioningSample`` (one PNG and
+  one caption per sample);
+* ``conversations/``: an energon-prepared WebDataset of ``SimilarityInterleavedSample``
+  (one to three images and a multi-turn human/gpt conversation per sample), the form
+  the example's ``encode_llava_sft`` reads;
+* ``dataset.yaml``: an energon ``MetadatasetV2`` blending the two (train and val
+  splits), the ``--data-path``;
+* ``tokenizer/``: a byte-level BPE Hugging Face fast tokenizer trained on the
+  dataset's text, with the ChatML/Qwen special tokens (``<|im_start|>``,
+  ``<|im_end|>``, ``<|endoftext|>``): ``--tokenizer-type MultimodalTokenizer
+  --tokenizer-model OUT_DIR/tokenizer --tokenizer-prompt-format qwen2p5``. It does
+  not contain Megatron's image token ``<image>``: ``MultimodalTokenizer`` adds it.
+
+Images are sized in whole tiles of ``tile_size`` pixels (default 56), so that the
+example's dynamic tiling (``--use-tiling --max-num-tiles 4 --img-h 56 --img-w 56``)
+cuts 1, 2, 3 or 4 tiles from them: image-token counts differ per sample and per pack,
+which is what the balancer acts on. Light samples (one tile, long text) and
+image-heavy ones (four tiles, short text) are both common.
+
+The output is a function of the seed alone: same seed, byte-identical files (tar
+headers carry no times or owners, energon's index is built by one worker, and the
+dataset UUID energon would draw at random is derived from the shard contents).
+PIL, ``tokenizers`` and megatron-energon are imported only when a dataset is made.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import os
+import random
+import shutil
+import tarfile
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Sequence, Tuple
+
+#: The prompt format the tokenizer is built for (``--tokenizer-prompt-format``).
+PROMPT_FORMAT = "qwen2p5"
+#: ChatML / Qwen2.5 special tokens; ``<|endoftext|>`` pads, ``<|im_end|>`` ends a turn.
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+PAD_TOKEN, EOS_TOKEN = "<|endoftext|>", "<|im_end|>"
+#: The chat template of Megatron's qwen2p0/qwen2p5 prompt formats (no forced system message).
+CHAT_TEMPLATE = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + "
+                 "message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}"
+                 "{{ '<|im_start|>assistant\n' }}{% endif %}")
+#: Image shapes, in tiles (width, height), for each tile count the example's tiling
+#: (``find_closest_aspect_ratio``, max 4 tiles) cuts from an image of that shape.
+SHAPES_BY_TILES: Dict[int, Tuple[Tuple[int, int], ...]] = {
+    1: ((1, 1),),
+    2: ((2, 1), (1, 2)),
+    3: ((3, 1), (1, 3)),
+    4: ((2, 2), (4, 1), (1, 4)),
+}
+SAMPLES_PER_SHARD = 64
+DEFAULT_SAMPLES = 512
+DEFAULT_SEED = 1234
+DEFAULT_TILE_SIZE = 56
+#: Share of training samples that are multi-turn conversations (the rest are captions).
+CONVERSATION_SHARE = 0.2
+
+_COLORS = ("red", "green", "blue", "yellow", "purple", "orange", "white", "black", "gray", "cyan")
+_RGB = {"red": (200, 40, 40), "green": (40, 160, 60), "blue": (40, 70, 200), "yellow": (230, 210, 50),
+        "purple": (130, 60, 170), "orange": (240, 140, 30), "white": (245, 245, 245),
+        "black": (15, 15, 15), "gray": (128, 128, 128), "cyan": (40, 200, 210)}
+_SHAPES = ("square", "circle", "triangle", "stripe", "dot")
+_PLACES = ("top left", "top right", "bottom left", "bottom right", "center", "left edge", "right edge")
+_FILLER = ("The background is plain and the colors are flat.",
+           "Nothing else appears in the picture.",
+           "The shapes do not overlap and their edges are sharp.",
+           "It looks like a simple diagram drawn for a test.",
+           "The light is even across the whole picture.",
+           "There is no text, person or animal in view.",
+           "The composition is balanced between both halves.",
+           "A thin margin surrounds every object.")
+
+
+class MakeDatasetError(ValueError):
+    """A bad argument or output directory: one line for the user."""
+
+
+@dataclass(frozen=True)
+class Shape:
+    kind: str
+    color: str
+    place: str
+
+
+@dataclass
+class SyntheticImage:
+    """One image: its size in tiles, background and the shapes drawn on it."""
+    tiles_w: int
+    tiles_h: int
+    background: str
+    shapes: List[Shape]
+
+    @property
+    def tiles(self) -> int:
+        return self.tiles_w * self.tiles_h
+
+
+@dataclass
+class Summary:
+    """What ``make_dataset`` wrote: paths and per-split statistics."""
+    out_dir: Path
+    data_path: Path
+    tokenizer_dir: Path
+    prompt_format: str
+    tile_size: int = DEFAULT_TILE_SIZE
+    counts: Dict[str, Dict[str, int]] = field(default_factory=dict)   # split -> kind -> samples
+    tiles: Dict[int, int] = field(default_factory=dict)               # tiles per image -> images (train)
+    images_per_sample: Dict[int, int] = field(default_factory=dict)   # images per sample -> samples (train)
+
+    def lines(self) -> List[str]:
+        train, val = self.counts.get("train", {}), self.counts.get("val", {})
+        tiles = ", ".join(f"{k}:{v}" for k, v in sorted(self.tiles.items()))
+        imgs = ", ".join(f"{k}:{v}" for k, v in sorted(self.images_per_sample.items()))
+        return [
+            f"wrote {self.out_dir}: train {train.get('captions', 0)} captions + "
+            f"{train.get('conversations', 0)} conversations, val {val.get('captions', 0)} + "
+            f"{val.get('conversations', 0)}",
+            f"train images by tiles (tiles:images): {tiles}; samples by images: {imgs}",
+            f"DATA_PATH={self.data_path}",
+            f"TOKENIZER_MODEL={self.tokenizer_dir}",
+            f"TOKENIZER_PROMPT_FORMAT={self.prompt_format}",
+            f"use: --data-path $DATA_PATH --tokenizer-type MultimodalTokenizer --tokenizer-model "
+            f"$TOKENIZER_MODEL --tokenizer-prompt-format {self.prompt_format} --use-tiling "
+            f"--max-num-tiles 4 --img-h {self.tile_size} --img-w {self.tile_size}",
+        ]
+
+
+# ----------------------------------------------------------------------------------------
+# content
+
+def _random_image(rng: random.Random, tiles: int) -> SyntheticImage:
+    tw, th = rng.choice(SHAPES_BY_TILES[tiles])
+    n = rng.randint(1, 1 + tiles)
+    bg = rng.choice(_COLORS)
+    shapes = [Shape(rng.choice(_SHAPES), rng.choice([c for c in _COLORS if c != bg]), rng.choice(_PLACES))
+              for _ in range(n)]
+    return SyntheticImage(tw, th, bg, shapes)
+
+
+def _describe(img: SyntheticImage, rng: random.Random, sentences: int) -> str:
+    parts = [f"A {img.background} picture with {len(img.shapes)} "
+             f"{'shape' if len(img.shapes) == 1 else 'shapes'}."]
+    for s in img.shapes:
+        parts.append(f"There is a {s.color} {s.kind} at the {s.place}.")
+    while len(parts) < sentences:
+        parts.append(rng.choice(_FILLER))
+    return " ".join(parts[:max(sentences, 1 + len(img.shapes))])
+
+
+def _tiles_for_caption(rng: random.Random) -> int:
+    # light (1 tile) and image-heavy (4 tiles) samples are both common
+    return rng.choices((1, 2, 3, 4), weights=(35, 20, 15, 30))[0]
+
+
+def _caption_sample(rng: random.Random) -> Tuple[List[SyntheticImage], str]:
+    tiles = _tiles_for_caption(rng)
+    img = _random_image(rng, tiles)
+    # few tiles -> long captions, many tiles -> short ones: packs differ in image share
+    sentences = rng.randint(6, 14) if tiles == 1 else rng.randint(2, 10 - 2 * tiles + 2)
+    return [img], _describe(img, rng, sentences)
+
+
+def _conversation_sample(rng: random.Random) -> Tuple[List[SyntheticImage], List[Dict[str, str]]]:
+    n_images = rng.choices((1, 2, 3), weights=(50, 35, 15))[0]
+    images = [_random_image(rng, rng.choice((1, 2, 4))) for _ in range(n_images)]
+    turns: List[Dict[str, str]] = []
+    for t in range(rng.randint(2, 4)):
+        i = rng.randrange(n_images)
+        img = images[i]
+        s = rng.choice(img.shapes)
+        which = f"image {i + 1}" if n_images > 1 else "the image"
+        q, a = rng.choice((
+            (f"What color is the {s.kind} in {which}?", f"The {s.kind} is {s.color}."),
+            (f"Where is the {s.color} {s.kind} in {which}?", f"It is at the {s.place}."),
+            (f"How many shapes are in {which}?", f"There are {len(img.shapes)}."),
+            (f"Describe {which}.", _describe(img, rng, rng.randint(2, 5))),
+            (f"What is the background color of {which}?", f"The background is {img.background}."),
+        ))
+        turns.append({"from": "human", "value": q})
+        turns.append({"from": "gpt", "value": a})
+    return images, turns
+
+
+def _render_png(img: SyntheticImage, tile_size: int) -> bytes:
+    from PIL import Image, ImageDraw
+
+    w, h = img.tiles_w * tile_size, img.tiles_h * tile_size
+    canvas = Image.new("RGB", (w, h), _RGB[img.background])
+    draw = ImageDraw.Draw(canvas)
+    r = max(4, tile_size // 5)
+    for s in img.shapes:
+        fx = 0.2 if "left" in s.place else 0.8 if "right" in s.place else 0.5
+        fy = 0.2 if "top" in s.place else 0.8 if "bottom" in s.place else 0.5
+        cx, cy = int(fx * w), int(fy * h)
+        box = (cx - r, cy - r, cx + r, cy + r)
+        color = _RGB[s.color]
+        if s.kind == "square":
+            draw.rectangle(box, fill=color)
+        elif s.kind == "circle":
+            draw.ellipse(box, fill=color)
+        elif s.kind == "triangle":
+            draw.polygon([(cx, cy - r), (cx - r, cy + r), (cx + r, cy + r)], fill=color)
+        elif s.kind == "stripe":
+            draw.rectangle((0, cy - r // 3, w, cy + r // 3), fill=color)
+        else:
+            draw.ellipse((cx - r // 3, cy - r // 3, cx + r // 3, cy + r // 3), fill=color)
+    buf = io.BytesIO()
+    canvas.save(buf, format="PNG", optimize=False, compress_level=6)
+    return buf.getvalue()
+
+
+# ----------------------------------------------------------------------------------------
+# WebDataset shards and energon metadata
+
+def _tar_add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
+    info = tarfile.TarInfo(name)
+    info.size = len(data)
+    info.mtime = 0
+    info.mode = 0o644
+    info.uid = info.gid = 0
+    info.uname = info.gname = ""
+    tar.addfile(info, io.BytesIO(data))
+
+
+def _write_shards(root: Path, split: str, samples: Sequence[Dict[str, bytes]]) -> List[str]:
+    """Write ``samples`` (``{"__key__": ..., part: bytes}``) into ``split-NNNNNN.tar`` shards."""
+    names = []
+    for start in range(0, len(samples), SAMPLES_PER_SHARD):
+        name = f"{split}-{start // SAMPLES_PER_SHARD:06d}.tar"
+        with open(root / name, "wb") as raw, tarfile.open(fileobj=raw, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+            for sample in samples[start:start + SAMPLES_PER_SHARD]:
+                key = sample["__key__"].decode()
+                for part in sorted(k for k in sample if k != "__key__"):
+                    _tar_add(tar, f"{key}.{part}", sample[part])
+        names.append(name)
+    return names
+
+
+_CONVERSATION_LOADER = '''\
+"""energon sample loader: a conversation sample's parts -> SimilarityInterleavedSample fields."""
+
+
+def sample_loader(raw: dict) -> dict:
+    conv = raw["json"]
+    return dict(
+        images=[raw[f"img{i}.png"] for i in range(conv["num_images"])],
+        texts=conv["texts"],
+    )
+
+
+def part_filter(part: str) -> bool:
+    return part == "json" or (part.startswith("img") and part.endswith(".png"))
+'''
+
+
+def _dataset_yaml(kind: str) -> str:
+    if kind == "captions":
+        return ("sample_type:\n  __module__: megatron.energon\n  __class__: CaptioningSample\n"
+                "field_map:\n  image: png\n  caption: txt\n")
+    return ("sample_type:\n  __module__: megatron.energon\n  __class__: SimilarityInterleavedSample\n"
+            "sample_loader: sample_loader.py:sample_loader\npart_filter: sample_loader.py:part_filter\n")
+
+
+def _prepare(root: Path, shards: List[str], kind: str) -> None:
+    """energon's prepare step, programmatic and non-interactive, with a seed-derived UUID."""
+    from megatron.energon.flavors.webdataset.prepare import WebdatasetPreparator
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        WebdatasetPreparator.prepare_dataset(
+            root, shards, split_parts_patterns=[("train", r"train-.*\.tar"), ("val", r"val-.*\.tar")],
+            workers=1, shuffle_seed=None)
+    meta = root / ".nv-meta"
+    (meta / "dataset.yaml").write_text(_dataset_yaml(kind))
+    if kind == "conversations":
+        (meta / "sample_loader.py").write_text(_CONVERSATION_LOADER)
+    digest = hashlib.sha256()
+    for name in shards:
+        digest.update(name.encode())
+        digest.update((root / name).read_bytes())
+    (meta / "index.uuid").write_text(str(uuid.UUID(bytes=digest.digest()[:16], version=4)))
+
+
+def _metadataset_yaml(weights: Dict[str, int]) -> str:
+    lines = ["__module__: megatron.energon", "__class__: MetadatasetV2", "splits:"]
+    for split in ("train", "val"):
+        lines += [f"  {split}:", "    blend:"]
+        for name, w in weights.items():
+            lines += [f"      - weight: {w}", f"        path: {name}"]
+    return "\n".join(lines) + "\n"
+
+
+# ----------------------------------------------------------------------------------------
+# tokenizer
+
+def _write_tokenizer(out: Path, corpus: List[str], vocab_size: int = 2048) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, show_progress=False,
+                                  special_tokens=list(SPECIAL_TOKENS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(corpus, trainer=trainer)
+    out.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out / "tokenizer.json"))
+    added = {str(tok.token_to_id(t)): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
+                                       "single_word": False, "special": True} for t in SPECIAL_TOKENS}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "added_tokens_decoder": added,
+        "bos_token": None,
+        "eos_token": EOS_TOKEN,
+        "pad_token": PAD_TOKEN,
+        "unk_token": None,
+        "additional_special_tokens": ["<|im_start|>", "<|im_end|>"],
+        "model_max_length": 32768,
+        "clean_up_tokenization_spaces": False,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    (out / "special_tokens_map.json").write_text(json.dumps(
+        {"eos_token": EOS_TOKEN, "pad_token": PAD_TOKEN,
+         "additional_special_tokens": ["<|im_start|>", "<|im_end|>"]}, indent=2, sort_keys=True) + "\n")
+
+
+def _tokenizer_corpus(texts: List[str]) -> List[str]:
+    """The dataset's text plus the words of the example's prompts and chat roles."""
+    extra = ["system", "user", "assistant", "Answer the questions.",
+             "Generate a short caption of the image.", "Describe the image concisely.",
+             "Provide a brief description of the given image.", "Give a short caption of the picture.",
+             "Write a brief caption for this image.", "Summarize the image in a sentence."]
+    return texts + extra * 4
+
+
+# ----------------------------------------------------------------------------------------
+
+def _check_out_dir(out: Path) -> None:
+    if out.exists() and not out.is_dir():
+        raise MakeDatasetError(f"{out}: exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()):
+        ours = (out / "dataset.yaml").is_file() and (out / "captions").is_dir()
+        if not ours:
+            raise MakeDatasetError(f"{out}: directory is not empty (give a new or empty directory, "
+                                   f"or one written by make-dataset)")
+
+
+def make_dataset(out_dir, samples: int = DEFAULT_SAMPLES, seed: int = DEFAULT_SEED,
+                 tile_size: int = DEFAULT_TILE_SIZE) -> Summary:
+    """Write the dataset, its metadataset and the tokenizer under ``out_dir``; return a summary.
+
+    ``samples`` training samples (captions and conversations together) plus a
+    validation split of ``max(8, samples // 8)``; an existing directory written by
+    this function is replaced.
+    """
+    if isinstance(samples, bool) or not isinstance(samples, int) or samples < 8:
+        raise MakeDatasetError(f"--samples must be an integer >= 8, got {samples!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise MakeDatasetError(f"--seed must be an integer >= 0, got {seed!r}")
+    if not isinstance(tile_size, int) or not 14 <= tile_size <= 1024:
+        raise MakeDatasetError(f"--tile-size must be an integer between 14 and 1024, got {tile_size!r}")
+    out = Path(out_dir).absolute()
+    _check_out_dir(out)
+    for name in ("captions", "conversations", "tokenizer", "dataset.yaml"):
+        p = out / name
+        if p.is_dir():
+            shutil.rmtree(p)
+        elif p.exists():
+            p.unlink()
+    out.mkdir(parents=True, exist_ok=True)
+
+    rng = random.Random(seed)
+    summary = Summary(out, out / "dataset.yaml", out / "tokenizer", PROMPT_FORMAT, tile_size)
+    texts: List[str] = []
+    records: Dict[str, Dict[str, List[Dict[str, bytes]]]] = {"captions": {}, "conversations": {}}
+    for split, n in (("train", samples), ("val", max(8, samples // 8))):
+        n_conv = max(1, round(n * CONVERSATION_SHARE))
+        kinds = ["conversations"] * n_conv + ["captions"] * (n - n_conv)
+        rng.shuffle(kinds)
+        for kind in records:
+            records[kind][split] = []
+        for i, kind in enumerate(kinds):
+            key = f"{split}_{i:06d}".encode()
+            if kind == "captions":
+                images, caption = _caption_sample(rng)
+                rec = {"__key__": key, "png": _render_png(images[0], tile_size), "txt": caption.encode()}
+                texts.append(caption)
+            else:
+                images, turns = _conversation_sample(rng)
+                rec = {"__key__": key,
+                       "json": json.dumps({"num_images": len(images), "texts": turns}, sort_keys=True).encode()}
+                for j, img in enumerate(images):
+                    rec[f"img{j}.png"] = _render_png(img, tile_size)
+                texts.extend(t["value"] for t in turns)
+            records[kind][split].append(rec)
+            if split == "train":
+                for img in images:
+                    summary.tiles[img.tiles] = summary.tiles.get(img.tiles, 0) + 1
+                summary.images_per_sample[len(images)] = summary.images_per_sample.get(len(images), 0) + 1
+        summary.counts[split] = {k: len(v[split]) for k, v in records.items()}
+
+    for kind, splits in records.items():
+        root = out / kind
+        root.mkdir()
+        shards = _write_shards(root, "train", splits["train"]) + _write_shards(root, "val", splits["val"])
+        _prepare(root, shards, kind)
+    weights = {k: len(v["train"]) for k, v in records.items()}
+    summary.data_path.write_text(_metadataset_yaml(weights))
+    _write_tokenizer(summary.tokenizer_dir, _tokenizer_corpus(texts))
+    return summary
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("out_dir", metavar="OUT_DIR", help="directory to write (new, empty, or an earlier output)")
+    parser.add_argument("--samples", type=int, default=DEFAULT_SAMPLES,
+                        help=f"training samples (default {DEFAULT_SAMPLES}); validation gets one eighth")
+    parser.add_argument("--seed", type=int, default=DEFAULT_SEED, help="same seed, byte-identical output")
+    parser.add_argument("--tile-size", type=int, default=DEFAULT_TILE_SIZE,
+                        help=f"pixels per image tile, the example's --img-h/--img-w (default {DEFAULT_TILE_SIZE})")
+
+
+def run(args) -> int:
+    try:
+        summary = make_dataset(args.out_dir, samples=args.samples, seed=args.seed, tile_size=args.tile_size)
+    except ImportError as exc:
+        raise MakeDatasetError(f"make-dataset needs {exc.name or exc} (pip install megatron-energon "
+                               f"pillow tokenizers)") from None
+    for line in summary.lines():
+        print(line)
+    return 0

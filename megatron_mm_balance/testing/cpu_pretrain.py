@@ -1,0 +1,322 @@
+"""Run Megatron-LM's own training script (``pretrain()``) on CPU over gloo.
+
+    torchrun --nproc-per-node 4 -m megatron_mm_balance.testing.cpu_pretrain \\
+        examples/multimodal/train.py [Megatron flags...]
+
+``scripts/pretrain_vlm_moe.sh`` starts ranks this way when the config asks for
+the CPU harness (``CPU_HARNESS=auto`` in ``configs/megatron/tiny_cpu.sh``) and
+the machine has no CUDA device; the GPU path never imports this module. Each
+rank installs the shims below and then runs the script with :mod:`runpy`, so
+the script, Megatron's ``pretrain()``, its arguments, checkpointing and data
+loading are the user's, unchanged.
+
+Every shim answers one CUDA assumption that has nothing to do with the maths
+(the megatron-core ones from :func:`cpu_megatron.install` come first: device
+rewriting, streams/events, the RNG tracker, ``te_general_gemm``):
+
+* ``initialize_megatron`` asserts ``torch.cuda.is_available()`` ("Megatron
+  requires CUDA"): the harness calls it with ``allow_no_cuda=True`` instead
+  of reporting CUDA globally (a global ``is_available()`` would also send
+  ``torch.compile`` to the CUDA RNG).
+* ``_initialize_distributed`` builds the model-parallel groups only when
+  ``torch.cuda.device_count() > 0``: it runs with a device count of 1.
+* the legacy fused kernels are compiled with nvcc at start-up
+  (``megatron.legacy.fused_kernels.load``): a no-op (the config turns the
+  fusions off).
+* the rerun state machine saves and restores the CUDA RNG state every
+  iteration (``torch.cuda.get_rng_state``/``set_rng_state``): an empty state.
+* ``triton`` is imported when megatron-core's inference contexts and batch
+  invariant kernels load, even for training: a stub module whose attributes
+  raise if anything ever calls them (nothing does during training).
+* the example hard-codes CLIP ViT-L/14 (24 layers, hidden 1024) for
+  ``--vision-model-type clip`` (``examples/multimodal/config.py``): the
+  harness shrinks it to :data:`TINY_VIT` after the example builds its config,
+  so two CPU cores can train it; a CPU-only concern, so it lives here and
+  not in ``patches/``.
+* without transformer-engine the example's no-TE specs need what only TE
+  provides: CLIP's ``ln_pre`` defaults to ``torch.nn.LayerNorm`` (rejects the
+  ``config`` argument) -> megatron's ``WrappedTorchNorm``; the vision
+  projection's norm spec is TE-only -> the local norm spec; local
+  ``DotProductAttention`` refuses packed sequences -> attention restricted
+  to each packed sample by a block-diagonal causal mask built from
+  ``cu_seqlens`` (the same result TE's THD attention computes).
+* gloo has no ``all_to_all_single`` with split sizes (the ``alltoall`` MoE
+  token dispatcher needs it: packs differ in length, so the token counts per
+  expert rank differ): one built from point-to-point sends and receives.
+* Megatron compiles its dataset index helpers with ``make`` at start-up;
+  the energon data path never calls them: skipped.
+"""
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+import types
+
+TINY_VIT = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=4,
+                kv_channels=16, ffn_hidden_size=128)
+"""The CPU vision encoder: CLIP's architecture (LayerNorm, quick-GELU, biases), 2 small layers."""
+TINY_PROJECTION_FFN = 256
+"""Hidden size of the vision projection MLP on CPU (the example sizes it for a 7B LM)."""
+
+_DONE = False
+
+
+def _stub_triton() -> None:
+    """Register an inert ``triton`` package so import-time references resolve."""
+    if "triton" in sys.modules:
+        return
+    try:
+        import triton  # noqa: F401
+        return
+    except ImportError:
+        pass
+
+    class _Inert(types.ModuleType):
+        def __getattr__(self, name):
+            if name.startswith("__"):
+                raise AttributeError(name)
+            return _inert_callable(f"{self.__name__}.{name}")
+
+    def _inert_callable(qual):
+        class _F:
+            def __init__(self, *a, **k):
+                pass
+
+            def __call__(self, *a, **k):
+                if a and callable(a[0]) and len(a) == 1 and not k:
+                    return a[0]            # used as a decorator: @triton.jit
+                return _F()
+
+            def __getattr__(self, name):
+                return _F()
+
+            def __getitem__(self, item):
+                raise RuntimeError(f"{qual}: triton is not available on this CPU run")
+
+        return _F()
+
+    for name in ("triton", "triton.language", "triton.runtime", "triton.language.extra",
+                 "triton.language.extra.libdevice"):
+        mod = _Inert(name)
+        mod.__path__ = []  # a package, so submodule imports resolve to these stubs
+        sys.modules[name] = mod
+    sys.modules["triton"].language = sys.modules["triton.language"]
+
+
+def _all_to_all_single_p2p(output, input, output_split_sizes=None, input_split_sizes=None,
+                           group=None, async_op=False):
+    """``all_to_all_single`` from isend/irecv (gloo has no split-size all-to-all)."""
+    import torch
+    import torch.distributed as dist
+
+    n = dist.get_world_size(group)
+    me = dist.get_rank(group)
+    if input_split_sizes is None or len(input_split_sizes) == 0:
+        input_split_sizes = [input.shape[0] // n] * n
+    if output_split_sizes is None or len(output_split_sizes) == 0:
+        output_split_sizes = [output.shape[0] // n] * n
+    ins = list(torch.split(input, list(input_split_sizes)))
+    outs = list(torch.split(output, list(output_split_sizes)))
+    ops = []
+    for peer in range(n):
+        if peer == me:
+            outs[peer].copy_(ins[peer])
+            continue
+        gpeer = dist.get_global_rank(group, peer) if group is not None else peer
+        if ins[peer].numel():
+            ops.append(dist.P2POp(dist.isend, ins[peer].contiguous(), gpeer, group))
+        if outs[peer].numel():
+            ops.append(dist.P2POp(dist.irecv, outs[peer], gpeer, group))
+    # receive into contiguous views only (split along dim 0 of a contiguous tensor)
+    reqs = dist.batch_isend_irecv(ops) if ops else []
+    for r in reqs:
+        r.wait()
+    if async_op:
+        return _DoneWork()
+    return None
+
+
+class _DoneWork:
+    def wait(self, *a, **k):
+        return True
+
+    def is_completed(self):
+        return True
+
+
+def install() -> None:
+    """Install every shim listed in the module docstring (idempotent)."""
+    global _DONE
+    if _DONE:
+        return
+    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+    _stub_triton()
+
+    import torch
+
+    from . import cpu_megatron
+    cpu_megatron.install()
+
+    cuda = torch.cuda
+    cuda.get_rng_state = lambda *a, **k: torch.empty(0, dtype=torch.uint8)
+    cuda.set_rng_state = lambda *a, **k: None
+
+    import torch.distributed as dist
+    _orig_a2a = dist.all_to_all_single
+
+    def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None,
+                          group=None, async_op=False):
+        if dist.get_backend(group) == "gloo":
+            return _all_to_all_single_p2p(output, input, output_split_sizes, input_split_sizes,
+                                          group, async_op)
+        return _orig_a2a(output, input, output_split_sizes, input_split_sizes, group, async_op)
+
+    dist.all_to_all_single = all_to_all_single
+
+    from megatron.training import initialize as minit
+    from megatron.training import training as mtrain
+
+    _orig_init = minit.initialize_megatron
+
+    def initialize_megatron(*a, **k):
+        k["allow_no_cuda"] = True
+        return _orig_init(*a, **k)
+
+    minit.initialize_megatron = initialize_megatron
+    mtrain.initialize_megatron = initialize_megatron
+
+    _orig_dist = minit._initialize_distributed
+
+    def _initialize_distributed(*a, **k):
+        real = cuda.device_count
+        cuda.device_count = lambda: 1
+        try:
+            return _orig_dist(*a, **k)
+        finally:
+            cuda.device_count = real
+
+    minit._initialize_distributed = _initialize_distributed
+    minit.fused_kernels.load = lambda args: None
+
+    from megatron.core.datasets import utils as dutils
+    dutils.compile_helpers = lambda: None
+
+    _shrink_clip()
+    _local_specs()
+    _DONE = True
+
+
+def _shrink_clip() -> None:
+    import config as mm_config  # examples/multimodal/config.py (on PYTHONPATH via the launcher)
+    import model as mm_model
+
+    orig = mm_config.get_vision_model_config
+    orig_proj = mm_config.get_vision_projection_config
+
+    def get_vision_model_config(config, apply_query_key_layer_scaling):
+        config = orig(config, apply_query_key_layer_scaling)
+        if config.vision_model_type == "clip":
+            for k, v in TINY_VIT.items():
+                setattr(config, k, v)
+        return config
+
+    def get_vision_projection_config(config, hidden_size):
+        config = orig_proj(config, hidden_size)
+        config.ffn_hidden_size = TINY_PROJECTION_FFN
+        return config
+
+    mm_config.get_vision_model_config = get_vision_model_config
+    mm_model.get_vision_model_config = get_vision_model_config
+    mm_config.get_vision_projection_config = get_vision_projection_config
+    mm_model.get_vision_projection_config = get_vision_projection_config
+
+
+def _local_specs() -> None:
+    """The three TE-only pieces of the example, in Megatron's local implementations."""
+    import torch
+    import model as mm_model
+    from megatron.core.models.multimodal import llava_model
+    from megatron.core.models.vision.clip_vit_model import CLIPViTModel
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+    from megatron.core.transformer import dot_product_attention as dpa
+    from megatron.core.transformer.mlp import MLP, MLPSubmodules
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.tensor_parallel import RowParallelLinear
+
+    class CPUCLIPViTModel(CLIPViTModel):
+        """CLIP with ``ln_pre`` as megatron's WrappedTorchNorm (the default rejects ``config``)."""
+
+        def __init__(self, *a, **k):
+            k.setdefault("ln_pre_impl", WrappedTorchNorm)
+            super().__init__(*a, **k)
+
+    llava_model.CLIPViTModel = CPUCLIPViTModel
+
+    class NormColumnParallelLinear(ColumnParallelLinear):
+        """Local stand-in for TE's LayerNormColumnParallelLinear: the config's norm, then fc1."""
+
+        def __init__(self, input_size, output_size, *, config, **k):
+            super().__init__(input_size, output_size, config=config, **k)
+            self.norm = WrappedTorchNorm(config=config, hidden_size=input_size,
+                                         eps=config.layernorm_epsilon)
+
+        def forward(self, input_, *a, **k):
+            return super().forward(self.norm(input_), *a, **k)
+
+    def get_norm_mlp_module_spec_local():
+        return ModuleSpec(module=MLP, submodules=MLPSubmodules(
+            linear_fc1=NormColumnParallelLinear, linear_fc2=RowParallelLinear))
+
+    mm_model.get_norm_mlp_module_spec_te = get_norm_mlp_module_spec_local
+
+    orig_forward = dpa.DotProductAttention.forward
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None,
+                attention_bias=None, packed_seq_params=None):
+        if packed_seq_params is None:
+            return orig_forward(self, query, key, value, attention_mask, attn_mask_type=attn_mask_type,
+                                attention_bias=attention_bias, packed_seq_params=None)
+        return _packed_attention(self, query, key, value, attn_mask_type, packed_seq_params)
+
+    dpa.DotProductAttention.forward = forward
+
+
+def _packed_attention(self, query, key, value, attn_mask_type, params):
+    """Attention over a THD pack ``[t, heads, dim]``: each sample attends only within itself."""
+    import torch
+
+    cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
+    t = query.shape[0]
+    pos = torch.arange(t)
+    seg = torch.bucketize(pos, cu[1:].to(torch.long).cpu(), right=True)
+    allowed = seg[:, None] == seg[None, :]
+    mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+    if "causal" in getattr(mask_type, "name", str(mask_type)):
+        allowed &= pos[None, :] <= pos[:, None]
+    rep = query.shape[1] // key.shape[1]
+    if rep > 1:
+        key = key.repeat_interleave(rep, dim=1)
+        value = value.repeat_interleave(rep, dim=1)
+    q, k, v = (x.float().transpose(0, 1) for x in (query, key, value))  # [h, t, d]
+    scores = torch.matmul(q, k.transpose(1, 2)) * self.softmax_scale
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.matmul(probs, v).to(query.dtype)  # [h, t, d]
+    return out.transpose(0, 1).reshape(t, 1, -1)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or not argv[0].endswith(".py"):
+        sys.exit("usage: python -m megatron_mm_balance.testing.cpu_pretrain SCRIPT.py [flags...]")
+    script = argv[0]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    install()
+    sys.argv = argv
+    runpy.run_path(script, run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()

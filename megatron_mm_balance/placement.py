@@ -168,9 +168,10 @@ def solve_placement(costs, *, sync: str = "microstep",
         # Only rank totals count: keep every pack home and swap pairs between the
         # heaviest and lightest ranks until the totals are even.
         pl = Placement.identity(D, G)
-        balance_rank_totals(c, pl.src_rank, pl.src_index, tolerance=balance_tolerance, node=node)
+        balance_rank_totals(c, pl.src_rank, pl.src_index, tolerance=balance_tolerance, node=node,
+                            step_window=None)
         if node is not None:
-            send_home(c, pl.src_rank, pl.src_index, node=node,
+            send_home(c, pl.src_rank, pl.src_index, node=node, max_rounds=4,
                       limit=rank_limit(int(c.sum()), D, balance_tolerance, cost_grain(c)))
         return pl
 

@@ -56,7 +56,8 @@ def balance_rank_totals(c: np.ndarray, src_rank: np.ndarray, src_index: np.ndarr
                         tolerance: float = DEFAULT_RANK_TOLERANCE,
                         levels: np.ndarray | None = None, max_rounds: int = 256,
                         weights: np.ndarray | None = None,
-                        node: np.ndarray | None = None, mates_first: bool = True) -> int:
+                        node: np.ndarray | None = None, mates_first: bool = True,
+                        step_window: int | None = 2) -> int:
     """Swap packs in place (``src_rank``/``src_index`` ``[D, G]``) until no rank total
     exceeds :func:`rank_limit`. ``levels[k]`` (``microstep`` mode): the most a pack
     in micro-step ``k`` may cost; with two-phase costs (``c`` ``[D, G, 2]``),
@@ -67,7 +68,9 @@ def balance_rank_totals(c: np.ndarray, src_rank: np.ndarray, src_index: np.ndarr
     ``c`` itself; levels always apply to ``c``. ``node`` (optional, ``[D]``): the
     node of each rank; a pack crossing nodes then counts ``1 + INTER_NODE_WEIGHT``
     moves when swaps of equal balance are compared, and with ``mates_first`` a heavy
-    rank tries its node-mates as partners before the global walk.
+    rank tries its node-mates as partners before the global walk. ``step_window``:
+    a pack swaps only with packs at most this many micro-steps away (None: any),
+    which keeps a round at O(P * G * (2W + 1)).
     """
     D, G = c.shape[:2]
     bal = c if weights is None else weights
@@ -79,10 +82,16 @@ def balance_rank_totals(c: np.ndarray, src_rank: np.ndarray, src_index: np.ndarr
     U = rank_limit(int(totals.sum()), D, tolerance, grain)
     attempt = np.zeros(D, dtype=np.int64)
     applied = 0
+    # Light slots a heavy slot i may swap with: micro-steps i - W .. i + W (all when
+    # step_window is None); swaps across steps further apart are rarely the best.
+    W = G if step_window is None else int(step_window)
+    off = np.arange(-min(W, G - 1), min(W, G - 1) + 1)
+    jj = np.arange(G)[:, None] + off[None, :]
+    jok = (jj >= 0) & (jj < G)
+    jj = np.clip(jj, 0, G - 1)
     mates_first = mates_first and node is not None
     if mates_first:
         members = _members(node)
-    steps = np.arange(G)
     for _ in range(max_rounds):
         heavy = np.flatnonzero(totals > U)
         if len(heavy) == 0:
@@ -121,18 +130,18 @@ def balance_rank_totals(c: np.ndarray, src_rank: np.ndarray, src_index: np.ndarr
         keep[first] = True
         attempt[heavy[~keep]] += 1
         h, l = heavy[keep], light[keep]
-        ah, al = a[h], a[l]                             # [P, G]
-        delta = ah[:, :, None] - al[:, None, :]         # [P, G(heavy slot), G(light slot)]
+        ah, al = a[h], a[l][:, jj]                      # [P, G], [P, G, K]
+        delta = ah[:, :, None] - al                     # [P, G(heavy slot), K(light slot)]
         gap = (totals[h] - totals[l])[:, None, None]
-        valid = (delta > 0) & (delta < gap)
+        valid = (delta > 0) & (delta < gap) & jok[None]
         if levels is not None:
-            ch, cl = lv[h], lv[l]
+            ch, cl = lv[h], lv[l][:, jj]
             if levels.ndim == 1:
-                valid &= (ch[:, :, None] <= levels[None, None, :])    # heavy pack -> light's step
-                valid &= (cl[:, None, :] <= levels[None, :, None])    # light pack -> heavy's step
+                valid &= (ch[:, :, None] <= levels[jj][None])         # heavy pack -> light's step
+                valid &= (cl <= levels[:, None][None])                # light pack -> heavy's step
             else:                                                     # boxes: every component
-                valid &= (ch[:, :, None, :] <= levels[None, None]).all(axis=-1)
-                valid &= (cl[:, None, :, :] <= levels[None, :, None]).all(axis=-1)
+                valid &= (ch[:, :, None, :] <= levels[jj][None]).all(axis=-1)
+                valid &= (cl <= levels[:, None][None]).all(axis=-1)
         lo = (totals[h] - U)[:, None, None]
         hi = (U - totals[l])[:, None, None]
         window = valid & (delta >= lo) & (delta <= hi)
@@ -141,27 +150,27 @@ def balance_rank_totals(c: np.ndarray, src_rank: np.ndarray, src_index: np.ndarr
         # Moves added by the swap: heavy's pack goes to l, light's pack goes to h.
         add_h = move_weight(sh, ll, node) - move_weight(sh, hh, node)     # [P, G]
         add_l = move_weight(sl, hh, node) - move_weight(sl, ll, node)
-        added = add_h[:, :, None] + add_l[:, None, :] + 2 * (1 + INTER_NODE_WEIGHT)
+        added = add_h[:, :, None] + add_l[:, jj] + 2 * (1 + INTER_NODE_WEIGHT)
         spread = np.abs(2 * delta - gap)
         big = np.iinfo(np.int64).max
         # window first (by added moves, then spread), else best spread then moves.
         key_w = np.where(window, added * (1 << 40) + spread, big)
         key_v = np.where(valid, (1 << 50) + spread * 8 + added, big)
-        key = np.minimum(key_w, key_v).reshape(len(h), G * G)
+        K = jj.shape[1]
+        key = np.minimum(key_w, key_v).reshape(len(h), G * K)
         best = np.argmin(key, axis=1)
         ok = key[np.arange(len(h)), best] < big
         attempt[h[~ok]] += 1
         if not ok.any():
             continue
         h, l, best = h[ok], l[ok], best[ok]
-        i, j = best // G, best % G
+        i, j = best // K, jj[best // K, best % K]
         d = a[h, i] - a[l, j]
         for arr in (src_rank, src_index, a, lv):
             arr[h, i], arr[l, j] = arr[l, j], arr[h, i].copy()
         totals[h] -= d
         totals[l] += d
         applied += len(h)
-    del steps
     return applied
 
 
@@ -175,7 +184,7 @@ def move_weight(origin, location, node: np.ndarray | None) -> np.ndarray:
 
 
 def send_home(c: np.ndarray, src_rank: np.ndarray, src_index: np.ndarray, *,
-              limit: int, levels: np.ndarray | None = None, max_rounds: int = 4,
+              limit: int, levels: np.ndarray | None = None, max_rounds: int = 2,
               weights: np.ndarray | None = None, node: np.ndarray | None = None) -> int:
     """Shorten move chains in place: swap a pack ``x`` sitting away from its home
     rank ``h`` with a foreign pack ``y`` sitting on ``h``. ``x`` goes home (one move

@@ -154,14 +154,15 @@ def _banded_groups(p, q, D, G, units: int = 8):
 
 def group_two_phase(v: np.ndarray, l: np.ndarray, D: int, G: int) -> np.ndarray:
     """Group id (micro-step) of each of the ``D * G`` packs; see the module docstring."""
-    cands = []
-    for key, tie in ((v, l), (l, v), (v + l, v)):
-        order = _desc_order(key, tie)
-        cands.append((_order_objective(v, l, order, D), len(cands), order))
-    if v.any() and l.any():
+    if not (v.any() and l.any()):                 # one phase: its sorted grouping is optimal
+        order = _desc_order(v, l) if v.any() else _desc_order(l, v)
+    else:
+        # The band program includes the single bands [0, G) grouped by vision or by
+        # language alone, so it is never worse than either one-dimensional sort.
         order, obj = _banded_groups(v, l, D, G)
-        cands.append((obj, len(cands), order))
-    order = min(cands, key=lambda t: (t[0], t[1]))[2]
+        by_sum = _desc_order(v + l, v)
+        if _order_objective(v, l, by_sum, D) < obj:
+            order = by_sum
     group = np.empty(len(v), dtype=np.int64)
     group[order] = np.arange(len(v)) // D
     return group
@@ -198,8 +199,9 @@ def solve_two_phase(costs, *, balance_tolerance: float, ranks_per_node: int | No
     rows = np.repeat(np.arange(D), G)
     cols = np.tile(np.arange(G), D)
     wf, sf = w.ravel(), step.ravel()
-    # Packs of each step, heaviest first, ties by origin then index.
-    order = np.lexsort((cols, rows, -wf, sf))
+    # Packs of each step, heaviest first, ties by origin then index (row-major).
+    top = int(wf.max()) + 1
+    order = np.argsort(sf * top + (top - 1 - wf), kind="stable")
     bounds = np.searchsorted(sf[order], np.arange(G + 1))
     for m in range(G):
         sel = order[bounds[m]:bounds[m + 1]]

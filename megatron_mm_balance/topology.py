@@ -36,10 +36,18 @@ def ranks_per_node_from_env(default: int | None = DEFAULT_RANKS_PER_NODE) -> int
     return value
 
 
-def check_ranks_per_node(ranks_per_node) -> int | None:
-    """Validate the solver argument: None (flat: every rank its own node) or >= 1."""
+def check_ranks_per_node(ranks_per_node):
+    """Validate the solver argument: None (flat: every rank its own node), an
+    integer >= 1 (rank ``r`` on node ``r // ranks_per_node``), or a sequence with
+    each rank's node id (data-parallel ranks need not be contiguous on a node:
+    with tensor parallelism inner, a node holds every TP-th global rank)."""
     if ranks_per_node is None:
         return None
+    if isinstance(ranks_per_node, (list, tuple, np.ndarray)):
+        ids = np.asarray(ranks_per_node)
+        if ids.ndim != 1 or ids.dtype.kind not in "iu" or (len(ids) and ids.min() < 0):
+            raise ValueError("ranks_per_node as node ids must be a 1-D sequence of integers >= 0")
+        return ids.astype(np.int64)
     if isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, (int, np.integer)):
         raise ValueError(f"ranks_per_node must be a positive integer or None, got {ranks_per_node!r}")
     if ranks_per_node < 1:
@@ -47,9 +55,18 @@ def check_ranks_per_node(ranks_per_node) -> int | None:
     return int(ranks_per_node)
 
 
-def node_ids(num_ranks: int, ranks_per_node: int | None) -> np.ndarray | None:
-    """Node of each rank, or None when node awareness is off (None, 1, or one node)."""
-    if ranks_per_node is None or ranks_per_node <= 1 or ranks_per_node >= num_ranks:
+def node_ids(num_ranks: int, ranks_per_node) -> np.ndarray | None:
+    """Node of each rank (0-based, dense), or None when node awareness is off
+    (None, 1, one node, or every rank on its own node)."""
+    if ranks_per_node is None:
+        return None
+    if isinstance(ranks_per_node, np.ndarray):
+        if len(ranks_per_node) != num_ranks:
+            raise ValueError(f"node ids: {len(ranks_per_node)} given for {num_ranks} ranks")
+        _, node = np.unique(ranks_per_node, return_inverse=True)
+        num = int(node.max()) + 1 if num_ranks else 0
+        return None if num <= 1 or num == num_ranks else node.astype(np.int64)
+    if ranks_per_node <= 1 or ranks_per_node >= num_ranks:
         return None
     return np.arange(num_ranks, dtype=np.int64) // ranks_per_node
 
@@ -94,7 +111,7 @@ def traffic(src_rank: np.ndarray, ranks_per_node: int | None,
     D = src_rank.shape[0]
     dst = np.arange(D)[:, None]
     moved = src_rank != dst
-    node = node_ids(D, ranks_per_node)
+    node = node_ids(D, check_ranks_per_node(ranks_per_node))
     inter = moved if node is None else (node[src_rank] != node[dst])
     out = {"moved_packs": int(moved.sum()), "inter_node_packs": int(inter.sum())}
     if nbytes is not None:

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ..placement import DEFAULT_BALANCE_TOLERANCE, Placement, PlanStats, plan_placement
+from ..topology import traffic
 from . import wire
 from .costs import to_int_cost
 from .device import CudaMover
@@ -39,8 +40,9 @@ RECORD = 8
 INLINE_COSTS = 64          # costs that ride in the record; more need a second all-gather
 
 
-def settings_string(sync: str, tolerance, cost_identity: str) -> str:
-    return f"protocol={PROTOCOL} sync={sync} balance_tolerance={tolerance!r} cost_fn={cost_identity}"
+def settings_string(sync: str, tolerance, cost_identity: str, ranks_per_node=None) -> str:
+    return (f"protocol={PROTOCOL} sync={sync} balance_tolerance={tolerance!r} cost_fn={cost_identity}"
+            + (f" ranks_per_node={ranks_per_node}" if ranks_per_node else ""))
 
 
 def settings_hash(text: str) -> int:
@@ -104,7 +106,8 @@ class Engine:
     thread (the consumer or the background thread) drives it."""
 
     def __init__(self, source, *, ranks, rank_index, exchange_group, cost_fn, cost_identity,
-                 sync, balance_tolerance, device, timeout, board, shadow: bool = False):
+                 sync, balance_tolerance, device, timeout, board, shadow: bool = False,
+                 ranks_per_node: int | None = None):
         self.source = source
         self.ranks = list(ranks)
         self.me = rank_index
@@ -113,7 +116,10 @@ class Engine:
         self.cost_fn = cost_fn
         self.sync = sync
         self.tolerance = DEFAULT_BALANCE_TOLERANCE if balance_tolerance is None else float(balance_tolerance)
-        self.settings = settings_string(sync, self.tolerance, cost_identity)
+        self.settings = settings_string(sync, self.tolerance, cost_identity, ranks_per_node)
+        # Node of each data-parallel rank, from its global rank (None: flat).
+        self.nodes = (None if not ranks_per_node else
+                      tuple(int(r) // int(ranks_per_node) for r in self.ranks))
         self.hash = settings_hash(self.settings)
         self.device = device
         self.timeout = float(timeout)
@@ -203,7 +209,8 @@ class Engine:
         gather_ms = (time.perf_counter() - t0) * 1e3
         self._beat("solving placement")
         t0 = time.perf_counter()
-        placement = plan_placement(all_costs, sync=self.sync, balance_tolerance=self.tolerance)
+        placement = plan_placement(all_costs, sync=self.sync, balance_tolerance=self.tolerance,
+                                   ranks_per_node=None if self.nodes is None else list(self.nodes))
         solve_ms = (time.perf_counter() - t0) * 1e3
         return self._plan(gb, G, packs, all_costs, gather_ms, solve_ms, placement)
 
@@ -218,7 +225,11 @@ class Engine:
         else:
             st = _gather_stats(costs, placement, self.me)
         st.update(global_batch=gb, num_microbatches=G, allgather_ms=gather_ms, solver_ms=solve_ms,
-                  bytes_sent=0, bytes_received=0, exchange_ms=0.0, consumer_wait_ms=0.0)
+                  bytes_sent=0, bytes_received=0, exchange_ms=0.0, consumer_wait_ms=0.0,
+                  inter_node_packs=traffic(placement.src_rank,
+                                           None if self.nodes is None else list(self.nodes)
+                                           )["inter_node_packs"],
+                  inter_node_bytes_sent=0)
         return BatchPlan(gb, G, list(packs), placement, st)
 
     def _check_records(self, recs: np.ndarray, gb: int, G: int, err) -> None:
@@ -305,6 +316,8 @@ class Engine:
         meta = torch.tensor([len(sp.header), sp.data_nbytes, len(parts)], dtype=torch.int64)
         works = [dist.isend(t, dst=peer, group=self.group) for t in [meta, header] + parts]
         st["bytes_sent"] += 24 + len(sp.header) + sum(p.numel() for p in parts)
+        if self.nodes is not None and self.nodes[self.ranks.index(peer)] != self.nodes[self.me]:
+            st["inter_node_bytes_sent"] += 24 + len(sp.header) + sum(p.numel() for p in parts)
         return peer, works, (meta, header, parts)        # keep buffers alive until sent
 
     def _receive(self, gb: int, k: int, peer: int, st: dict) -> Item:

@@ -90,3 +90,15 @@ def test_node_aware_is_deterministic(packs):
     p = solve_placement(c, ranks_per_node=8)
     q = solve_placement(c.copy(), ranks_per_node=8)
     assert np.array_equal(p.src_rank, q.src_rank) and np.array_equal(p.src_index, q.src_index)
+
+
+def test_node_ids_as_a_sequence():
+    # data-parallel ranks of a TP=2 job on 8-GPU nodes: global ranks 0,2,..,14 -> nodes 0,0,0,0,1,1,1,1
+    ids = [r // 8 for r in range(0, 16, 2)]
+    c = np.random.default_rng(4).integers(0, 20, size=(8, 4)) * 256
+    by_ids = solve_placement(c, ranks_per_node=ids)
+    by_int = solve_placement(c, ranks_per_node=4)
+    assert np.array_equal(by_ids.src_rank, by_int.src_rank)
+    assert traffic(by_ids.src_rank, ids) == traffic(by_int.src_rank, 4)
+    with pytest.raises(ValueError, match="node ids"):
+        solve_placement(c, ranks_per_node=[0, 1])

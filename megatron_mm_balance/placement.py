@@ -57,6 +57,8 @@ DEFAULT_BALANCE_TOLERANCE = 0.002
 # tolerances of the running mean; the final pass then evens totals to one tolerance
 # with swaps that mostly re-route packs already moving (see rank_balance).
 STAGE2_BAND_FACTOR = 5.0
+# step mode: stage-3 swaps between packs at most this many micro-steps apart.
+STEP_MODE_WINDOW = 2
 # Share of the later micro-steps' correcting power the band may count on.
 DEFAULT_FUTURE_SLACK = 0.5
 
@@ -169,7 +171,7 @@ def solve_placement(costs, *, sync: str = "microstep",
         # heaviest and lightest ranks until the totals are even.
         pl = Placement.identity(D, G)
         balance_rank_totals(c, pl.src_rank, pl.src_index, tolerance=balance_tolerance, node=node,
-                            step_window=None)
+                            step_window=STEP_MODE_WINDOW)
         if node is not None:
             send_home(c, pl.src_rank, pl.src_index, node=node, max_rounds=4,
                       limit=rank_limit(int(c.sum()), D, balance_tolerance, cost_grain(c)))

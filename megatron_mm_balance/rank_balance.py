@@ -209,11 +209,13 @@ def send_home(c: np.ndarray, src_rank: np.ndarray, src_index: np.ndarray, *,
     return saved
 
 
-def _shorten(c, src_rank, src_index, *, limit, levels, max_rounds, weights, node, group):
+def _shorten(c, src_rank, src_index, *, limit, levels, max_rounds, weights, node, group,
+             step_window=2):
     """One level of :func:`send_home`: ``group[r]`` is rank r's home unit (rank or
     node). With levels, candidates stay in their micro-step (the foreign pack ``y``
     sits in the same micro-step as ``x``), so levels hold trivially: O(moved x
-    ranks per unit) per round; without (``step`` mode), any micro-step."""
+    ranks per unit) per round; without (``step`` mode), micro-steps at most
+    ``step_window`` away."""
     D, G = c.shape[:2]
     bal = c if weights is None else weights
     a = bal[src_rank, src_index]
@@ -229,10 +231,15 @@ def _shorten(c, src_rank, src_index, *, limit, levels, max_rounds, weights, node
             break
         xo = src_rank[xr, xi]
         yr = members[group[xo]]                             # [F, R]: ranks of x's home unit
-        if levels is None:                                  # no levels: any micro-step
+        if levels is None:                                  # no levels: nearby micro-steps
             R = yr.shape[1]
-            yr = np.repeat(yr, G, axis=1)
-            yi = np.broadcast_to(np.tile(np.arange(G), R), yr.shape)
+            W = min(step_window, G - 1)
+            off = np.arange(-W, W + 1)
+            yr = np.repeat(yr, len(off), axis=1)
+            yi = xi[:, None] + np.tile(off, R)[None, :]
+            inside = (yi >= 0) & (yi < G)
+            yr = np.where(inside, yr, -1)
+            yi = np.clip(yi, 0, G - 1)
         else:
             yi = np.broadcast_to(xi[:, None], yr.shape)
         valid = yr >= 0

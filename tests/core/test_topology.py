@@ -62,8 +62,8 @@ def packs():
 
 
 # microstep (the target): at least half the inter-node traffic gone;
-# step mode: the node-mates-first walk and chain shortening cut it by about 45%.
-@pytest.mark.parametrize("sync,cut", [("microstep", 0.5), ("step", 0.65)])
+# step mode (swaps within two micro-steps, for speed): about a third.
+@pytest.mark.parametrize("sync,cut", [("microstep", 0.5), ("step", 0.75)])
 def test_node_aware_cuts_inter_node_traffic_at_the_same_objective_and_band(packs, sync, cut):
     rng = np.random.default_rng(11)
     D, G = 256, 16

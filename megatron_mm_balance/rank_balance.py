@@ -32,6 +32,8 @@ import numpy as np
 from .topology import INTER_NODE_WEIGHT
 
 DEFAULT_RANK_TOLERANCE = 0.002
+# Chain shortening across nodes looks this many micro-steps away (two in step mode).
+NODE_STEP_WINDOW = 1
 
 
 def rank_limit(total: int, num_ranks: int, tolerance: float, grain: int = 1) -> int:
@@ -204,21 +206,25 @@ def send_home(c: np.ndarray, src_rank: np.ndarray, src_index: np.ndarray, *,
     D = c.shape[0]
     saved = 0
     for group in ([node] if node is not None else []) + [np.arange(D)]:
+        # across nodes also between nearby micro-steps; inside a node the same step
         saved += _shorten(c, src_rank, src_index, limit=limit, levels=levels,
-                          max_rounds=max_rounds, weights=weights, node=node, group=group)
+                          max_rounds=max_rounds, weights=weights, node=node, group=group,
+                          step_window=(2 if levels is None else
+                                       NODE_STEP_WINDOW if group is node else 0))
     return saved
 
 
 def _shorten(c, src_rank, src_index, *, limit, levels, max_rounds, weights, node, group,
              step_window=2):
     """One level of :func:`send_home`: ``group[r]`` is rank r's home unit (rank or
-    node). With levels, candidates stay in their micro-step (the foreign pack ``y``
-    sits in the same micro-step as ``x``), so levels hold trivially: O(moved x
-    ranks per unit) per round; without (``step`` mode), micro-steps at most
-    ``step_window`` away."""
+    node). Candidates ``y`` sit on a rank of x's home unit, at most ``step_window``
+    micro-steps from x (0: the same micro-step, where levels hold trivially;
+    otherwise both packs must fit the level or box of the step they land in):
+    O(moved x ranks per unit x (2W + 1)) per round."""
     D, G = c.shape[:2]
     bal = c if weights is None else weights
     a = bal[src_rank, src_index]
+    lv = c[src_rank, src_index]
     totals = a.sum(axis=1)
     cap = np.maximum(totals, limit)
     ranks = np.arange(D)
@@ -231,7 +237,7 @@ def _shorten(c, src_rank, src_index, *, limit, levels, max_rounds, weights, node
             break
         xo = src_rank[xr, xi]
         yr = members[group[xo]]                             # [F, R]: ranks of x's home unit
-        if levels is None:                                  # no levels: nearby micro-steps
+        if levels is None or step_window:                   # nearby micro-steps
             R = yr.shape[1]
             W = min(step_window, G - 1)
             off = np.arange(-W, W + 1)
@@ -247,10 +253,19 @@ def _shorten(c, src_rank, src_index, *, limit, levels, max_rounds, weights, node
         yo = src_rank[yr, yi]
         valid &= group[yo] != group[yr]                     # y is away from home too
         d = a[yr, yi] - a[xr, xi][:, None]                  # x's rank gains y, loses x
+        if levels is not None and step_window:              # x into y's step, y into x's
+            lf = lv.reshape(D * G, -1)
+            lvl = levels.reshape(G, -1)
+            xf = xr * G + xi
+            valid &= (lf[xf][:, None, :] <= lvl[yi]).all(axis=-1)
+            valid &= (lf[yr * G + yi] <= lvl[xi][:, None, :]).all(axis=-1)
         valid &= (totals[xr][:, None] + d <= cap[xr][:, None]) & (totals[yr] - d <= cap[yr])
         xo2, xr2 = xo[:, None], xr[:, None]
-        gain = (move_weight(xo2, xr2, node) - move_weight(xo2, yr, node)
-                + move_weight(yo, yr, node) - move_weight(yo, xr2, node))
+        gain = ((xo2 != xr2).astype(np.int64) - (xo2 != yr) + (yo != yr) - (yo != xr2))
+        if node is not None:                                # move_weight, gathered once
+            nxo, nxr, nyr, nyo = node[xo][:, None], node[xr][:, None], node[yr], node[yo]
+            gain += INTER_NODE_WEIGHT * ((nxo != nxr).astype(np.int64) - (nxo != nyr)
+                                         + (nyo != nyr) - (nyo != nxr))
         valid &= gain > 0
         if not valid.any():
             break
@@ -276,8 +291,8 @@ def _shorten(c, src_rank, src_index, *, limit, levels, max_rounds, weights, node
         if len(x) == 0:
             break
         saved += int(gain[cand, j[cand]].sum())
-        for arr in (src_rank, src_index, a):
-            fl = arr.reshape(-1)
+        for arr in (src_rank, src_index, a, lv):
+            fl = arr.reshape(D * G, *arr.shape[2:])
             fl[x], fl[y] = fl[y], fl[x].copy()
         np.add.at(totals, xr[cand], dd)
         np.subtract.at(totals, ycol, dd)

@@ -162,6 +162,35 @@ def scenario_exactly_once(rank, world, configs, batches, extra=1, ranks_per_node
     return {"configs": res}
 
 
+class PhaseCost:
+    """A two-phase cost: (image tokens, 1000 x text length) per pack."""
+    components = 2
+    identity = "rt_harness.PhaseCost"
+
+    def __call__(self, pack):
+        return (int(pack["image_tokens"]), 1000 * int(pack["tokens"].numel()))
+
+
+def scenario_two_phase(rank, world, G=5, batches=3, overlap=True):
+    """Vector (vision, language) costs through the real exchange."""
+    from megatron_mm_balance.runtime import BalancedDataIterator
+    pulled, got = [], []
+    cost = PhaseCost()
+
+    def src():
+        for i in range(batches * G):
+            p = make_pack(rank, i, seed=7)
+            pulled.append((p["id"], *cost(p), checksum(p)))
+            yield p
+
+    with BalancedDataIterator(src(), num_microbatches=G, overlap=overlap, timeout=60,
+                              cost_fn=cost) as it:
+        _run_iterator(it, G, got)
+        stats = [{k: s[k] for k in ("global_batch", "packs_moved", "microstep_cost_after")
+                  if k in s} for s in it.stats]
+    return {"pulled": pulled, "delivered": got, "stats": stats}
+
+
 def scenario_soak(rank, world, batches, G=4, warmup=50):
     """Small packs, many global batches: threads and RSS after warm-up vs at the end."""
     import threading

@@ -102,3 +102,30 @@ def test_node_aware_exchange_delivers_the_node_aware_placement():
                       for s in res["configs"][0]["stats"][:-1])
     sent = sum(s["bytes_sent"] for res in results for s in res["configs"][0]["stats"][:-1])
     assert 0 < sent_across <= sent
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_two_phase_costs_ride_the_all_gather_and_place_identically(overlap):
+    """A cost_fn with ``components = 2`` (vision, language): every rank all-gathers both
+    numbers, solves the two-phase placement and delivers exactly what it names."""
+    from megatron_mm_balance.two_phase import two_phase_lower_bound, two_phase_objective
+    G, B = 5, 3
+    results = harness.launch(4, "two_phase", hard_timeout=150, G=G, batches=B, overlap=overlap)
+    for r, res in enumerate(results):
+        assert "pulled" in res, f"rank {r}: {res.get('error') or res}\n{res.get('log', '')}"
+    pulled = [res["pulled"] for res in results]
+    by_id = {pid: ck for p in pulled for pid, _, _, ck in p}
+    moved = 0
+    for gb in range(B):
+        c = np.array([[[p[gb * G + i][1], p[gb * G + i][2]] for i in range(G)] for p in pulled],
+                     dtype=np.int64)
+        plc = plan_placement(c)
+        moved += int(plc.moved().sum())
+        assert two_phase_objective(c[plc.src_rank, plc.src_index]) >= two_phase_lower_bound(c)
+        for r, res in enumerate(results):
+            rows = [row for row in res["delivered"] if row[0] == gb]
+            assert [row[1] for row in rows] == list(range(G))
+            for k, row in enumerate(rows):
+                want = pulled[plc.src_rank[r, k]][gb * G + plc.src_index[r, k]][0]
+                assert row[2] == want and row[3] == by_id[want]
+    assert moved > 0

@@ -32,7 +32,8 @@ import numpy as np
 from .topology import INTER_NODE_WEIGHT
 
 DEFAULT_RANK_TOLERANCE = 0.002
-# Chain shortening across nodes looks this many micro-steps away (two in step mode).
+# Chain shortening across nodes looks this many micro-steps away (two in step mode;
+# with two-phase boxes only the same micro-step, which needs no box check).
 NODE_STEP_WINDOW = 1
 
 
@@ -210,7 +211,8 @@ def send_home(c: np.ndarray, src_rank: np.ndarray, src_index: np.ndarray, *,
         saved += _shorten(c, src_rank, src_index, limit=limit, levels=levels,
                           max_rounds=max_rounds, weights=weights, node=node, group=group,
                           step_window=(2 if levels is None else
-                                       NODE_STEP_WINDOW if group is node else 0))
+                                       NODE_STEP_WINDOW if group is node and levels.ndim == 1
+                                       else 0))
     return saved
 
 

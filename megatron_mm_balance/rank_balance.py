@@ -206,13 +206,22 @@ def send_home(c: np.ndarray, src_rank: np.ndarray, src_index: np.ndarray, *,
     claims its two ranks, so the limit holds however many swaps run in parallel."""
     D = c.shape[0]
     saved = 0
-    for group in ([node] if node is not None else []) + [np.arange(D)]:
-        # across nodes also between nearby micro-steps; inside a node the same step
+    # (group, rounds, micro-step window): across nodes first, one round also between
+    # neighbouring micro-steps (scalar levels only: boxes would need checks too), then
+    # in the same micro-step; inside a node the same micro-step. Step mode: two away.
+    passes = []
+    if node is not None:
+        if levels is None:
+            passes.append((node, max_rounds, 2))
+        else:
+            if levels.ndim == 1:
+                passes.append((node, 1, NODE_STEP_WINDOW))
+            passes.append((node, max_rounds - (levels.ndim == 1), 0))
+    passes.append((np.arange(D), max_rounds, 2 if levels is None else 0))
+    for group, rounds, window in passes:
         saved += _shorten(c, src_rank, src_index, limit=limit, levels=levels,
-                          max_rounds=max_rounds, weights=weights, node=node, group=group,
-                          step_window=(2 if levels is None else
-                                       NODE_STEP_WINDOW if group is node and levels.ndim == 1
-                                       else 0))
+                          max_rounds=rounds, weights=weights, node=node, group=group,
+                          step_window=window)
     return saved
 
 

@@ -69,6 +69,16 @@ class CostModel:
         """Integer microseconds of forward + backward: the solver's input."""
         return int(round(1000.0 * self.step_ms(f)))
 
+    def phase_costs(self, f: PackFeatures) -> tuple[int, int]:
+        """``(vision, language)`` integer microseconds of forward + backward: the
+        two-phase solver's input. Vision: the image terms; language: the sample
+        attention term and the per-pack constant."""
+        n, n2, l2, one = f.vector()
+        scale = 1000.0 * (1.0 + self.backward_ratio)
+        vision = (self.vision_ms_per_token * n + self.vision_ms_per_token_sq * n2) * scale
+        language = (self.llm_ms_per_len_sq * l2 + self.const_ms * one) * scale
+        return int(round(vision)), int(round(language))
+
     def _coef(self):
         return (self.vision_ms_per_token, self.vision_ms_per_token_sq,
                 self.llm_ms_per_len_sq, self.const_ms)

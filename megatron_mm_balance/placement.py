@@ -21,11 +21,18 @@ rank proposes its own heaviest unplaced pack, which would stay at home; packs
 whose last eligible micro-step this is are forced in; proposals are dropped or
 filler packs pulled in (earliest deadline first) so that later micro-steps stay
 feasible. A proposal is then accepted only if the rank's running total stays
-within a band around the running mean: ``balance_tolerance`` (the knob) of the
-final mean rank total, widened by how much the later, lighter micro-steps can
-still correct. Packs not accepted move, heaviest to the lightest free rank.
-Changing a pack's micro-step on its own rank is free; only a change of rank is
-a move.
+within a band around the running mean: ``STAGE2_BAND_FACTOR`` times
+``balance_tolerance`` (the knob) of the final mean rank total, widened by how much
+the later, lighter micro-steps can still correct. Packs not accepted move,
+heaviest to the lightest free rank. Changing a pack's micro-step on its own rank
+is free; only a change of rank is a move.
+
+Stage 3, even the rank totals (:mod:`.rank_balance`): swaps that keep every pack
+within its micro-step's level (so the objective stays optimal), also across
+micro-steps, bring every rank total within ``balance_tolerance`` of the mean (or
+to the integer floor of tile-quantised costs), preferring swaps that re-route
+packs already moving; then move chains are shortened (a pack away from home
+swaps with a foreign pack on its home rank) without breaking that limit.
 
 The result is deterministic (integer arithmetic, stable sorts, explicit tie
 breaks), total (every pack in exactly one slot) and, in ``microstep`` mode,
@@ -40,8 +47,18 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .rank_balance import balance_rank_totals, cost_grain, rank_limit, send_home
+from .topology import check_ranks_per_node, node_ids, pair_within_nodes
+from .two_phase import as_cost_pairs, solve_two_phase
+
 SYNC_MODES = ("microstep", "step")
-DEFAULT_BALANCE_TOLERANCE = 0.005
+DEFAULT_BALANCE_TOLERANCE = 0.002
+# Stage 2 keeps a rank's own packs while its running total stays within this many
+# tolerances of the running mean; the final pass then evens totals to one tolerance
+# with swaps that mostly re-route packs already moving (see rank_balance).
+STAGE2_BAND_FACTOR = 5.0
+# step mode: stage-3 swaps between packs at most this many micro-steps apart.
+STEP_MODE_WINDOW = 2
 # Share of the later micro-steps' correcting power the band may count on.
 DEFAULT_FUTURE_SLACK = 0.5
 
@@ -110,19 +127,41 @@ def sorted_grouping_optimum(costs) -> int:
 
 def solve_placement(costs, *, sync: str = "microstep",
                     balance_tolerance: float = DEFAULT_BALANCE_TOLERANCE,
-                    future_slack: float = DEFAULT_FUTURE_SLACK) -> Placement:
+                    future_slack: float = DEFAULT_FUTURE_SLACK,
+                    ranks_per_node: int | None = None) -> Placement:
     """Place one global batch. See the module docstring for the algorithm.
 
-    ``balance_tolerance``: how far above (or below) the mean a rank's running total
-    may drift while keeping its own packs, as a fraction of the final mean rank
-    total. Larger keeps more packs at home; smaller evens rank totals harder.
+    ``balance_tolerance``: how far above the mean a rank's total may end, as a
+    fraction of the mean rank total (never tighter than integer costs allow, see
+    :func:`~megatron_mm_balance.rank_balance.rank_limit`). Stage 2 lets a rank's
+    running total drift ``STAGE2_BAND_FACTOR`` times as far while it keeps its own
+    packs. Larger keeps more packs at home; smaller evens rank totals harder.
+
+    ``costs`` may also be ``[D, G, 2]``: (vision, language) per pack; ``microstep``
+    mode then minimises the sum over micro-steps of both phases' maxima
+    (:mod:`.two_phase`), ``step`` mode balances their sum.
+
+    ``ranks_per_node``: ranks ``r // ranks_per_node`` share a node (None: flat).
+    Moves then stay inside a node wherever the balance allows (same objective,
+    same band); see :mod:`.topology`.
     """
     if sync not in SYNC_MODES:
         raise ValueError(f"sync must be one of {SYNC_MODES}, got {sync!r}")
     if not balance_tolerance >= 0:
         raise ValueError(f"balance_tolerance must be >= 0, got {balance_tolerance}")
+    if np.ndim(costs) == 3:
+        # (vision, language) per pack: minimise sum over micro-steps of both maxima.
+        pairs = as_cost_pairs(costs)
+        if sync != "microstep":
+            costs = pairs.sum(axis=2)                  # only rank totals count
+        elif not pairs[:, :, 1].any() or not pairs[:, :, 0].any():
+            costs = pairs.sum(axis=2)                  # one phase only: the scalar optimum
+        else:
+            return Placement(*solve_two_phase(pairs, balance_tolerance=balance_tolerance,
+                                              ranks_per_node=ranks_per_node))
     c = as_cost_matrix(costs)
     D, G = c.shape
+    node = node_ids(D, check_ranks_per_node(ranks_per_node))
     if D == 1 or G == 1:
         # One rank: nothing to exchange. One micro-step: the slowest pack sets both
         # objectives whoever computes it, so moving anything only costs bandwidth.
@@ -131,7 +170,11 @@ def solve_placement(costs, *, sync: str = "microstep",
         # Only rank totals count: keep every pack home and swap pairs between the
         # heaviest and lightest ranks until the totals are even.
         pl = Placement.identity(D, G)
-        _even_rank_totals(c, pl.src_rank, pl.src_index, balance_tolerance, same_step=False)
+        balance_rank_totals(c, pl.src_rank, pl.src_index, tolerance=balance_tolerance, node=node,
+                            step_window=STEP_MODE_WINDOW)
+        if node is not None:
+            send_home(c, pl.src_rank, pl.src_index, node=node, max_rounds=4,
+                      limit=rank_limit(int(c.sum()), D, balance_tolerance, cost_grain(c)))
         return pl
 
     order = np.argsort(-c, axis=1, kind="stable")        # own packs, heaviest first
@@ -142,7 +185,7 @@ def solve_placement(costs, *, sync: str = "microstep",
     deadline = np.searchsorted(-levels, -cs, side="right") - 1
     floor = int(levels[-1])
     future = np.append(levels[1:], floor).astype(np.float64) - floor   # correcting power left
-    band0 = balance_tolerance * float(c.sum()) / D
+    band0 = STAGE2_BAND_FACTOR * balance_tolerance * float(c.sum()) / D
 
     rows = np.arange(D)
     placed = np.zeros((D, G), dtype=bool)
@@ -192,7 +235,7 @@ def solve_placement(costs, *, sync: str = "microstep",
         # Heaviest mover to the lightest free rank; ties by origin then position / rank id.
         mv = movers[np.lexsort((p_idx[movers], r_idx[movers], -cost[movers]))]
         fr = free[np.lexsort((free, totals[free]))]
-        dest[mv] = fr
+        dest[mv] = pair_within_nodes(r_idx[mv], fr, node)
         dst_rank[r_idx, p_idx] = dest
         dst_step[r_idx, p_idx] = k
         np.add.at(totals, dest, cost)
@@ -202,84 +245,11 @@ def solve_placement(costs, *, sync: str = "microstep",
     src_index = np.empty((D, G), dtype=np.int64)
     src_rank[dst_rank, dst_step] = flat_rank
     src_index[dst_rank, dst_step] = order
-    _even_rank_totals(c, src_rank, src_index, balance_tolerance)
+    balance_rank_totals(c, src_rank, src_index, tolerance=balance_tolerance, levels=levels,
+                        node=node, mates_first=False)
+    send_home(c, src_rank, src_index, levels=levels, node=node,
+              limit=rank_limit(int(c.sum()), D, balance_tolerance, cost_grain(c)))
     return Placement(src_rank, src_index)
-
-
-def _even_rank_totals(c, src_rank, src_index, tolerance, *, same_step=True, max_rounds=64):
-    """Swap packs between two ranks until no rank total exceeds the mean by more than
-    ``tolerance`` (or no swap lowers an over-full rank). In place.
-
-    ``same_step=True`` swaps only inside one micro-step, which leaves every
-    micro-step's slowest pack, hence the micro-step objective, unchanged;
-    ``same_step=False`` swaps any two packs (``step`` mode, where only totals count).
-    Each round pairs the over-full ranks, heaviest first, with the lightest ranks
-    and gives each pair the one swap that brings both closest to their midpoint,
-    preferring swaps that send packs home. O(P * G) per round for P over-full
-    ranks (O(P * G log(P * G)) with ``same_step=False``, by binary search).
-    """
-    D, G = c.shape
-    a = c[src_rank, src_index]
-    totals = a.sum(axis=1)
-    limit = totals.mean() * (1.0 + tolerance)
-    home = np.arange(D)
-    for _ in range(max_rounds):
-        heavy = np.flatnonzero(totals > limit)
-        if len(heavy) == 0:
-            return
-        heavy = heavy[np.lexsort((heavy, -totals[heavy]))]
-        light = np.lexsort((home, totals))[: len(heavy)]
-        keep = totals[light] < totals[heavy]
-        h, l = heavy[keep], light[keep]
-        if len(h) == 0:
-            return
-        P = len(h)
-        gap = (totals[h] - totals[l])[:, None]
-        ii, jj = (_same_step_candidates(P, G) if same_step
-                  else _nearest_candidates(a[h], a[l], gap))
-        rows = np.arange(P)[:, None]
-        delta = a[h][rows, ii] - a[l][rows, jj]              # [P, K] candidate swaps
-        valid = (delta > 0) & (delta < gap)
-        score = np.abs(2 * delta - gap)
-        sh, sl = src_rank[h][rows, ii], src_rank[l][rows, jj]
-        hh, ll = h[:, None], l[:, None]
-        gain = ((sh == ll).astype(np.int64) + (sl == hh) - (sh == hh) - (sl == ll))
-        key = np.where(valid, score * 8 + (2 - gain), np.iinfo(np.int64).max)
-        best = np.argmin(key, axis=1)                          # smallest score, then gain, then index
-        ok = valid[np.arange(P), best]
-        if not ok.any():
-            return
-        h, l = h[ok], l[ok]
-        i, j = ii[np.arange(P), best][ok], jj[np.arange(P), best][ok]
-        d = a[h, i] - a[l, j]
-        for arr in (src_rank, src_index, a):
-            arr[h, i], arr[l, j] = arr[l, j], arr[h, i].copy()
-        totals[h] -= d
-        totals[l] += d
-
-
-def _same_step_candidates(P, G):
-    steps = np.broadcast_to(np.arange(G), (P, G))
-    return steps, steps
-
-
-def _nearest_candidates(ah, al, gap):
-    """For every pack i of the heavy rank, the two packs j of the light rank whose
-    cost is nearest to ``ah[i] - gap/2`` (the swap that meets at the midpoint).
-    Batched binary search over all pairs at once: O(P * G log(P * G))."""
-    P, G = ah.shape
-    order = np.argsort(al, axis=1, kind="stable")
-    s2 = 2 * np.take_along_axis(al, order, axis=1)            # doubled: stays integral
-    t2 = 2 * ah - gap                                          # [P, G] doubled targets
-    width = int(max(s2.max(), t2.max()) - min(0, t2.min())) + 2
-    shift = np.arange(P)[:, None] * width - min(0, int(t2.min()))
-    pos = np.searchsorted((s2 + shift).ravel(), (t2 + shift).ravel()).reshape(P, G)
-    pos -= np.arange(P)[:, None] * G                           # position inside the row
-    lo = np.clip(pos - 1, 0, G - 1)
-    hi = np.clip(pos, 0, G - 1)
-    jj = np.take_along_axis(order, np.concatenate([lo, hi], axis=1), axis=1)
-    ii = np.concatenate([np.broadcast_to(np.arange(G), (P, G))] * 2, axis=1)
-    return ii, jj
 
 
 def _key_heaviest_first(cs, flat_rank, flat_pos, mask):
@@ -363,18 +333,24 @@ def order_steps(placement: Placement) -> Placement:
     return Placement(placement.src_rank[:, cols], placement.src_index[:, cols])
 
 
-def plan_placement(costs, *, sync: str = "microstep", balance_tolerance=None) -> Placement:
+def plan_placement(costs, *, sync: str = "microstep", balance_tolerance=None,
+                   ranks_per_node: int | None = None) -> Placement:
     """The placement the runtime delivers for an all-gathered cost matrix.
 
     :func:`solve_placement`, then :func:`order_steps`; the result is checked
     (:func:`check_placement`, O(D*G log(D*G))) before it is returned, so a solver
     bug surfaces here, the same on every rank, instead of as a lost pack.
-    ``balance_tolerance=None``: the solver's default.
+    ``balance_tolerance=None``: the solver's default. ``costs`` may be ``[D, G, 2]``
+    (vision, language): see :mod:`.two_phase`.
     """
     tol = DEFAULT_BALANCE_TOLERANCE if balance_tolerance is None else balance_tolerance
-    c = as_cost_matrix(costs)
-    placement = order_steps(solve_placement(c, sync=sync, balance_tolerance=tol))
-    check_placement(placement, *c.shape)
+    if np.ndim(costs) == 3:
+        c = as_cost_pairs(costs)
+    else:
+        c = as_cost_matrix(costs)
+    placement = order_steps(solve_placement(c, sync=sync, balance_tolerance=tol,
+                                            ranks_per_node=ranks_per_node))
+    check_placement(placement, *c.shape[:2])
     return placement
 
 

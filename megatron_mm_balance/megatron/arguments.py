@@ -56,8 +56,12 @@ def add_mm_balance_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                        help="Write balance statistics every this many iterations "
                             "(default: --log-interval).")
     group.add_argument("--mm-balance-tolerance", type=float, default=None,
-                       help="How far above the mean (fraction) a rank's total may sit while it keeps its "
-                            "own packs; larger moves fewer packs (solver default 0.005 if unset).")
+                       help="How far above the mean (fraction) a rank's total may end; larger keeps more "
+                            "packs home (solver default 0.002 if unset).")
+    group.add_argument("--mm-balance-ranks-per-node", type=int, default=None,
+                       help="GPUs per node (global rank r on node r // N): packs move between "
+                            "node-mates where balance allows (default: the launcher's "
+                            "LOCAL_WORLD_SIZE; unset: every rank its own node).")
     group.add_argument("--mm-balance-timeout", type=float, default=_DEFAULTS.timeout,
                        help="Seconds the exchange waits on its collectives before failing.")
     group.add_argument("--mm-balance-task-encoder", action="store_true",

@@ -94,6 +94,9 @@ def check_args(args) -> None:
     tol = getattr(args, "mm_balance_tolerance", None)
     if tol is not None and not (0.0 <= tol < 1.0):
         fail(f"--mm-balance-tolerance must be in [0, 1), got {tol}")
+    rpn = getattr(args, "mm_balance_ranks_per_node", None)
+    if rpn is not None and rpn < 1:
+        fail(f"--mm-balance-ranks-per-node must be >= 1, got {rpn}")
 
     mbs = getattr(args, "micro_batch_size", 1) or 1
     if mbs > 1 and not getattr(args, "calculate_per_token_loss", False):

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Literal, Optional
 
 from ..runtime.config import DEFAULT_TIMEOUT_S, BalancerConfig
+from ..topology import ranks_per_node_from_env
 
 SYNC_CHOICES = ("auto", "microstep", "step")
 COST_CHOICES = ("image-tokens", "model")
@@ -47,6 +48,8 @@ class MMBalanceConfig:
     tolerance: Optional[float] = None
     #: ``--mm-balance-timeout``: seconds any exchange wait may take.
     timeout: float = DEFAULT_TIMEOUT_S
+    #: ``--mm-balance-ranks-per-node``, resolved (default ``LOCAL_WORLD_SIZE``, else None).
+    ranks_per_node: Optional[int] = None
 
     @classmethod
     def from_args(cls, args) -> "MMBalanceConfig":
@@ -67,13 +70,14 @@ class MMBalanceConfig:
             log_interval=log_interval(args),
             tolerance=flag("tolerance", None),
             timeout=float(flag("timeout", d.timeout)),
+            ranks_per_node=resolve_ranks_per_node(args),
         )
 
     def runtime(self) -> BalancerConfig:
         """The balanced iterator's settings (packs stay where the loader put them)."""
         return BalancerConfig(sync=self.sync, overlap=self.overlap, timeout=self.timeout,
                               device=None, balance_tolerance=self.tolerance,
-                              shadow=self.mode == "shadow")
+                              shadow=self.mode == "shadow", ranks_per_node=self.ranks_per_node)
 
 
 def resolve_sync(args) -> str:
@@ -83,6 +87,14 @@ def resolve_sync(args) -> str:
         return sync
     ep = getattr(args, "expert_model_parallel_size", 1) or 1
     return "microstep" if ep > 1 else "step"
+
+
+def resolve_ranks_per_node(args) -> Optional[int]:
+    """``--mm-balance-ranks-per-node``, defaulting to the launcher's ``LOCAL_WORLD_SIZE``."""
+    value = getattr(args, "mm_balance_ranks_per_node", None)
+    if value is not None:
+        return int(value)
+    return ranks_per_node_from_env(default=None)
 
 
 def log_interval(args) -> int:

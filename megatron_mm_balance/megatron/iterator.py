@@ -90,7 +90,11 @@ def make_cost_fn(args=None):
     tpt = _tokens_per_tile(args)
     tpt = DEFAULT_TOKENS_PER_TILE if tpt is None else tpt
     if getattr(args, "mm_balance_cost", "image-tokens") == "model":
-        return ModelCost(args.mm_balance_cost_file, tpt)
+        # Ranks meeting every micro-step (expert parallel) balance the vision and the
+        # language phase separately; otherwise only the total counts.
+        from .config import resolve_sync
+        return ModelCost(args.mm_balance_cost_file, tpt,
+                         phases=resolve_sync(args) == "microstep")
     return ImageTokenCost(tpt)
 
 

@@ -38,6 +38,9 @@ class BalancerConfig:
     shadow: bool = False
     #: how many global batches ``.stats`` keeps.
     stats_history: int = 1024
+    #: GPUs per node (global rank ``r`` on node ``r // ranks_per_node``, as torchrun
+    #: numbers them): moves prefer node-mates; None: every rank its own node.
+    ranks_per_node: Optional[int] = None
 
     def __post_init__(self):
         if self.sync not in SYNC_MODES:
@@ -50,5 +53,9 @@ class BalancerConfig:
             raise ValueError(f"timeout must be > 0 seconds, got {self.timeout!r}")
         if self.balance_tolerance is not None and not self.balance_tolerance >= 0:
             raise ValueError(f"balance_tolerance must be >= 0, got {self.balance_tolerance!r}")
+        if self.ranks_per_node is not None and (isinstance(self.ranks_per_node, bool) or
+                                                not isinstance(self.ranks_per_node, int) or
+                                                self.ranks_per_node < 1):
+            raise ValueError(f"ranks_per_node must be an integer >= 1, got {self.ranks_per_node!r}")
         if int(self.stats_history) < 1:
             raise ValueError(f"stats_history must be >= 1, got {self.stats_history!r}")

@@ -103,14 +103,19 @@ class ModelCost:
     """``--mm-balance-cost model``: a calibrated :class:`~megatron_mm_balance.cost.CostModel`
     on per-image tokens (:func:`image_counts`) and per-sample lengths (from ``cu_lengths``)."""
 
-    def __init__(self, path: str, tokens_per_tile: int = DEFAULT_TOKENS_PER_TILE):
+    def __init__(self, path: str, tokens_per_tile: int = DEFAULT_TOKENS_PER_TILE, *,
+                 phases: bool = False):
         from ..cost import load_cost_file
         self.model = load_cost_file(path)
         self.tokens_per_tile = check_tokens_per_tile(tokens_per_tile)
+        #: True: ``(vision, language)`` microseconds per pack, for the two-phase solver
+        self.phases = bool(phases)
+        self.components = 2 if self.phases else 1
 
     @property
     def identity(self) -> str:
-        return f"megatron_mm_balance.model_cost({self.model.to_json()}, {self.tokens_per_tile})"
+        return (f"megatron_mm_balance.model_cost({self.model.to_json()}, {self.tokens_per_tile}"
+                + (", phases)" if self.phases else ")"))
 
     def __call__(self, pack) -> int:
         from ..cost import PackFeatures
@@ -119,6 +124,8 @@ class ModelCost:
         images = tuple(image_counts(pack, self.tokens_per_tile))
         cu = flatten_ints(pack.get("cu_lengths"), "cu_lengths")
         lengths = tuple(b - a for a, b in zip(cu, cu[1:]) if b > a)
+        if self.phases:
+            return self.model.phase_costs(PackFeatures(images, lengths))
         return self.model.cost(PackFeatures(images, lengths))
 
 
@@ -133,6 +140,16 @@ def cost_fn_identity(cost_fn) -> str:
     mod = getattr(cost_fn, "__module__", None) or type(cost_fn).__module__
     name = getattr(cost_fn, "__qualname__", None) or type(cost_fn).__qualname__
     return f"{mod}.{name}"
+
+
+def to_int_costs(value, components: int, rank_hint: str = "") -> list:
+    """A cost of ``components`` numbers (1: a scalar; 2: ``(vision, language)``) as a
+    list of non-negative ints; a clear error for the wrong count."""
+    if components == 1:
+        return [to_int_cost(value, rank_hint)]
+    if not isinstance(value, (list, tuple)) or len(value) != components:
+        raise ValueError(f"cost_fn returned {value!r}{rank_hint}; expected {components} numbers")
+    return [to_int_cost(v, rank_hint) for v in value]
 
 
 def to_int_cost(value, rank_hint: str = "") -> int:

@@ -27,8 +27,9 @@ import torch
 import torch.distributed as dist
 
 from ..placement import DEFAULT_BALANCE_TOLERANCE, Placement, PlanStats, plan_placement
+from ..topology import traffic
 from . import wire
-from .costs import to_int_cost
+from .costs import to_int_costs
 from .device import CudaMover
 from .errors import InconsistentConfig, PeerFailure
 
@@ -39,8 +40,9 @@ RECORD = 8
 INLINE_COSTS = 64          # costs that ride in the record; more need a second all-gather
 
 
-def settings_string(sync: str, tolerance, cost_identity: str) -> str:
-    return f"protocol={PROTOCOL} sync={sync} balance_tolerance={tolerance!r} cost_fn={cost_identity}"
+def settings_string(sync: str, tolerance, cost_identity: str, ranks_per_node=None) -> str:
+    return (f"protocol={PROTOCOL} sync={sync} balance_tolerance={tolerance!r} cost_fn={cost_identity}"
+            + (f" ranks_per_node={ranks_per_node}" if ranks_per_node else ""))
 
 
 def settings_hash(text: str) -> int:
@@ -104,7 +106,8 @@ class Engine:
     thread (the consumer or the background thread) drives it."""
 
     def __init__(self, source, *, ranks, rank_index, exchange_group, cost_fn, cost_identity,
-                 sync, balance_tolerance, device, timeout, board, shadow: bool = False):
+                 sync, balance_tolerance, device, timeout, board, shadow: bool = False,
+                 ranks_per_node: int | None = None):
         self.source = source
         self.ranks = list(ranks)
         self.me = rank_index
@@ -113,7 +116,14 @@ class Engine:
         self.cost_fn = cost_fn
         self.sync = sync
         self.tolerance = DEFAULT_BALANCE_TOLERANCE if balance_tolerance is None else float(balance_tolerance)
-        self.settings = settings_string(sync, self.tolerance, cost_identity)
+        self.settings = settings_string(sync, self.tolerance, cost_identity, ranks_per_node)
+        #: ints per pack cost: 2 for a two-phase cost_fn (``components = 2``), else 1
+        self.components = int(getattr(cost_fn, "components", 1) or 1)
+        if self.components not in (1, 2):
+            raise ValueError(f"cost_fn.components must be 1 or 2, got {self.components}")
+        # Node of each data-parallel rank, from its global rank (None: flat).
+        self.nodes = (None if not ranks_per_node else
+                      tuple(int(r) // int(ranks_per_node) for r in self.ranks))
         self.hash = settings_hash(self.settings)
         self.device = device
         self.timeout = float(timeout)
@@ -166,7 +176,8 @@ class Engine:
             status, err = SOURCE_ERROR, e
         if status == OK:
             try:
-                costs = [to_int_cost(self.cost_fn(p), f" for a pack at global batch {gb}") for p in packs]
+                costs = [to_int_costs(self.cost_fn(p), self.components,
+                                      f" for a pack at global batch {gb}") for p in packs]
             except Exception as e:
                 status, err = COST_ERROR, e
         pulled = len(packs)
@@ -175,7 +186,8 @@ class Engine:
                 raise err
             if pulled < G:
                 raise SourceExhausted(gb, [pulled])
-            return self._plan(gb, G, packs, np.asarray([costs], dtype=np.int64), 0.0, 0.0)
+            return self._plan(gb, G, packs, self._matrix(np.asarray([costs], dtype=np.int64), G),
+                              0.0, 0.0)
 
         me_global = self.ranks[self.me]
         if err is not None and self.board:
@@ -189,27 +201,38 @@ class Engine:
         # Fixed size whatever G is, so ranks that disagree on G still meet here.
         rec = torch.zeros(RECORD + INLINE_COSTS, dtype=torch.int64)
         rec[:RECORD] = torch.tensor([MAGIC, gb, G, pulled, self.hash, status, 0, 0])
-        if G <= INLINE_COSTS and costs:
-            rec[RECORD: RECORD + len(costs)] = torch.tensor(costs, dtype=torch.int64)
+        k = self.components                          # ints per pack: 1, or (vision, language)
+        if G * k <= INLINE_COSTS and costs:
+            flat = [x for c in costs for x in c]
+            rec[RECORD: RECORD + len(flat)] = torch.tensor(flat, dtype=torch.int64)
         recs = self._all_gather(rec, "all-gather of the per-batch record", gb).numpy()
         self._check_records(recs, gb, G, err)
         if (recs[:, 3] < recs[:, 2]).any():
             raise SourceExhausted(gb, [int(x) for x in recs[:, 3]])
-        if G <= INLINE_COSTS:                        # every rank agrees on G by now
-            all_costs = recs[:, RECORD: RECORD + G].copy()
+        if G * k <= INLINE_COSTS:                    # every rank agrees on G by now
+            all_costs = recs[:, RECORD: RECORD + G * k].copy()
         else:
-            c = torch.tensor(costs, dtype=torch.int64)
+            c = torch.tensor([x for c in costs for x in c], dtype=torch.int64)
             all_costs = self._all_gather(c, "all-gather of pack costs", gb).numpy().copy()
+        all_costs = self._matrix(all_costs, G)
         gather_ms = (time.perf_counter() - t0) * 1e3
         self._beat("solving placement")
         t0 = time.perf_counter()
-        placement = plan_placement(all_costs, sync=self.sync, balance_tolerance=self.tolerance)
+        placement = plan_placement(all_costs, sync=self.sync, balance_tolerance=self.tolerance,
+                                   ranks_per_node=None if self.nodes is None else list(self.nodes))
         solve_ms = (time.perf_counter() - t0) * 1e3
         return self._plan(gb, G, packs, all_costs, gather_ms, solve_ms, placement)
+
+    def _matrix(self, flat: np.ndarray, G: int) -> np.ndarray:
+        """``[D, G]`` scalar costs, or ``[D, G, 2]`` (vision, language) ones."""
+        D = flat.shape[0]
+        return flat.reshape(D, G) if self.components == 1 else flat.reshape(D, G, self.components)
 
     def _plan(self, gb, G, packs, costs, gather_ms, solve_ms, placement=None) -> BatchPlan:
         if placement is None:
             placement = Placement.identity(self.world, G)
+        if costs.ndim == 3:                          # statistics on the total (vision + language)
+            costs = costs.sum(axis=2)
         if self.shadow:
             # Measured and solved as usual, but every rank keeps its own packs in their
             # order: the statistics are the plan's (what balancing would give), marked so.
@@ -218,7 +241,11 @@ class Engine:
         else:
             st = _gather_stats(costs, placement, self.me)
         st.update(global_batch=gb, num_microbatches=G, allgather_ms=gather_ms, solver_ms=solve_ms,
-                  bytes_sent=0, bytes_received=0, exchange_ms=0.0, consumer_wait_ms=0.0)
+                  bytes_sent=0, bytes_received=0, exchange_ms=0.0, consumer_wait_ms=0.0,
+                  inter_node_packs=traffic(placement.src_rank,
+                                           None if self.nodes is None else list(self.nodes)
+                                           )["inter_node_packs"],
+                  inter_node_bytes_sent=0)
         return BatchPlan(gb, G, list(packs), placement, st)
 
     def _check_records(self, recs: np.ndarray, gb: int, G: int, err) -> None:
@@ -305,6 +332,8 @@ class Engine:
         meta = torch.tensor([len(sp.header), sp.data_nbytes, len(parts)], dtype=torch.int64)
         works = [dist.isend(t, dst=peer, group=self.group) for t in [meta, header] + parts]
         st["bytes_sent"] += 24 + len(sp.header) + sum(p.numel() for p in parts)
+        if self.nodes is not None and self.nodes[self.ranks.index(peer)] != self.nodes[self.me]:
+            st["inter_node_bytes_sent"] += 24 + len(sp.header) + sum(p.numel() for p in parts)
         return peer, works, (meta, header, parts)        # keep buffers alive until sent
 
     def _receive(self, gb: int, k: int, peer: int, st: dict) -> Item:

@@ -199,7 +199,8 @@ class BalancedDataIterator:
                               exchange_group=exchange_group, cost_fn=cost_fn,
                               cost_identity=cost_fn_identity(cost_fn), sync=config.sync,
                               balance_tolerance=config.balance_tolerance, device=self.device,
-                              timeout=self.timeout, board=board, shadow=config.shadow)
+                              timeout=self.timeout, board=board, shadow=config.shadow,
+                              ranks_per_node=config.ranks_per_node)
         if self.overlap:
             fixed = None if callable(self._num_mb) else int(self._num_mb)
             self._worker = _Worker(self._engine, fixed)

@@ -57,8 +57,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(default 1/4, 3/8, 1/2, 3/4 of the sequence length)")
     p.add_argument("--strategies", default=",".join(STRATEGIES),
                    help="strategies to run, comma separated (default: all)")
-    p.add_argument("--balance-cost", default="time",
-                   help="cost the placement balances: time (pack ms) or image-tokens")
+    p.add_argument("--balance-cost", default="auto",
+                   help="cost the placement balances: two-phase (vision and language time "
+                        "per pack, both maxima of every micro-step), time (pack ms), "
+                        "image-tokens, or auto (default: two-phase when the timing model "
+                        "has both phases, else time)")
+    p.add_argument("--ranks-per-node", default="8",
+                   help="ranks per node: moves prefer node-mates, inter-node bytes are "
+                        "reported (default 8; 1 = flat)")
     p.add_argument("--draw", default="iid",
                    help="how ranks draw packs from the packed pool: iid or contiguous")
     p.add_argument("--buffer", default="1024", help="packing buffer size (default 1024)")
@@ -187,6 +193,7 @@ def _run(args) -> int:
     pool_samples = _int("--pool-samples", args.pool_samples, 0)
     sync = _choice("--sync", args.sync, ("microstep", "step"))
     balance_cost = _choice("--balance-cost", args.balance_cost, BALANCE_COSTS)
+    ranks_per_node = _int("--ranks-per-node", args.ranks_per_node)
     draw = _choice("--draw", args.draw, DRAW_MODES)
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
     for s in strategies:
@@ -236,7 +243,8 @@ def _run(args) -> int:
 
     cfg = SimConfig(dps=dps, ga=ga, seq_len=seq_len, sync=sync, pp=pp, batches=batches,
                     seed=seed, strategies=tuple(strategies), balance_cost=balance_cost,
-                    draw=draw, heatmap_ranks=heat_ranks)
+                    draw=draw, heatmap_ranks=heat_ranks,
+                    ranks_per_node=ranks_per_node if ranks_per_node > 1 else None)
     runs, heat = [], None
     t1 = time.perf_counter()
     for t in timings:

@@ -31,11 +31,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .pool import PackPool, draw_indices
-from .strategies import STRATEGIES, exchange_times, local_order, redistribute_order
+from .strategies import (STRATEGIES, exchange_times, inter_node_mask, local_order,
+                         redistribute_order)
 from .timeline import simulate_timeline
 from .timing import TimingModel
 
-BALANCE_COSTS = ("time", "image-tokens")
+BALANCE_COSTS = ("auto", "two-phase", "time", "image-tokens")
 # Work per chunk of batches: keeps the [B, D, G] arrays near 8 MB each.
 CHUNK_ELEMENTS = 1 << 20
 
@@ -50,14 +51,18 @@ class SimConfig:
     batches: int = 10
     seed: int = 0
     strategies: tuple[str, ...] = STRATEGIES
-    balance_cost: str = "time"
+    balance_cost: str = "auto"
     draw: str = "iid"
     heatmap_ranks: int = 64
+    ranks_per_node: int | None = 8
 
 
 @dataclass
 class PackPhases:
-    """Per-pool-pack phase times (ms, stage 0), exchange bytes, placement cost, tokens."""
+    """Per-pool-pack phase times (ms, stage 0), exchange bytes, placement cost, tokens.
+
+    ``cost`` is ``[P]`` for a scalar balance cost, ``[P, 2]`` (vision, language
+    microseconds) for ``two-phase``."""
     vf: np.ndarray
     lm: np.ndarray
     vb: np.ndarray
@@ -67,9 +72,20 @@ class PackPhases:
     bubble: float
 
 
+def resolve_balance_cost(balance_cost: str, t: TimingModel) -> str:
+    """``auto``: ``two-phase`` when the timing model has both a vision and a
+    language-model term (the two phases ranks meet between), else ``time``."""
+    if balance_cost != "auto":
+        return balance_cost
+    vision = t.vision_ms_per_token or t.vision_ms_per_token_sq or t.vision_ms_per_pack
+    llm = t.llm_ms_per_token or t.llm_ms_per_token_sq
+    return "two-phase" if vision and llm else "time"
+
+
 def pack_phases(pool: PackPool, t: TimingModel, *, pp: int = 1,
                 balance_cost: str = "time") -> PackPhases:
     """Vectorised timing of every pack in ``pool`` under timing model ``t``."""
+    balance_cost = resolve_balance_cost(balance_cost, t)
     has_img = pool.num_images > 0
     vf = (t.vision_ms_per_token * pool.image_tokens + t.vision_ms_per_token_sq * pool.image_sq
           + t.vision_ms_per_pack * has_img)
@@ -81,7 +97,10 @@ def pack_phases(pool: PackPool, t: TimingModel, *, pp: int = 1,
     vb = vf * t.vision_bwd_fwd_ratio
     nbytes = (t.bytes_per_image_token * pool.image_tokens
               + t.bytes_per_text_token * pool.text_tokens).astype(np.float64)
-    if balance_cost == "time":
+    if balance_cost == "two-phase":
+        # Vision forward + backward and the language phase, integer microseconds.
+        cost = np.stack([np.rint((vf + vb) * 1000.0), np.rint(lm * 1000.0)], axis=1).astype(np.int64)
+    elif balance_cost == "time":
         # Integer microseconds: identical on every rank, fine enough to rank packs.
         cost = np.rint((vf + lm + vb) * 1000.0).astype(np.int64)
     elif balance_cost == "image-tokens":
@@ -102,13 +121,15 @@ class _Acc:
     wait: float = 0.0
     exch: float = 0.0
     bytes: float = 0.0
+    inter_bytes: float = 0.0
+    inter_moved: int = 0
     moved: int = 0
     slots: int = 0
     batches: int = 0
     solver_ms: list = field(default_factory=list)
 
     def add(self, res: dict, tokens: np.ndarray, D: int, overhead: float,
-            moved_bytes=None, moved=0):
+            moved_bytes=None, moved=0, inter_bytes=0.0, inter_moved=0):
         self.time += float(res["time"].sum())
         self.ideal += float((res["busy"].mean(axis=1) + res["bubble"] + overhead).sum())
         self.tokens += float(tokens.sum())
@@ -119,6 +140,8 @@ class _Acc:
         if moved_bytes is not None:
             self.bytes += float(moved_bytes)
             self.moved += int(moved)
+            self.inter_bytes += float(inter_bytes)
+            self.inter_moved += int(inter_moved)
 
     def summary(self) -> dict:
         return {
@@ -129,6 +152,8 @@ class _Acc:
             "tokens_per_s": self.tokens / (self.time / 1000.0),
             "bytes_moved_per_step": self.bytes / self.batches,
             "moved_fraction": self.moved / self.slots if self.slots else 0.0,
+            "inter_node_bytes_per_step": self.inter_bytes / self.batches,
+            "inter_node_moved_fraction": self.inter_moved / self.slots if self.slots else 0.0,
         }
 
 
@@ -168,7 +193,8 @@ def simulate_dp(cfg: SimConfig, D: int, timing: TimingModel, pool: PackPool,
         if heat is not None and b0 == 0:
             heat["none"] = (vf + lm + vb)[0]
         if "local" in want:
-            order = local_order(ph.cost[idx])
+            lc = ph.cost[idx]
+            order = local_order(lc.sum(axis=-1) if lc.ndim == 4 else lc)
             lvf, llm, lvb = _reorder((vf, lm, vb), order)
             acc["local"].add(simulate_timeline(lvf, llm, lvb, sync=sync, bubble=ph.bubble,
                                                overhead=ov), tok, D, ov)
@@ -179,7 +205,8 @@ def simulate_dp(cfg: SimConfig, D: int, timing: TimingModel, pool: PackPool,
             order = np.empty((nb, D, G), dtype=np.int64)
             for i in range(nb):
                 t0 = time.perf_counter()
-                order[i] = redistribute_order(cost[i], sync=sync)
+                order[i] = redistribute_order(cost[i], sync=sync,
+                                              ranks_per_node=cfg.ranks_per_node)
                 acc["redistribute-overlap"].solver_ms.append((time.perf_counter() - t0) * 1e3)
                 if progress is not None:
                     progress.update(1)
@@ -187,11 +214,13 @@ def simulate_dp(cfg: SimConfig, D: int, timing: TimingModel, pool: PackPool,
             x, b_in = exchange_times(order, ph.nbytes[idx].reshape(nb, -1),
                                      link_gbps=timing.link_gbps, latency_ms=timing.latency_ms)
             moved_bytes, moved = b_in.sum(), int((b_in > 0).sum())
+            inter = inter_node_mask(order, cfg.ranks_per_node)
+            inter_bytes, inter_moved = float(b_in[inter].sum()), int(inter.sum())
             for name, mode in (("redistribute-sync", "sync"), ("redistribute-overlap", "overlap")):
                 if name in want:
                     r = simulate_timeline(rvf, rlm, rvb, sync=sync, exchange=mode, x=x,
                                           bubble=ph.bubble, overhead=ov)
-                    acc[name].add(r, tok, D, ov, moved_bytes, moved)
+                    acc[name].add(r, tok, D, ov, moved_bytes, moved, inter_bytes, inter_moved)
             if heat is not None and b0 == 0:
                 heat["redistribute"] = (rvf + rlm + rvb)[0]
         elif progress is not None:
@@ -199,7 +228,9 @@ def simulate_dp(cfg: SimConfig, D: int, timing: TimingModel, pool: PackPool,
 
     base = acc["none"].summary()
     common = {"dp": D, "ga": G, "seq_len": cfg.seq_len, "sync": cfg.sync, "pp": cfg.pp,
-              "batches": B, "timing": timing.name, "llm_params_b": timing.llm_params_b}
+              "batches": B, "timing": timing.name, "llm_params_b": timing.llm_params_b,
+              "balance_cost": resolve_balance_cost(cfg.balance_cost, timing),
+              "ranks_per_node": cfg.ranks_per_node}
     runs = []
 
     def emit(name, a: _Acc, pl: PackPool, base_tps, **extra):

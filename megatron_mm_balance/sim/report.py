@@ -26,6 +26,7 @@ COLUMNS = [
     ("thru_rel", 8, lambda r: f"{r['throughput_rel']:.3f}"),
     ("moved", 6, lambda r: f"{r['moved_fraction'] * 100:.0f}%"),
     ("GB/step", 8, lambda r: f"{r['bytes_moved_per_step'] / 1e9:.2f}"),
+    ("inter GB", 8, lambda r: f"{r.get('inter_node_bytes_per_step', 0.0) / 1e9:.2f}"),
 ]
 
 

@@ -37,16 +37,28 @@ def local_order(costs: np.ndarray) -> np.ndarray:
     return order + (np.arange(D)[None, :, None] * G)
 
 
-def redistribute_order(costs: np.ndarray, *, sync: str) -> np.ndarray:
-    """The runtime's placement of one batch's ``[D, G]`` integer costs, as a gather index.
+def redistribute_order(costs: np.ndarray, *, sync: str, ranks_per_node=None) -> np.ndarray:
+    """The runtime's placement of one batch's ``[D, G]`` integer costs (``[D, G, 2]``:
+    two-phase), as a gather index.
 
     :func:`megatron_mm_balance.placement.plan_placement`: the solver and then the
     runtime's micro-step order (the step that moves the fewest packs first, so the
     one exchange that cannot hide behind compute is the smallest).
     """
-    pl = plan_placement(costs, sync=sync)
+    pl = plan_placement(costs, sync=sync, ranks_per_node=ranks_per_node)
     G = costs.shape[1]
     return pl.src_rank * G + pl.src_index
+
+
+def inter_node_mask(order: np.ndarray, ranks_per_node) -> np.ndarray:
+    """``[B, D, G]``: the slot's pack comes from a rank on another node (rank ``r``
+    on node ``r // ranks_per_node``; None: every rank its own node)."""
+    B, D, G = order.shape
+    src = order // G
+    dst = np.arange(D)[None, :, None]
+    if not ranks_per_node or ranks_per_node <= 1:
+        return src != dst
+    return (src // ranks_per_node) != (dst // ranks_per_node)
 
 
 def exchange_times(order: np.ndarray, nbytes: np.ndarray, *, link_gbps: float,

@@ -109,3 +109,14 @@ def test_sampler_mode_flag_error_is_a_config_error():
     args = argparse.Namespace(mm_balance=True, mm_balance_mode="sampler")
     with pytest.raises(MMBalanceConfigError, match="--mm-balance-mode sampler does not apply"):
         maybe_balanced_sampler(object(), object(), args)
+
+
+def test_ranks_per_node_flag_then_local_world_size(monkeypatch):
+    from megatron_mm_balance.megatron.config import MMBalanceConfig
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert MMBalanceConfig.from_args(_parse(["--mm-balance"])).ranks_per_node is None
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    cfg = MMBalanceConfig.from_args(_parse(["--mm-balance"]))
+    assert cfg.ranks_per_node == 8 and cfg.runtime().ranks_per_node == 8
+    cfg = MMBalanceConfig.from_args(_parse(["--mm-balance", "--mm-balance-ranks-per-node", "4"]))
+    assert cfg.runtime().ranks_per_node == 4

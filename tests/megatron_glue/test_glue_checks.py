@@ -76,7 +76,9 @@ def test_cost_model_needs_a_readable_file(tmp_path):
 
 @pytest.mark.parametrize("argv,flag", [(["--mm-balance-log-interval", "0"], "--mm-balance-log-interval"),
                                        (["--mm-balance-timeout", "0"], "--mm-balance-timeout"),
-                                       (["--mm-balance-tolerance", "1.5"], "--mm-balance-tolerance")])
+                                       (["--mm-balance-tolerance", "1.5"], "--mm-balance-tolerance"),
+                                       (["--mm-balance-ranks-per-node", "0"],
+                                        "--mm-balance-ranks-per-node")])
 def test_bad_numbers(argv, flag):
     assert flag in refused(make_args(*argv))
 

@@ -46,6 +46,27 @@ def test_model_cost_uses_images_and_lengths(tmp_path):
     assert cost(stock_batch([2, 1])) > cost(stock_batch([1]))
 
 
+def test_model_cost_under_expert_parallel_is_two_phase(tmp_path):
+    """--mm-balance-cost model: (vision, language) microseconds when ranks meet every
+    micro-step (the two-phase solver), one total otherwise; the two add up."""
+    from megatron_mm_balance.cost import CostModel, PackFeatures
+    from megatron_mm_balance.megatron.iterator import make_cost_fn
+    model = CostModel(vision_ms_per_token=1e-3, vision_ms_per_token_sq=1e-6,
+                      llm_ms_per_len_sq=1e-5, const_ms=2.0)
+    path = tmp_path / "cost.json"
+    model.save(str(path))
+    ep = argparse.Namespace(mm_balance_cost="model", mm_balance_cost_file=str(path),
+                            mm_balance_sync="auto", expert_model_parallel_size=4)
+    dp = argparse.Namespace(**{**vars(ep), "expert_model_parallel_size": 1})
+    two, one = make_cost_fn(ep), make_cost_fn(dp)
+    assert (two.components, one.components) == (2, 1) and two.identity != one.identity
+    v, l = two(stock_batch([2, 1]))
+    f = PackFeatures((512, 256), (3, 5))
+    assert (v, l) == model.phase_costs(f)
+    assert abs(v + l - model.cost(f)) <= 1 and abs(one(stock_batch([2, 1])) - model.cost(f)) <= 1
+    assert v > 0 and l > 0
+
+
 # -- micro-batch schedule ---------------------------------------------------------------
 def test_predicted_schedule_matches_megatrons_rampup():
     """The sampler's look-ahead count equals Megatron's own calculator step by step, under

@@ -134,7 +134,7 @@ def _run_iterator(it, G, out: list):
         gb += 1
 
 
-def scenario_exactly_once(rank, world, configs, batches, extra=1):
+def scenario_exactly_once(rank, world, configs, batches, extra=1, ranks_per_node=None):
     """For each (G, overlap): ``batches`` full global batches, then exhaustion
     (rank 0 holds ``extra`` more packs than the others, never delivered)."""
     from megatron_mm_balance.runtime import BalancedDataIterator
@@ -145,7 +145,8 @@ def scenario_exactly_once(rank, world, configs, batches, extra=1):
         n = batches * G + (extra if rank == 0 else 0)
         src = recording_source(rank, n, pulled, seed=ci)
         num_mb = (lambda G=G: G) if as_callable else G    # callable: consumer-triggered batches
-        with BalancedDataIterator(src, num_microbatches=num_mb, overlap=overlap, timeout=60) as it:
+        with BalancedDataIterator(src, num_microbatches=num_mb, overlap=overlap, timeout=60,
+                                  ranks_per_node=ranks_per_node) as it:
             _run_iterator(it, G, got)
             try:
                 next(it)
@@ -155,9 +156,39 @@ def scenario_exactly_once(rank, world, configs, batches, extra=1):
             stats = list(it.stats)
         res.append({"G": G, "overlap": overlap, "pulled": pulled, "delivered": got, "again": again,
                     "stats": [{k: s[k] for k in ("global_batch", "packs_moved", "bytes_received",
-                                                 "bytes_sent", "exhausted", "not_delivered")
+                                                 "bytes_sent", "exhausted", "not_delivered",
+                                                 "inter_node_packs", "inter_node_bytes_sent")
                                if k in s} for s in stats]})
     return {"configs": res}
+
+
+class PhaseCost:
+    """A two-phase cost: (image tokens, 1000 x text length) per pack."""
+    components = 2
+    identity = "rt_harness.PhaseCost"
+
+    def __call__(self, pack):
+        return (int(pack["image_tokens"]), 1000 * int(pack["tokens"].numel()))
+
+
+def scenario_two_phase(rank, world, G=5, batches=3, overlap=True):
+    """Vector (vision, language) costs through the real exchange."""
+    from megatron_mm_balance.runtime import BalancedDataIterator
+    pulled, got = [], []
+    cost = PhaseCost()
+
+    def src():
+        for i in range(batches * G):
+            p = make_pack(rank, i, seed=7)
+            pulled.append((p["id"], *cost(p), checksum(p)))
+            yield p
+
+    with BalancedDataIterator(src(), num_microbatches=G, overlap=overlap, timeout=60,
+                              cost_fn=cost) as it:
+        _run_iterator(it, G, got)
+        stats = [{k: s[k] for k in ("global_batch", "packs_moved", "microstep_cost_after")
+                  if k in s} for s in it.stats]
+    return {"pulled": pulled, "delivered": got, "stats": stats}
 
 
 def scenario_soak(rank, world, batches, G=4, warmup=50):

@@ -26,7 +26,7 @@ CONFIGS = [[G, ov, G == 7] for G in (1, 2, 7) for ov in (True, False)]
 BATCHES = 4
 
 
-def _check_config(results, ci, world, batches=BATCHES):
+def _check_config(results, ci, world, batches=BATCHES, ranks_per_node=None):
     cfgs = [r["configs"][ci] for r in results]
     G = cfgs[0]["G"]
     pulled = [c["pulled"] for c in cfgs]
@@ -45,7 +45,7 @@ def _check_config(results, ci, world, batches=BATCHES):
     moved = 0
     for gb in range(batches):
         costs = np.array([[p[gb * G + i][1] for i in range(G)] for p in pulled], dtype=np.int64)
-        plc = plan_placement(costs)
+        plc = plan_placement(costs, ranks_per_node=ranks_per_node)
         moved += int(plc.moved().sum())
         for r in range(world):
             rows = [row for row in delivered[r] if row[0] == gb]
@@ -81,3 +81,51 @@ def test_more_microbatches_than_the_record_carries():
     for r, res in enumerate(results):
         assert "configs" in res, f"rank {r}: {res.get('error') or res}\n{res.get('log', '')}"
     _check_config(results, 0, 2, batches=2)
+
+
+def test_node_aware_exchange_delivers_the_node_aware_placement():
+    """Ranks per node on the runtime: the placement every rank solves prefers node-mates
+    (4 ranks, 2 per node), delivery follows it exactly, and the statistics count the
+    packs and bytes that cross nodes."""
+    from megatron_mm_balance.topology import traffic
+    results = harness.launch(4, "exactly_once", hard_timeout=150, configs=[[7, True, False]],
+                             batches=3, ranks_per_node=2)
+    for r, res in enumerate(results):
+        assert "configs" in res, f"rank {r}: {res.get('error') or res}\n{res.get('log', '')}"
+    _check_config(results, 0, 4, batches=3, ranks_per_node=2)
+    pulled = [res["configs"][0]["pulled"] for res in results]
+    for gb in range(3):
+        costs = np.array([[p[gb * 7 + i][1] for i in range(7)] for p in pulled], dtype=np.int64)
+        want = traffic(plan_placement(costs, ranks_per_node=2).src_rank, 2)["inter_node_packs"]
+        assert all(res["configs"][0]["stats"][gb]["inter_node_packs"] == want for res in results)
+    sent_across = sum(s["inter_node_bytes_sent"] for res in results
+                      for s in res["configs"][0]["stats"][:-1])
+    sent = sum(s["bytes_sent"] for res in results for s in res["configs"][0]["stats"][:-1])
+    assert 0 < sent_across <= sent
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_two_phase_costs_ride_the_all_gather_and_place_identically(overlap):
+    """A cost_fn with ``components = 2`` (vision, language): every rank all-gathers both
+    numbers, solves the two-phase placement and delivers exactly what it names."""
+    from megatron_mm_balance.two_phase import two_phase_lower_bound, two_phase_objective
+    G, B = 5, 3
+    results = harness.launch(4, "two_phase", hard_timeout=150, G=G, batches=B, overlap=overlap)
+    for r, res in enumerate(results):
+        assert "pulled" in res, f"rank {r}: {res.get('error') or res}\n{res.get('log', '')}"
+    pulled = [res["pulled"] for res in results]
+    by_id = {pid: ck for p in pulled for pid, _, _, ck in p}
+    moved = 0
+    for gb in range(B):
+        c = np.array([[[p[gb * G + i][1], p[gb * G + i][2]] for i in range(G)] for p in pulled],
+                     dtype=np.int64)
+        plc = plan_placement(c)
+        moved += int(plc.moved().sum())
+        assert two_phase_objective(c[plc.src_rank, plc.src_index]) >= two_phase_lower_bound(c)
+        for r, res in enumerate(results):
+            rows = [row for row in res["delivered"] if row[0] == gb]
+            assert [row[1] for row in rows] == list(range(G))
+            for k, row in enumerate(rows):
+                want = pulled[plc.src_rank[r, k]][gb * G + plc.src_index[r, k]][0]
+                assert row[2] == want and row[3] == by_id[want]
+    assert moved > 0

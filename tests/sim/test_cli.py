@@ -86,6 +86,8 @@ def _bad(argv, capsys, tmp_path):
     (["mixed", "--out", "TMP/file.txt"], "not a directory"),
     (["mixed"], "required: --out"),
     (["mixed", "--bogus", "--out", "TMP/o"], "unrecognized arguments"),
+    (["mixed", "--ranks-per-node", "0", "--out", "TMP/o"], "--ranks-per-node must be >= 1"),
+    (["mixed", "--balance-cost", "vibes", "--out", "TMP/o"], "--balance-cost must be one of"),
 ])
 def test_bad_input_one_line(argv, match, capsys, tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"tokens": 5}\n{"tokens": 5,\n')

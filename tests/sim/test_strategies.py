@@ -56,6 +56,29 @@ def test_pool_features_and_draws():
     assert np.all((np.diff(c, axis=2) % 10) == 1)
 
 
+def test_two_phase_is_the_default_when_the_timing_model_has_both_phases():
+    from megatron_mm_balance.sim.engine import resolve_balance_cost
+    from megatron_mm_balance.sim.timing import TimingModel, load_timing
+    assert resolve_balance_cost("auto", load_timing("vlm_30b_moe")) == "two-phase"
+    assert resolve_balance_cost("auto", TimingModel(vision_ms_per_token=1.0)) == "time"
+    assert resolve_balance_cost("image-tokens", load_timing("vlm_30b_moe")) == "image-tokens"
+
+
+def test_inter_node_mask_follows_ranks_per_node():
+    import numpy as np
+    from megatron_mm_balance.sim.strategies import inter_node_mask
+    G = 2
+    # 4 ranks; slot (1, 0) takes rank 0's pack (same node of 2), (2, 1) takes rank 1's
+    order = (np.arange(4)[:, None] * G + np.arange(G)[None, :])[None].copy()
+    order[0, 1, 0] = 0 * G + 1
+    order[0, 0, 1] = 1 * G + 0
+    order[0, 2, 1] = 1 * G + 1
+    order[0, 1, 1] = 2 * G + 1
+    m = inter_node_mask(order, 2)
+    assert m.sum() == 2 and m[0, 2, 1] and m[0, 1, 1]
+    assert inter_node_mask(order, None).sum() == 4
+
+
 def test_simulator_models_the_runtimes_order():
     from megatron_mm_balance.placement import plan_placement
     rng = np.random.default_rng(3)

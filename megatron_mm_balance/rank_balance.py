@@ -1,0 +1,332 @@
+"""Even out rank totals of a placement by swaps that keep the micro-step objective.
+
+After stage 2 of :func:`megatron_mm_balance.placement.solve_placement` every pack
+sits in a micro-step whose *level* (the sorted-grouping maximum of that step)
+admits it. Any swap of two packs that keeps each pack at or below the level of
+the micro-step it lands in keeps the micro-step objective at the optimum, so this
+pass may swap across micro-steps, not only inside one. In ``step`` mode there are
+no levels: any two packs may swap.
+
+Each round pairs every rank above the upper limit ``U`` with a distinct light
+rank and applies, per pair, the best swap of all ``G x G`` candidates:
+
+1. a swap whose cost difference lands both ranks at or below ``U`` (the
+   *window*), and among those the one adding the fewest moves: re-moving a pack
+   that already moves is free, sending a pack home saves a move; then the one
+   nearest the pair's midpoint;
+2. otherwise the swap that brings the pair closest to its midpoint (a strict
+   improvement of the pair's spread), fewest added moves on ties.
+
+A heavy rank that found no improving swap with its partner is paired with the
+next light rank in the following round. The sum of squared totals falls with
+every applied swap, so the pass ends; it stops when no rank is above ``U``, no
+pair improves, or after ``max_rounds``.
+
+Deterministic: integer costs, stable orderings, ties broken by rank and slot.
+Cost per round: O(P * G^2) vectorised for P heavy ranks.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .topology import INTER_NODE_WEIGHT
+
+DEFAULT_RANK_TOLERANCE = 0.002
+# Chain shortening across nodes looks this many micro-steps away (two in step mode;
+# with two-phase boxes only the same micro-step, which needs no box check).
+NODE_STEP_WINDOW = 1
+
+
+def rank_limit(total: int, num_ranks: int, tolerance: float, grain: int = 1) -> int:
+    """The largest rank total allowed: ``mean * (1 + tolerance)`` rounded down, but
+    never below the integer floor: when every cost is a multiple of ``grain`` (tile-
+    quantised image tokens: 256), so is every rank total, and no placement puts the
+    heaviest rank below the mean rounded up to a multiple of ``grain``."""
+    mean = total / num_ranks
+    grain = max(int(grain), 1)
+    floor = -(-total // num_ranks)
+    floor = -(-floor // grain) * grain
+    return max(int(np.floor(mean * (1.0 + tolerance))), floor)
+
+
+def cost_grain(values: np.ndarray) -> int:
+    """The greatest common divisor of the costs (1 if all are zero)."""
+    g = int(np.gcd.reduce(np.asarray(values, dtype=np.int64).ravel()))
+    return g if g > 0 else 1
+
+
+def balance_rank_totals(c: np.ndarray, src_rank: np.ndarray, src_index: np.ndarray, *,
+                        tolerance: float = DEFAULT_RANK_TOLERANCE,
+                        levels: np.ndarray | None = None, max_rounds: int = 256,
+                        weights: np.ndarray | None = None,
+                        node: np.ndarray | None = None, mates_first: bool = True,
+                        step_window: int | None = 2) -> int:
+    """Swap packs in place (``src_rank``/``src_index`` ``[D, G]``) until no rank total
+    exceeds :func:`rank_limit`. ``levels[k]`` (``microstep`` mode): the most a pack
+    in micro-step ``k`` may cost; with two-phase costs (``c`` ``[D, G, 2]``),
+    ``levels[k]`` is a box ``(vision, language)`` and a pack must fit both.
+    Returns the number of swaps applied.
+
+    ``weights`` (optional, ``[D, G]`` like ``c``): the scalar that is balanced, if not
+    ``c`` itself; levels always apply to ``c``. ``node`` (optional, ``[D]``): the
+    node of each rank; a pack crossing nodes then counts ``1 + INTER_NODE_WEIGHT``
+    moves when swaps of equal balance are compared, and with ``mates_first`` a heavy
+    rank tries its node-mates as partners before the global walk. ``step_window``:
+    a pack swaps only with packs at most this many micro-steps away (None: any),
+    which keeps a round at O(P * G * (2W + 1)).
+    """
+    D, G = c.shape[:2]
+    bal = c if weights is None else weights
+    home = np.arange(D)
+    a = bal[src_rank, src_index]                       # balanced quantity at each slot
+    lv = c[src_rank, src_index]                        # level-checked cost at each slot
+    totals = a.sum(axis=1)
+    grain = cost_grain(bal)
+    U = rank_limit(int(totals.sum()), D, tolerance, grain)
+    attempt = np.zeros(D, dtype=np.int64)
+    applied = 0
+    # Light slots a heavy slot i may swap with: micro-steps i - W .. i + W (all when
+    # step_window is None); swaps across steps further apart are rarely the best.
+    W = G if step_window is None else int(step_window)
+    off = np.arange(-min(W, G - 1), min(W, G - 1) + 1)
+    jj = np.arange(G)[:, None] + off[None, :]
+    jok = (jj >= 0) & (jj < G)
+    jj = np.clip(jj, 0, G - 1)
+    mates_first = mates_first and node is not None
+    if mates_first:
+        members = _members(node)
+    for _ in range(max_rounds):
+        heavy = np.flatnonzero(totals > U)
+        if len(heavy) == 0:
+            break
+        heavy = heavy[np.lexsort((heavy, -totals[heavy]))]
+        pool = np.lexsort((home, totals))
+        pool = pool[totals[pool] < U]
+        if len(pool) == 0:
+            break
+        P = len(heavy)
+        # A partner helps only if lighter by more than one grain. Heavy rank i (in
+        # order) starts at the i-th lightest and walks on past partners that failed;
+        # with nodes, it first walks its node-mates, lightest first.
+        n_elig = np.searchsorted(totals[pool], totals[heavy] - grain, side="left")
+        k = np.zeros(P, dtype=np.int64)
+        if mates_first:
+            mates = members[node[heavy]]                        # [P, R], -1 padded
+            mt = np.where(mates >= 0, totals[mates], np.iinfo(np.int64).max)
+            order = np.lexsort((mates, mt), axis=1)
+            mates = np.take_along_axis(mates, order, axis=1)
+            mt = np.take_along_axis(mt, order, axis=1)
+            k = ((mt < (totals[heavy] - grain)[:, None]) & (mt < U)).sum(axis=1)
+        live = attempt[heavy] < n_elig + k
+        if not live.any():
+            break
+        heavy, n_elig, k = heavy[live], n_elig[live], k[live]
+        P = len(heavy)
+        att = attempt[heavy]
+        light = pool[(np.arange(P) + att - k) % np.maximum(n_elig, 1)]
+        if mates_first:
+            mates = mates[live]
+            near = att < k
+            light[near] = mates[np.flatnonzero(near), att[near]]
+        _, first = np.unique(light, return_index=True)
+        keep = np.zeros(P, dtype=bool)
+        keep[first] = True
+        attempt[heavy[~keep]] += 1
+        h, l = heavy[keep], light[keep]
+        ah, al = a[h], a[l][:, jj]                      # [P, G], [P, G, K]
+        delta = ah[:, :, None] - al                     # [P, G(heavy slot), K(light slot)]
+        gap = (totals[h] - totals[l])[:, None, None]
+        valid = (delta > 0) & (delta < gap) & jok[None]
+        if levels is not None:
+            ch, cl = lv[h], lv[l][:, jj]
+            if levels.ndim == 1:
+                valid &= (ch[:, :, None] <= levels[jj][None])         # heavy pack -> light's step
+                valid &= (cl <= levels[:, None][None])                # light pack -> heavy's step
+            else:                                                     # boxes: every component
+                valid &= (ch[:, :, None, :] <= levels[jj][None]).all(axis=-1)
+                valid &= (cl <= levels[:, None][None]).all(axis=-1)
+        lo = (totals[h] - U)[:, None, None]
+        hi = (U - totals[l])[:, None, None]
+        window = valid & (delta >= lo) & (delta <= hi)
+        sh, sl = src_rank[h], src_rank[l]
+        hh, ll = h[:, None], l[:, None]
+        # Moves added by the swap: heavy's pack goes to l, light's pack goes to h.
+        add_h = move_weight(sh, ll, node) - move_weight(sh, hh, node)     # [P, G]
+        add_l = move_weight(sl, hh, node) - move_weight(sl, ll, node)
+        added = add_h[:, :, None] + add_l[:, jj] + 2 * (1 + INTER_NODE_WEIGHT)
+        spread = np.abs(2 * delta - gap)
+        big = np.iinfo(np.int64).max
+        # window first (by added moves, then spread), else best spread then moves.
+        key_w = np.where(window, added * (1 << 40) + spread, big)
+        key_v = np.where(valid, (1 << 50) + spread * 8 + added, big)
+        K = jj.shape[1]
+        key = np.minimum(key_w, key_v).reshape(len(h), G * K)
+        best = np.argmin(key, axis=1)
+        ok = key[np.arange(len(h)), best] < big
+        attempt[h[~ok]] += 1
+        if not ok.any():
+            continue
+        h, l, best = h[ok], l[ok], best[ok]
+        i, j = best // K, jj[best // K, best % K]
+        d = a[h, i] - a[l, j]
+        for arr in (src_rank, src_index, a, lv):
+            arr[h, i], arr[l, j] = arr[l, j], arr[h, i].copy()
+        totals[h] -= d
+        totals[l] += d
+        applied += len(h)
+    return applied
+
+
+def move_weight(origin, location, node: np.ndarray | None) -> np.ndarray:
+    """What a pack from rank ``origin`` computed on rank ``location`` costs in moves:
+    0 at home, 1 on another rank, ``1 + INTER_NODE_WEIGHT`` on another node."""
+    w = (np.asarray(origin) != location).astype(np.int64)
+    if node is not None:
+        w = w + INTER_NODE_WEIGHT * (node[origin] != node[location])
+    return w
+
+
+def send_home(c: np.ndarray, src_rank: np.ndarray, src_index: np.ndarray, *,
+              limit: int, levels: np.ndarray | None = None, max_rounds: int = 2,
+              weights: np.ndarray | None = None, node: np.ndarray | None = None) -> int:
+    """Shorten move chains in place: swap a pack ``x`` sitting away from its home
+    rank ``h`` with a foreign pack ``y`` sitting on ``h``. ``x`` goes home (one move
+    less; two if ``y``'s home is where ``x`` sat) and no rank total rises above
+    ``limit`` (nor above its current value if already above). Levels are kept as
+    in :func:`balance_rank_totals`. Returns the moves saved (weighted by
+    :func:`move_weight` when ``node`` is given).
+
+    With ``node``, a first pass does the same one level up: a pack away from its
+    home node swaps with a pack on any rank of that node that came from another
+    node, so both end nearer home (inter-node moves weigh ``1 + INTER_NODE_WEIGHT``).
+
+    Candidates: each pack away from home against the foreign packs of the same
+    micro-step on its home rank (node): O(moved packs x ranks per node) per round.
+    Per round, each slot takes part in one swap; a swap that changes totals also
+    claims its two ranks, so the limit holds however many swaps run in parallel."""
+    D = c.shape[0]
+    saved = 0
+    # (group, rounds, micro-step window): across nodes first, one round also between
+    # neighbouring micro-steps (scalar levels only: boxes would need checks too), then
+    # in the same micro-step; inside a node the same micro-step. Step mode: two away.
+    passes = []
+    if node is not None:
+        if levels is None:
+            passes.append((node, max_rounds, 2))
+        else:
+            if levels.ndim == 1:
+                passes.append((node, 1, NODE_STEP_WINDOW))
+            passes.append((node, max_rounds - (levels.ndim == 1), 0))
+    passes.append((np.arange(D), max_rounds, 2 if levels is None else 0))
+    for group, rounds, window in passes:
+        saved += _shorten(c, src_rank, src_index, limit=limit, levels=levels,
+                          max_rounds=rounds, weights=weights, node=node, group=group,
+                          step_window=window)
+    return saved
+
+
+def _shorten(c, src_rank, src_index, *, limit, levels, max_rounds, weights, node, group,
+             step_window=2):
+    """One level of :func:`send_home`: ``group[r]`` is rank r's home unit (rank or
+    node). Candidates ``y`` sit on a rank of x's home unit, at most ``step_window``
+    micro-steps from x (0: the same micro-step, where levels hold trivially;
+    otherwise both packs must fit the level or box of the step they land in):
+    O(moved x ranks per unit x (2W + 1)) per round."""
+    D, G = c.shape[:2]
+    bal = c if weights is None else weights
+    a = bal[src_rank, src_index]
+    lv = c[src_rank, src_index]
+    totals = a.sum(axis=1)
+    cap = np.maximum(totals, limit)
+    ranks = np.arange(D)
+    members = _members(group)                               # [units, ranks per unit]
+    saved = 0
+    for _ in range(max_rounds):
+        foreign = group[src_rank] != group[ranks][:, None]
+        xr, xi = np.nonzero(foreign)
+        if len(xr) == 0:
+            break
+        xo = src_rank[xr, xi]
+        yr = members[group[xo]]                             # [F, R]: ranks of x's home unit
+        if levels is None or step_window:                   # nearby micro-steps
+            R = yr.shape[1]
+            W = min(step_window, G - 1)
+            off = np.arange(-W, W + 1)
+            yr = np.repeat(yr, len(off), axis=1)
+            yi = xi[:, None] + np.tile(off, R)[None, :]
+            inside = (yi >= 0) & (yi < G)
+            yr = np.where(inside, yr, -1)
+            yi = np.clip(yi, 0, G - 1)
+        else:
+            yi = np.broadcast_to(xi[:, None], yr.shape)
+        valid = yr >= 0
+        yr = np.where(valid, yr, 0)
+        yo = src_rank[yr, yi]
+        valid &= group[yo] != group[yr]                     # y is away from home too
+        d = a[yr, yi] - a[xr, xi][:, None]                  # x's rank gains y, loses x
+        if levels is not None and step_window:              # x into y's step, y into x's
+            lf = lv.reshape(D * G, -1)
+            lvl = levels.reshape(G, -1)
+            xf = xr * G + xi
+            valid &= (lf[xf][:, None, :] <= lvl[yi]).all(axis=-1)
+            valid &= (lf[yr * G + yi] <= lvl[xi][:, None, :]).all(axis=-1)
+        valid &= (totals[xr][:, None] + d <= cap[xr][:, None]) & (totals[yr] - d <= cap[yr])
+        xo2, xr2 = xo[:, None], xr[:, None]
+        gain = ((xo2 != xr2).astype(np.int64) - (xo2 != yr) + (yo != yr) - (yo != xr2))
+        if node is not None:                                # move_weight, gathered once
+            nxo, nxr, nyr, nyo = node[xo][:, None], node[xr][:, None], node[yr], node[yo]
+            gain += INTER_NODE_WEIGHT * ((nxo != nxr).astype(np.int64) - (nxo != nyr)
+                                         + (nyo != nyr) - (nyo != nxr))
+        valid &= gain > 0
+        if not valid.any():
+            break
+        big = np.iinfo(np.int64).max
+        key = np.where(valid, -gain * (1 << 40) + np.abs(d), big)
+        j = np.argmin(key, axis=1)
+        rows = np.arange(len(xr))
+        kb = key[rows, j]
+        cand = np.flatnonzero(kb < big)
+        cand = cand[np.lexsort((cand, kb[cand]))]
+        x = xr[cand] * G + xi[cand]
+        ycol = yr[cand, j[cand]]
+        y = ycol * G + yi[cand, j[cand]]
+        dd = d[cand, j[cand]]
+        # Each slot in one swap; swaps that change totals also claim both ranks.
+        keep = _first_touch(x, y, D * G)
+        x, y, ycol, dd, cand = x[keep], y[keep], ycol[keep], dd[keep], cand[keep]
+        moves = dd != 0
+        claim = _first_touch(xr[cand[moves]], ycol[moves], D)
+        keep = ~moves
+        keep[np.flatnonzero(moves)[claim]] = True
+        x, y, ycol, dd, cand = x[keep], y[keep], ycol[keep], dd[keep], cand[keep]
+        if len(x) == 0:
+            break
+        saved += int(gain[cand, j[cand]].sum())
+        for arr in (src_rank, src_index, a, lv):
+            fl = arr.reshape(D * G, *arr.shape[2:])
+            fl[x], fl[y] = fl[y], fl[x].copy()
+        np.add.at(totals, xr[cand], dd)
+        np.subtract.at(totals, ycol, dd)
+    return saved
+
+
+def _first_touch(r: np.ndarray, h: np.ndarray, num_ranks: int) -> np.ndarray:
+    """Mask of the swaps (in priority order, each touching items ``r[k]`` and
+    ``h[k]`` out of ``num_ranks``) that are the first to touch both their items."""
+    n = len(r)
+    first = np.full(num_ranks, n, dtype=np.int64)
+    k = np.arange(n)
+    np.minimum.at(first, r, k)
+    np.minimum.at(first, h, k)
+    return (first[r] == k) & (first[h] == k)
+
+
+def _members(node: np.ndarray) -> np.ndarray:
+    """``[num_nodes, max ranks per node]``: the ranks of each node, -1 padded."""
+    num = int(node.max()) + 1
+    size = np.bincount(node, minlength=num)
+    out = np.full((num, int(size.max())), -1, dtype=np.int64)
+    order = np.argsort(node, kind="stable")
+    start = np.concatenate([[0], np.cumsum(size)])[:-1]
+    out[node[order], np.arange(len(node)) - start[node[order]]] = order
+    return out

@@ -8,8 +8,8 @@ needs to train without downloading anything:
 * ``conversations/``: an energon-prepared WebDataset of ``SimilarityInterleavedSample``
   (one to three images and a multi-turn human/gpt conversation per sample), the form
   the example's ``encode_llava_sft`` reads;
-* ``dataset.yaml``: an energon ``MetadatasetV2`` blending the two (train and val
-  splits), the ``--data-path``;
+* ``dataset.yaml``: an energon ``MetadatasetV2``, the ``--data-path``: train blends the
+  two, val is the captions alone (Megatron accepts one validation loader);
 * ``tokenizer/``: a byte-level BPE Hugging Face fast tokenizer trained on the
   dataset's text, with the ChatML/Qwen special tokens (``<|im_start|>``,
   ``<|im_end|>``, ``<|endoftext|>``): ``--tokenizer-type MultimodalTokenizer
@@ -292,11 +292,16 @@ def _prepare(root: Path, shards: List[str], kind: str) -> None:
 
 
 def _metadataset_yaml(weights: Dict[str, int]) -> str:
-    lines = ["__module__: megatron.energon", "__class__: MetadatasetV2", "splits:"]
-    for split in ("train", "val"):
-        lines += [f"  {split}:", "    blend:"]
-        for name, w in weights.items():
-            lines += [f"      - weight: {w}", f"        path: {name}"]
+    """Train blends every component; val is the first component alone, because
+    examples/multimodal hands Megatron one validation loader per dataset of the val split
+    and Megatron's ``build_train_valid_test_data_loaders`` accepts exactly one (unless
+    ``--multiple-validation-sets``)."""
+    first = next(iter(weights))
+    lines = ["__module__: megatron.energon", "__class__: MetadatasetV2", "splits:",
+             "  train:", "    blend:"]
+    for name, w in weights.items():
+        lines += [f"      - weight: {w}", f"        path: {name}"]
+    lines += ["  val:", f"    path: {first}"]
     return "\n".join(lines) + "\n"
 
 

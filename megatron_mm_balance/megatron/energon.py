@@ -39,7 +39,7 @@ from typing import Callable, List, Optional, Sequence
 
 from ..packing import pack_greedy
 from ..traces import Sample
-from ..runtime.costs import flatten_ints as _ints
+from ..runtime.costs import check_tokens_per_tile, flatten_ints as _ints
 
 
 class BalancedPackingMixin:
@@ -55,7 +55,14 @@ class BalancedPackingMixin:
 
     # -- hooks ---------------------------------------------------------------------
     def mm_balance_tokens_per_tile(self) -> int:
-        return int(getattr(self, "num_image_embeddings_per_tile", 1) or 1)
+        """Image embeddings per tile: examples/multimodal's ``num_image_embeddings_per_tile``.
+
+        There is no silent default: a task encoder without that attribute overrides this hook."""
+        per = getattr(self, "num_image_embeddings_per_tile", None)
+        if per is None:
+            raise ValueError(f"BalancedPackingMixin: {type(self).__name__} has no "
+                             "num_image_embeddings_per_tile; override mm_balance_tokens_per_tile()")
+        return check_tokens_per_tile(per)
 
     def mm_balance_seq_length(self) -> int:
         seq = getattr(self, "packing_seq_length", None)

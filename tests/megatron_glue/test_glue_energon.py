@@ -151,3 +151,15 @@ def test_wrapped_methods_still_record_image_tokens():
     out = te.encode_batch(te.batch(samples()[:3]))
     assert out["image_tokens"].tolist() == [30, 0, 20]
     assert out["image_token_counts"].tolist() == [30, 10, 10]
+
+
+def test_tokens_per_tile_has_no_silent_default():
+    class NoTiles(Encoder):
+        num_image_embeddings_per_tile = None
+    with pytest.raises(ValueError, match="num_image_embeddings_per_tile"):
+        NoTiles().mm_balance_tokens_per_tile()
+
+    class Zero(Encoder):
+        num_image_embeddings_per_tile = 0
+    with pytest.raises(ValueError, match="tokens_per_tile must be an int > 0"):
+        Zero().mm_balance_tokens_per_tile()

@@ -22,7 +22,6 @@ def megatron_lm() -> Path:
 @pytest.fixture(scope="session")
 def dataset(tmp_path_factory) -> dict:
     data = rp.make_dataset(tmp_path_factory.mktemp("vlm-data") / "data", samples=256, seed=0)
-    data["DATA_PATH"] = rp.single_val_split(data["DATA_PATH"])
     return data
 
 

@@ -82,30 +82,6 @@ def make_dataset(out: Path, samples: int = 128, seed: int = 0) -> Dict[str, str]
                 if re.match(r"^[A-Z_]+=", line))
 
 
-def single_val_split(data_path: str) -> str:
-    """The blend with one validation dataset, as examples/multimodal in core_v0.16.1 requires.
-
-    The example hands Megatron one validation loader per dataset of the ``val`` split and
-    ``build_train_valid_test_data_loaders`` asserts there is exactly one (unless
-    ``--multiple-validation-sets --full-validation``). make-dataset's blend lists two;
-    this writes ``<name>-val1.yaml`` beside it keeping the first, or returns the path as is.
-    """
-    import yaml
-
-    path = Path(data_path)
-    if path.suffix not in (".yaml", ".yml"):
-        return data_path
-    meta = yaml.safe_load(path.read_text())
-    val = meta.get("splits", {}).get("val", {})
-    key = "blend" if "blend" in val else "datasets" if "datasets" in val else None
-    if key is None or len(val[key]) <= 1:
-        return data_path
-    val[key] = val[key][:1]
-    out = path.with_name(path.stem + "-val1.yaml")
-    out.write_text(yaml.safe_dump(meta, sort_keys=False))
-    return str(out)
-
-
 @dataclass
 class Run:
     """One launcher run: exit status, wall time, the log, and what it printed."""

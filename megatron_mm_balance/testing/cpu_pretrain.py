@@ -56,6 +56,11 @@ rewriting, streams/events, the RNG tracker, ``te_general_gemm``):
   instead of failing with ``KeyError: 'step'``; and ``load_state_dict`` gives
   every parameter one shared ``step`` tensor, which AdamW's in-place increment
   would advance once per parameter: each parameter gets its own copy.
+* releases differ (checked by capability, not version): the fused-kernel
+  compile step exists only up to core_v0.18.2; from core_v0.19.0 the example
+  learns that TE is absent and takes its no-TE RMSNorm path, which reads an
+  undefined ``TORCH_VERSION`` (and, without apex, ``HAVE_APEX``) in
+  ``examples/multimodal/layer_specs.py``: defined here when missing.
 * Megatron compiles its dataset index helpers with ``make`` at start-up;
   the energon data path never calls them: skipped.
 """
@@ -296,6 +301,14 @@ def _local_specs() -> None:
             linear_fc1=NormColumnParallelLinear, linear_fc2=RowParallelLinear))
 
     mm_model.get_norm_mlp_module_spec_te = get_norm_mlp_module_spec_local
+
+    # The example's no-TE RMSNorm path reads TORCH_VERSION (never defined) and HAVE_APEX
+    # (defined only with apex); it is reached once megatron-core reports TE's absence to
+    # the example (core_v0.19.0).
+    import layer_specs
+    for name, value in (("TORCH_VERSION", torch.__version__.split(".")), ("HAVE_APEX", False)):
+        if not hasattr(layer_specs, name):
+            setattr(layer_specs, name, value)
 
     orig_forward = dpa.DotProductAttention.forward
 

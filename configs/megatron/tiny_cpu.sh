@@ -21,15 +21,18 @@ MODEL_ARGS=(
   --language-model-type qwen2.5_7B          # activation/bias settings only; sizes below
   --num-layers 2 --hidden-size 128 --num-attention-heads 4
   --group-query-attention --num-query-groups 2
-  --num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 256
-  --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-2
-  --moe-token-dispatcher-type alltoall      # packs differ in length: allgather needs equal counts
   --vision-model-type clip --img-h 56 --img-w 56 --patch-dim 14
   --use-tiling --max-num-tiles 4
   --disable-vision-class-token
   --normalization RMSNorm --position-embedding-type rope --rotary-base 1000000
   --swiglu --untie-embeddings-and-output-weights --disable-bias-linear
 )
+# NUM_EXPERTS=0: a dense LM (megatron-core refuses MoE with TP > 1 without sequence parallelism).
+if [ "${NUM_EXPERTS:-4}" -gt 0 ]; then
+  MODEL_ARGS+=(--num-experts "${NUM_EXPERTS:-4}" --moe-router-topk 2 --moe-ffn-hidden-size 256
+    --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-2
+    --moe-token-dispatcher-type alltoall)   # packs differ in length: allgather needs equal counts
+fi
 # Without CUDA the launcher runs the ranks through megatron_mm_balance.testing.cpu_pretrain
 # (gloo, CPU stand-ins for CUDA-only pieces, a 2-layer CLIP; docs/cpu_e2e.md) with these flags.
 CPU_HARNESS=auto

@@ -20,6 +20,9 @@ rewriting, streams/events, the RNG tracker, ``te_general_gemm``):
   ``torch.compile`` to the CUDA RNG).
 * ``_initialize_distributed`` builds the model-parallel groups only when
   ``torch.cuda.device_count() > 0``: it runs with a device count of 1.
+* ``validate_args`` asks the GPU's architecture (``get_device_arch_version``)
+  when TP or CP > 1: answered as Hopper (9), the settings the GPU configs are
+  validated for.
 * the legacy fused kernels are compiled with nvcc at start-up
   (``megatron.legacy.fused_kernels.load``): a no-op (the config turns the
   fusions off).
@@ -36,11 +39,16 @@ rewriting, streams/events, the RNG tracker, ``te_general_gemm``):
   ``--vision-model-type clip`` (``examples/multimodal/config.py``): the
   harness shrinks it to :data:`TINY_VIT` after the example builds its config,
   so two CPU cores can train it; a CPU-only concern, so it lives here and
-  not in ``patches/``.
+  not in ``patches/``. Likewise the vision projection's FFN
+  (:data:`TINY_PROJECTION_FFN`) and the language model's dense FFN
+  (:data:`TINY_LM_FFN`; the example hard-codes 18944 for ``qwen2.5_7B``).
 * without transformer-engine the example's no-TE specs need what only TE
   provides: CLIP's ``ln_pre`` defaults to ``torch.nn.LayerNorm`` (rejects the
   ``config`` argument) -> megatron's ``WrappedTorchNorm``; the vision
-  projection's norm spec is TE-only -> the local norm spec; local
+  projection's norm spec is TE-only -> the local norm spec; the example's
+  ``layer_specs.HAVE_TE`` is True without TE (megatron's TE wrapper module
+  imports) and gives the dense LM ``TENorm`` for RMSNorm -> False (and the
+  ``TORCH_VERSION``/``HAVE_APEX`` its no-TE branch reads but never defines); local
   ``DotProductAttention`` refuses packed sequences -> attention restricted
   to each packed sample by a block-diagonal causal mask built from
   ``cu_seqlens`` (the same result TE's THD attention computes); and the
@@ -57,10 +65,7 @@ rewriting, streams/events, the RNG tracker, ``te_general_gemm``):
   every parameter one shared ``step`` tensor, which AdamW's in-place increment
   would advance once per parameter: each parameter gets its own copy.
 * releases differ (checked by capability, not version): the fused-kernel
-  compile step exists only up to core_v0.18.2; from core_v0.19.0 the example
-  learns that TE is absent and takes its no-TE RMSNorm path, which reads an
-  undefined ``TORCH_VERSION`` (and, without apex, ``HAVE_APEX``) in
-  ``examples/multimodal/layer_specs.py``: defined here when missing.
+  compile step exists only up to core_v0.18.2 (shimmed only where it exists).
 * Megatron compiles its dataset index helpers with ``make`` at start-up;
   the energon data path never calls them: skipped.
 """
@@ -76,6 +81,9 @@ TINY_VIT = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_g
 """The CPU vision encoder: CLIP's architecture (LayerNorm, quick-GELU, biases), 2 small layers."""
 TINY_PROJECTION_FFN = 256
 """Hidden size of the vision projection MLP on CPU (the example sizes it for a 7B LM)."""
+TINY_LM_FFN = 512
+"""Dense FFN size of the language model on CPU (the example hard-codes 18944 for qwen2.5_7B;
+MoE layers use --moe-ffn-hidden-size)."""
 
 _DONE = False
 
@@ -229,6 +237,9 @@ def install() -> None:
     if hasattr(minit, "fused_kernels"):      # core_v0.19.0 no longer compiles them
         minit.fused_kernels.load = lambda args: None
 
+    from megatron.training import arguments as margs
+    margs.get_device_arch_version = lambda: 9   # validate_args asks the GPU's arch under TP/CP > 1
+
     from megatron.core.datasets import utils as dutils
     dutils.compile_helpers = lambda: None
 
@@ -257,6 +268,15 @@ def _shrink_clip() -> None:
         config.ffn_hidden_size = TINY_PROJECTION_FFN
         return config
 
+    orig_lm = mm_config.get_language_model_config
+
+    def get_language_model_config(config):
+        config = orig_lm(config)
+        config.ffn_hidden_size = TINY_LM_FFN
+        return config
+
+    mm_config.get_language_model_config = get_language_model_config
+    mm_model.get_language_model_config = get_language_model_config
     mm_config.get_vision_model_config = get_vision_model_config
     mm_model.get_vision_model_config = get_vision_model_config
     mm_config.get_vision_projection_config = get_vision_projection_config
@@ -302,13 +322,14 @@ def _local_specs() -> None:
 
     mm_model.get_norm_mlp_module_spec_te = get_norm_mlp_module_spec_local
 
-    # The example's no-TE RMSNorm path reads TORCH_VERSION (never defined) and HAVE_APEX
-    # (defined only with apex); it is reached once megatron-core reports TE's absence to
-    # the example (core_v0.19.0).
-    import layer_specs
-    for name, value in (("TORCH_VERSION", torch.__version__.split(".")), ("HAVE_APEX", False)):
-        if not hasattr(layer_specs, name):
-            setattr(layer_specs, name, value)
+    import layer_specs as mm_specs  # examples/multimodal/layer_specs.py
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        mm_specs.HAVE_TE = False    # it imports megatron's TE wrappers, which exist without TE
+        # its no-TE RMSNorm branch reads a TORCH_VERSION it never defines
+        mm_specs.TORCH_VERSION = getattr(mm_specs, "TORCH_VERSION", torch.__version__.split("."))
+        mm_specs.HAVE_APEX = getattr(mm_specs, "HAVE_APEX", False)    # and HAVE_APEX
 
     orig_forward = dpa.DotProductAttention.forward
 

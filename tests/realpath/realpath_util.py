@@ -20,8 +20,11 @@ from typing import Dict, List, Optional
 
 REPO = Path(__file__).resolve().parents[2]
 TAG = "core_v0.16.1"
-ARCHIVE = REPO.parent / "shared" / "megatron-lm" / f"Megatron-LM-{TAG}.tar.gz"
-CACHE = REPO / ".megatron-lm"
+#: The release archive: ``shared/megatron-lm/`` beside the clone (CI), or beside its parent.
+ARCHIVES = [d / "shared" / "megatron-lm" / f"Megatron-LM-{TAG}.tar.gz" for d in (REPO.parent, REPO.parent.parent)]
+ARCHIVE = next((a for a in ARCHIVES if a.is_file()), ARCHIVES[0])
+#: Unpacked, patched trees (gitignored; .megatron-lm/ is the glue tests' git checkout).
+CACHE = REPO / ".megatron-lm-cache"
 LAUNCHER = REPO / "scripts" / "pretrain_vlm_moe.sh"
 CONFIG = REPO / "configs" / "megatron" / "tiny_cpu.sh"
 
@@ -44,7 +47,7 @@ def megatron_lm_dir() -> Optional[Path]:
 
     ``MEGATRON_LM_DIR`` when set (used as is: the launcher refuses it if patches are
     pending); otherwise the release archive beside the repository, unpacked and patched
-    once into ``.megatron-lm/<tag>-<digest of patches/>`` (a changed patch gets a fresh tree).
+    once into ``.megatron-lm-cache/<tag>-<digest of patches/>`` (a changed patch gets a fresh tree).
     """
     env = os.environ.get("MEGATRON_LM_DIR")
     if env:

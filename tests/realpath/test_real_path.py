@@ -27,7 +27,7 @@ LAYOUTS = {
     "dp2_ep2": (6, {}),                       # the config's default: DP=2 x EP=2 (MoE alltoall)
     "dp4": (3, {"EP": 1}),
     "pp2_dp2": (3, {"EP": 1, "PP": 2}),       # vision encoder on the first stage
-    "tp2_dp2": (3, {"EP": 1, "TP": 2}),
+    "tp2_dp2": (3, {"EP": 1, "TP": 2, "NUM_EXPERTS": 0}),  # dense: MoE + TP needs sequence parallel
 }
 RUN_TIMEOUT_S = 600
 
@@ -129,7 +129,13 @@ def _alive(pid: int) -> bool:
 
 
 def test_killed_peer_fails_fast(megatron_lm, dataset, runs_dir):
-    """A rank killed mid-run: every rank exits non-zero within --mm-balance-timeout, no hang."""
+    """A rank SIGKILLed mid-run: the launcher exits non-zero within --mm-balance-timeout, no rank
+    survives it, and torch.distributed.run's failure report names the killed rank (exit -9).
+
+    Under the launcher the surviving ranks do not get as far as a timed-out collective: the
+    torch.distributed.run agent sees the dead worker and SIGTERMs the others (within its
+    monitor interval, seconds), so their exit comes from the agent, not from our PeerFailure.
+    """
     timeout_s = 30
     env = rp.launcher_env(megatron_lm, dataset, mm_balance=True, output_dir=runs_dir / "kill",
                           train_iters=50)

@@ -25,7 +25,7 @@ REL_TOL = 1e-5
 #: name -> (iterations, launcher environment overrides). DP = 4 / (TP*PP).
 LAYOUTS = {
     "dp2_ep2": (6, {}),                       # the config's default: DP=2 x EP=2 (MoE alltoall)
-    "dp4": (3, {"EP": 1}),
+    "dp4": (3, {"EP": 1, "EVAL_ITERS": 1}),   # also Megatron's final validation (patch 0006)
     "pp2_dp2": (3, {"EP": 1, "PP": 2}),       # vision encoder on the first stage
     "tp2_dp2": (3, {"EP": 1, "TP": 2, "NUM_EXPERTS": 0}),  # dense: MoE + TP needs sequence parallel
 }
@@ -71,6 +71,9 @@ def test_off_on_equal(runner, layout):
     off = runner(layout, False, iters, **env)
     on = runner(layout, True, iters, **env)
     _check_pair(off, on, iters, layout)
+    if env.get("EVAL_ITERS"):
+        for run in (off, on):
+            assert f"validation loss at iteration {iters}" in run.log, "no final validation"
 
 
 def test_resume_equals_uninterrupted(runner, runs_dir):

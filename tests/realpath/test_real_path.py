@@ -25,7 +25,7 @@ REL_TOL = 1e-5
 #: name -> (iterations, launcher environment overrides). DP = 4 / (TP*PP).
 LAYOUTS = {
     "dp2_ep2": (6, {}),                       # the config's default: DP=2 x EP=2 (MoE alltoall)
-    "dp4": (3, {"EP": 1, "EVAL_ITERS": 1}),   # also Megatron's final validation (patch 0006)
+    "dp4": (3, {"EP": 1, "EVAL_ITERS": 1}),   # also Megatron's final validation (patch 0007)
     "pp2_dp2": (3, {"EP": 1, "PP": 2}),       # vision encoder on the first stage
     "tp2_dp2": (3, {"EP": 1, "TP": 2, "NUM_EXPERTS": 0}),  # dense: MoE + TP needs sequence parallel
 }

@@ -65,6 +65,8 @@ DEFAULT_SEED = 1234
 DEFAULT_TILE_SIZE = 56
 #: Share of training samples that are multi-turn conversations (the rest are captions).
 CONVERSATION_SHARE = 0.2
+#: Enough samples of each kind in each split for a few data-parallel ranks to get some.
+MIN_SAMPLES, MIN_CONVERSATIONS = 16, 4
 
 _COLORS = ("red", "green", "blue", "yellow", "purple", "orange", "white", "black", "gray", "cyan")
 _RGB = {"red": (200, 40, 40), "green": (40, 160, 60), "blue": (40, 70, 200), "yellow": (230, 210, 50),
@@ -366,11 +368,11 @@ def make_dataset(out_dir, samples: int = DEFAULT_SAMPLES, seed: int = DEFAULT_SE
     """Write the dataset, its metadataset and the tokenizer under ``out_dir``; return a summary.
 
     ``samples`` training samples (captions and conversations together) plus a
-    validation split of ``max(8, samples // 8)``; an existing directory written by
+    validation split of ``max(16, samples // 8)``; an existing directory written by
     this function is replaced.
     """
-    if isinstance(samples, bool) or not isinstance(samples, int) or samples < 8:
-        raise MakeDatasetError(f"--samples must be an integer >= 8, got {samples!r}")
+    if isinstance(samples, bool) or not isinstance(samples, int) or samples < MIN_SAMPLES:
+        raise MakeDatasetError(f"--samples must be an integer >= {MIN_SAMPLES}, got {samples!r}")
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise MakeDatasetError(f"--seed must be an integer >= 0, got {seed!r}")
     if not isinstance(tile_size, int) or not 14 <= tile_size <= 1024:
@@ -389,8 +391,8 @@ def make_dataset(out_dir, samples: int = DEFAULT_SAMPLES, seed: int = DEFAULT_SE
     summary = Summary(out, out / "dataset.yaml", out / "tokenizer", PROMPT_FORMAT, tile_size)
     texts: List[str] = []
     records: Dict[str, Dict[str, List[Dict[str, bytes]]]] = {"captions": {}, "conversations": {}}
-    for split, n in (("train", samples), ("val", max(8, samples // 8))):
-        n_conv = max(1, round(n * CONVERSATION_SHARE))
+    for split, n in (("train", samples), ("val", max(MIN_SAMPLES, samples // 8))):
+        n_conv = max(MIN_CONVERSATIONS, round(n * CONVERSATION_SHARE))
         kinds = ["conversations"] * n_conv + ["captions"] * (n - n_conv)
         rng.shuffle(kinds)
         for kind in records:

@@ -132,6 +132,9 @@ ARGS=(
   --use-distributed-optimizer
   --tokenizer-type MultimodalTokenizer --tokenizer-model "$TOKENIZER_MODEL"
   --tokenizer-prompt-format "$PROMPT_FORMAT"
+  # The example's own default, stated: from core_v0.18.2 Megatron's --tokenizer-special-tokens
+  # shares its dest and shadows that default with None.
+  --special-tokens "<image>"
   --dataloader-type external --data-path "$DATA_PATH" --num-workers "${NUM_WORKERS:-4}" --split 100,0,0
   --prompt-path "$MEGATRON_LM_DIR/examples/multimodal/manual_prompts.json"
   --save "$OUTPUT_DIR/checkpoints" --load "$OUTPUT_DIR/checkpoints" --save-interval 1000

@@ -64,6 +64,8 @@ rewriting, streams/events, the RNG tracker, ``te_general_gemm``):
   instead of failing with ``KeyError: 'step'``; and ``load_state_dict`` gives
   every parameter one shared ``step`` tensor, which AdamW's in-place increment
   would advance once per parameter: each parameter gets its own copy.
+* releases differ (checked by capability, not version): the fused-kernel
+  compile step exists only up to core_v0.18.2 (shimmed only where it exists).
 * Megatron compiles its dataset index helpers with ``make`` at start-up;
   the energon data path never calls them: skipped.
 """

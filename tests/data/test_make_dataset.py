@@ -51,7 +51,8 @@ def test_energon_loads_both_splits_with_the_sample_types(dataset_dir):
             assert samples and all(isinstance(s, cls) for s in samples), (kind, split)
             seen[kind, split] = samples
     assert len(seen["captions", "train"]) + len(seen["conversations", "train"]) == 96
-    assert len(seen["captions", "val"]) + len(seen["conversations", "val"]) == 12
+    assert len(seen["captions", "val"]) + len(seen["conversations", "val"]) == 16
+    assert all(len(seen["conversations", split]) >= 4 for split in ("train", "val"))
     cap = seen["captions", "train"][0]
     assert isinstance(cap.image, Image.Image) and cap.caption.strip()
     conv = seen["conversations", "train"][0]
@@ -103,7 +104,7 @@ def run_main(capsys, *args):
 
 
 @pytest.mark.parametrize("args, needle", [
-    (["--samples", "0"], "--samples must be an integer >= 8"),
+    (["--samples", "0"], "--samples must be an integer >= 16"),
     (["--samples", "many"], "invalid int value"),
     (["--seed", "-1"], "--seed must be an integer >= 0"),
     (["--tile-size", "3"], "--tile-size"),
@@ -121,7 +122,7 @@ def test_cli_refuses_foreign_output_dirs(tmp_path, capsys):
     (tmp_path / "busy" / "notes.txt").write_text("keep me")
     (tmp_path / "file").write_text("x")
     for target, needle in ((tmp_path / "busy", "not empty"), (tmp_path / "file", "not a directory")):
-        code, _, err = run_main(capsys, "make-dataset", target, "--samples", "8")
+        code, _, err = run_main(capsys, "make-dataset", target, "--samples", "16")
         assert code == 2 and len(err.strip().splitlines()) == 1 and needle in err, err
     assert (tmp_path / "busy" / "notes.txt").read_text() == "keep me"
     code, _, err = run_main(capsys, "make-dataset")

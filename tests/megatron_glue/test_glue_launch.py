@@ -108,7 +108,8 @@ argv = [l for l in open(argv_file).read().split("\n") if l]
 argv = argv[argv.index("examples/multimodal/train.py") + 1:]
 from multimodal_args import add_multimodal_extra_args
 import megatron.training.arguments as A
-A.get_device_arch_version = lambda: 9      # validate as on Hopper: TP > 1 asks the GPU's arch
+A.get_device_arch_version = lambda: 9      # validate as on Hopper: TP > 1 asks the GPU's arch,
+A.torch.cuda.get_device_capability = lambda *a, **k: (9, 0)   # --moe-grouped-gemm its capability
 sys.argv = ["train.py"] + argv
 args = A.validate_args(A.parse_args(extra_args_provider=add_multimodal_extra_args),
                        {"tokenizer_type": "GPT2BPETokenizer"})

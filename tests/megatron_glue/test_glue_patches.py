@@ -26,7 +26,7 @@ TARGETS = {"megatron/training/arguments.py", "megatron/training/training.py",
 # Files later patches touch too (examples/multimodal's task encoder switch and test loader,
 # Megatron's dataloader checkpoint directory; the last fixed upstream in core_v0.19.0).
 EXTRA_TARGETS = {"examples/multimodal/dataloader_provider.py", "megatron/training/checkpointing.py",
-                 "megatron/core/tokenizers/utils/build_tokenizer.py"}
+                 "megatron/core/tokenizers/utils/build_tokenizer.py", "examples/multimodal/train.py"}
 HUNK = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
 SUPPORTED_MSG = "supported releases: core_v0.16.1, core_v0.17.1, core_v0.18.2, core_v0.19.0"
 
@@ -76,9 +76,11 @@ def test_every_supported_release_has_a_patch_set():
 @pytest.mark.parametrize("tag", RELEASES)
 def test_patch_files_are_well_formed_unified_diffs(tag):
     patches = PATCH_SETS[tag]
-    # 0007: core_v0.17.1+ only (their MultimodalTokenizer never got its path).
-    extra = [] if tag == "core_v0.16.1" else ["0007"]
-    assert [p.name[:4] for p in patches] == ["0001", "0002", "0003", "0004", "0005", "0006"] + extra
+    # 0006 (checkpointing): not for core_v0.19.0 (fixed upstream); 0008: core_v0.17.1+ (their
+    # MultimodalTokenizer never got its path); 0009: core_v0.19.0 (train.py and pretrain()).
+    want = {"core_v0.16.1": ["0006", "0007"], "core_v0.19.0": ["0007", "0008", "0009"]}.get(
+        tag, ["0006", "0007", "0008"])
+    assert [p.name[:4] for p in patches] == ["0001", "0002", "0003", "0004", "0005"] + want
     added = 0
     for p in patches:
         for target, hunks in parse_patch(p.read_text()):
@@ -198,7 +200,7 @@ def test_patch_dir_inside_another_git_repository(mlm_trees, tmp_path):
     git(tmp_path, "init", "-q")
     d = mlm_trees.copy("core_v0.16.1", tmp_path / "vendor", "plain")
     r = run_script(d)
-    assert r.returncode == 0 and "applied 6 patch(es)" in r.stdout, r.stderr
+    assert r.returncode == 0 and "applied 7 patch(es)" in r.stdout, r.stderr
     assert "megatron_mm_balance" in (d / "megatron/training/training.py").read_text()
 
 

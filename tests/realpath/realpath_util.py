@@ -21,8 +21,13 @@ from typing import Dict, List, Optional
 REPO = Path(__file__).resolve().parents[2]
 TAG = "core_v0.16.1"
 #: The release archive: ``shared/megatron-lm/`` beside the clone (CI), or beside its parent.
-ARCHIVES = [d / "shared" / "megatron-lm" / f"Megatron-LM-{TAG}.tar.gz" for d in (REPO.parent, REPO.parent.parent)]
-ARCHIVE = next((a for a in ARCHIVES if a.is_file()), ARCHIVES[0])
+def archive(tag: str = TAG) -> Path:
+    """The release archive of ``tag`` (the first candidate location when none exists)."""
+    cands = [d / "shared" / "megatron-lm" / f"Megatron-LM-{tag}.tar.gz" for d in (REPO.parent, REPO.parent.parent)]
+    return next((a for a in cands if a.is_file()), cands[0])
+
+
+ARCHIVE = archive(TAG)
 #: Unpacked, patched trees (gitignored; .megatron-lm/ is the glue tests' git checkout).
 CACHE = REPO / ".megatron-lm-cache"
 LAUNCHER = REPO / "scripts" / "pretrain_vlm_moe.sh"
@@ -42,7 +47,7 @@ def _patches_digest() -> str:
     return h.hexdigest()[:12]
 
 
-def megatron_lm_dir() -> Optional[Path]:
+def megatron_lm_dir(tag: str = TAG) -> Optional[Path]:
     """A Megatron-LM core_v0.16.1 tree with ``patches/`` applied, or None if there is none.
 
     ``MEGATRON_LM_DIR`` when set (used as is: the launcher refuses it if patches are
@@ -50,20 +55,21 @@ def megatron_lm_dir() -> Optional[Path]:
     once into ``.megatron-lm-cache/<tag>-<digest of patches/>`` (a changed patch gets a fresh tree).
     """
     env = os.environ.get("MEGATRON_LM_DIR")
-    if env:
+    if env and tag == TAG:
         return Path(env)
-    if not ARCHIVE.is_file():
+    src = archive(tag)
+    if not src.is_file():
         return None
-    dest = CACHE / f"{TAG}-{_patches_digest()}"
-    tree = dest / f"Megatron-LM-{TAG}"
+    dest = CACHE / f"{tag}-{_patches_digest()}"
+    tree = dest / f"Megatron-LM-{tag}"
     if (dest / ".ready").is_file():
         return tree
     tmp = CACHE / f".unpack-{os.getpid()}"
     subprocess.run(["rm", "-rf", str(tmp)], check=True)
     tmp.mkdir(parents=True)
-    with tarfile.open(ARCHIVE) as tf:
+    with tarfile.open(src) as tf:
         tf.extractall(tmp, filter="data")
-    subprocess.run(["bash", str(REPO / "scripts" / "apply_patches.sh"), str(tmp / f"Megatron-LM-{TAG}")],
+    subprocess.run(["bash", str(REPO / "scripts" / "apply_patches.sh"), str(tmp / f"Megatron-LM-{tag}")],
                    check=True, timeout=120, stdout=subprocess.DEVNULL)
     (tmp / ".ready").write_text("patched\n")
     subprocess.run(["rm", "-rf", str(dest)], check=True)
@@ -117,12 +123,12 @@ def parse_moved(log: str) -> Dict[int, int]:
 
 
 def launcher_env(mlm: Path, data: Dict[str, str], *, mm_balance: bool, output_dir: Path,
-                 train_iters: int, **layout: int) -> Dict[str, str]:
+                 train_iters: int, python: str = sys.executable, **layout: int) -> Dict[str, str]:
     env = dict(os.environ)
     env.update(MEGATRON_LM_DIR=str(mlm), DATA_PATH=data["DATA_PATH"],
                TOKENIZER_MODEL=data["TOKENIZER_MODEL"], MM_BALANCE="1" if mm_balance else "0",
                OUTPUT_DIR=str(output_dir), TRAIN_ITERS=str(train_iters),
-               PYTHON=sys.executable, MASTER_PORT=str(free_port()),
+               PYTHON=python, MASTER_PORT=str(free_port()),
                PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     for k, v in layout.items():
         env[k.upper()] = str(v)

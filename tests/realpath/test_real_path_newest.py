@@ -1,0 +1,93 @@
+"""The user's path on the newest supported release, core_v0.19.0, under Python 3.12.
+
+The same launcher and config as test_real_path.py (``scripts/pretrain_vlm_moe.sh --config
+configs/megatron/tiny_cpu.sh``, 4 CPU ranks over gloo through the CPU harness), against
+``Megatron-LM-core_v0.19.0`` from the release archives, patched with
+``patches/core_v0.19.0/``, run by the interpreter of ``scripts/setup_env_py312.sh``
+(built here when missing; skipped with the reason only when it cannot be built):
+DP=2 x EP=2 off vs on with equal per-iteration lm loss, and one resume.
+Slow: ``python -m pytest tests/realpath -m realpath``.
+"""
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+import realpath_util as rp
+
+pytestmark = [pytest.mark.realpath, pytest.mark.timeout(3600)]
+
+TAG = "core_v0.19.0"
+REL_TOL = 1e-5
+ITERS = 6
+RUN_TIMEOUT_S = 900
+
+
+@pytest.fixture(scope="module")
+def py312() -> str:
+    try:
+        r = subprocess.run(["bash", str(rp.REPO / "scripts" / "setup_env_py312.sh")], capture_output=True,
+                           text=True, timeout=1800)
+    except subprocess.TimeoutExpired:
+        pytest.skip("scripts/setup_env_py312.sh did not finish in 30 minutes")
+    if r.returncode != 0:
+        pytest.skip(f"the Python 3.12 environment cannot be built here: {(r.stderr or r.stdout).strip()[-500:]}")
+    return r.stdout.strip().splitlines()[-1]
+
+
+@pytest.fixture(scope="module")
+def tree() -> Path:
+    t = rp.megatron_lm_dir(TAG)
+    if t is None:
+        pytest.skip(f"no Megatron-LM {TAG}: provide {rp.archive(TAG)}")
+    return t
+
+
+@pytest.fixture(scope="module")
+def runner(py312, tree, dataset, runs_dir):
+    cache = {}
+
+    def go(name, mm_balance, extra=(), output=None):
+        if name not in cache:
+            out = output or runs_dir / f"{TAG}-{name}"
+            env = rp.launcher_env(tree, dataset, mm_balance=mm_balance, output_dir=out, train_iters=ITERS,
+                                  python=py312)
+            cache[name] = rp.run(env, list(extra), log_path=runs_dir / f"{TAG}-{name}.log",
+                                 timeout=RUN_TIMEOUT_S)
+        return cache[name]
+
+    return go
+
+
+def test_dp2_ep2_off_on_equal(runner):
+    off, on = runner("off", False), runner("on", True)
+    table = rp.loss_table({"off": off, "on": on})
+    assert off.rc == 0, f"off: exit {off.rc}\n{off.tail()}"
+    assert on.rc == 0, f"on: exit {on.rc}\n{on.tail()}"
+    want = list(range(1, ITERS + 1))
+    assert sorted(off.losses) == want and sorted(on.losses) == want, table
+    diff = rp.max_rel_diff(on.losses, off.losses, want)
+    print(f"\n{TAG} DP=2 x EP=2: max relative lm-loss difference {diff:.2e}; packs moved "
+          f"{[on.moved[i] for i in sorted(on.moved)]}; wall off {off.wall_s:.0f}s on {on.wall_s:.0f}s\n{table}")
+    assert diff <= REL_TOL, f"lm loss off vs on differs by {diff:.2e} > {REL_TOL}\n{table}"
+    assert not off.moved and sum(on.moved.values()) > 0, on.tail()
+
+
+def test_resume_equals_uninterrupted(runner, runs_dir):
+    full = runner("on", True)
+    out = runs_dir / f"{TAG}-resume"
+    first = runner("resume-first", True, extra=["--exit-interval", "3"], output=out)
+    second = runner("resume-second", True, output=out)
+    table = rp.loss_table({"uninterrupted": full, "first job": first, "resumed": second})
+    print(f"\n{TAG} resume (DP=2 x EP=2, --mm-balance):\n{table}")
+    assert full.rc == 0 and first.rc == 0 and second.rc == 0, (
+        f"exit {full.rc}/{first.rc}/{second.rc}\n{second.tail()}")
+    assert sorted(first.losses) == [1, 2, 3], table
+    assert sorted(second.losses) == [4, 5, 6], f"the second job did not resume at iteration 4\n{table}"
+    assert "restored dataset state" in second.log, "energon dataloader state was not restored"
+    assert rp.max_rel_diff(first.losses, full.losses, [1, 2, 3]) <= REL_TOL, table
+    diff = rp.max_rel_diff(second.losses, full.losses, [4, 5, 6])
+    assert diff <= REL_TOL, f"resumed iterations differ by {diff:.2e}\n{table}"
+    assert sum(second.moved.values()) > 0, "no packs moved after the resume"

@@ -186,3 +186,21 @@ def loss_table(runs: Dict[str, Run]) -> str:
         lines.append(f"{i:>4} " + " ".join(
             f"{runs[n].losses[i]:>14.6E}" if i in runs[n].losses else f"{'-':>14}" for n in names))
     return "\n".join(lines)
+
+
+def check_resume(full: "Run", first: "Run", second: "Run", label: str, rel_tol: float) -> str:
+    """Assert that a job stopped after iteration 3 and resumed from the same OUTPUT_DIR
+    equals the uninterrupted run (iterations 1-3 and 4-6), with the energon dataloader
+    state restored and packs still moving; returns the loss table."""
+    table = loss_table({"uninterrupted": full, "first job": first, "resumed": second})
+    print(f"\n{label}:\n{table}")
+    assert full.rc == 0 and first.rc == 0 and second.rc == 0, (
+        f"exit {full.rc}/{first.rc}/{second.rc}\n{second.tail()}")
+    assert sorted(first.losses) == [1, 2, 3], table
+    assert sorted(second.losses) == [4, 5, 6], f"the second job did not resume at iteration 4\n{table}"
+    assert "restored dataset state" in second.log, "energon dataloader state was not restored"
+    assert max_rel_diff(first.losses, full.losses, [1, 2, 3]) <= rel_tol, table
+    diff = max_rel_diff(second.losses, full.losses, [4, 5, 6])
+    assert diff <= rel_tol, f"resumed iterations differ by {diff:.2e}\n{table}"
+    assert sum(second.moved.values()) > 0, "no packs moved after the resume"
+    return table

@@ -80,14 +80,4 @@ def test_resume_equals_uninterrupted(runner, runs_dir):
     out = runs_dir / f"{TAG}-resume"
     first = runner("resume-first", True, extra=["--exit-interval", "3"], output=out)
     second = runner("resume-second", True, output=out)
-    table = rp.loss_table({"uninterrupted": full, "first job": first, "resumed": second})
-    print(f"\n{TAG} resume (DP=2 x EP=2, --mm-balance):\n{table}")
-    assert full.rc == 0 and first.rc == 0 and second.rc == 0, (
-        f"exit {full.rc}/{first.rc}/{second.rc}\n{second.tail()}")
-    assert sorted(first.losses) == [1, 2, 3], table
-    assert sorted(second.losses) == [4, 5, 6], f"the second job did not resume at iteration 4\n{table}"
-    assert "restored dataset state" in second.log, "energon dataloader state was not restored"
-    assert rp.max_rel_diff(first.losses, full.losses, [1, 2, 3]) <= REL_TOL, table
-    diff = rp.max_rel_diff(second.losses, full.losses, [4, 5, 6])
-    assert diff <= REL_TOL, f"resumed iterations differ by {diff:.2e}\n{table}"
-    assert sum(second.moved.values()) > 0, "no packs moved after the resume"
+    rp.check_resume(full, first, second, f"{TAG} resume (DP=2 x EP=2, --mm-balance)", REL_TOL)

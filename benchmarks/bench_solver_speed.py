@@ -1,0 +1,61 @@
+"""Solver time of the delivered plan, per cost kind and node awareness (performance v2).
+
+For DP x GA in ``--shapes``, draws global batches from the packed ``heldout``
+mixture (one set of batches per shape, shared by every column) and times
+``placement.plan_placement`` with scalar costs (image tokens) and two-phase costs
+(``vlm_30b_moe`` vision and language microseconds), flat and with 8 ranks per
+node. Prints p50 and max CPU time per cell (CPU time: other jobs on a shared
+machine do not count; on an idle core it equals wall time). Run on one core:
+
+    nice -n 10 taskset -c 0 python benchmarks/bench_solver_speed.py
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import numpy as np
+
+from megatron_mm_balance import mixtures
+from megatron_mm_balance.placement import plan_placement
+from megatron_mm_balance.sim.engine import pack_phases
+from megatron_mm_balance.sim.pool import build_pool
+from megatron_mm_balance.sim.timing import load_timing
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default="1024x16:7,4096x32:5", help="DPxGA:batches, comma separated")
+    ap.add_argument("--ranks-per-node", type=int, default=8)
+    args = ap.parse_args(argv)
+    pool = build_pool(mixtures.make_mixture("heldout", n=40_000, seed=0), 8192)
+    scalar = pool.image_tokens.astype(np.int64)
+    pairs = pack_phases(pool, load_timing("vlm_30b_moe"), balance_cost="two-phase").cost
+    rpn = args.ranks_per_node
+    cols = [("scalar", None), ("scalar", rpn), ("two-phase", None), ("two-phase", rpn)]
+    print(f"cpu affinity {sorted(os.sched_getaffinity(0))}; {len(pool)} packs of 'heldout'; "
+          f"CPU ms of plan_placement, p50 / max")
+    head = f"{'DP x GA':>10} | " + " | ".join(f"{k + (', flat' if n is None else f', {n}/node'):>22}"
+                                             for k, n in cols)
+    print(head)
+    print("-" * len(head))
+    for spec in args.shapes.split(","):
+        shape, batches = spec.split(":")
+        D, G = (int(x) for x in shape.split("x"))
+        rng = np.random.default_rng([D, G])
+        picks = [rng.integers(0, len(pool), size=(D, G)) for _ in range(int(batches))]
+        cells = []
+        for kind, n in cols:
+            ts = []
+            for idx in picks:
+                c = scalar[idx] if kind == "scalar" else pairs[idx]
+                t0 = time.process_time()
+                plan_placement(c, ranks_per_node=n)
+                ts.append((time.process_time() - t0) * 1e3)
+            cells.append(f"{np.median(ts):>9.1f} / {np.max(ts):>9.1f}")
+        print(f"{shape:>10} | " + " | ".join(f"{c:>22}" for c in cells), flush=True)
+
+
+if __name__ == "__main__":
+    main()

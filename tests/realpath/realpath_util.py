@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional
 
+from megatron_mm_balance.runtime.bench import free_port
+
 REPO = Path(__file__).resolve().parents[2]
 TAG = "core_v0.16.1"
 #: The release archive: ``shared/megatron-lm/`` beside the clone (CI), or beside its parent.
@@ -133,13 +135,6 @@ def launcher_env(mlm: Path, data: Dict[str, str], *, mm_balance: bool, output_di
     for k, v in layout.items():
         env[k.upper()] = str(v)
     return env
-
-
-def free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(env: Dict[str, str], extra: List[str] = (), *, log_path: Path, timeout: float = 600.0) -> subprocess.Popen:

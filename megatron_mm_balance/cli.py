@@ -113,19 +113,24 @@ def cmd_pack(args) -> int:
 # place
 
 def place_batches(costs: np.ndarray, dp: int, ga: int, sync: str, tolerance: float,
-                  out=None) -> dict:
-    """Solve consecutive global batches of ``costs`` (batch b, rank r, index m holds
-    pack ``b*dp*ga + r*ga + m``) and aggregate the metrics."""
+                  out=None, ranks_per_node: int | None = None) -> dict:
+    """Plan consecutive global batches of ``costs`` (batch b, rank r, index m holds
+    pack ``b*dp*ga + r*ga + m``) exactly as the runtime delivers them
+    (:func:`placement.plan_placement`: solve, then order the micro-steps) and
+    aggregate the metrics; ``--out`` gets each batch's delivered slots."""
     per = dp * ga
     n_batches = len(costs) // per
-    times, metrics, ms_num, base_ms_num, denom = [], [], 0, 0, 0.0
+    from .topology import traffic
+    times, metrics, ms_num, base_ms_num, denom, inter = [], [], 0, 0, 0.0, 0
     for b in range(n_batches):
         c = costs[b * per:(b + 1) * per].reshape(dp, ga)
         t0 = time.perf_counter()
-        pl = placement.solve_placement(c, sync=sync, balance_tolerance=tolerance)
+        pl = placement.plan_placement(c, sync=sync, balance_tolerance=tolerance,
+                                      ranks_per_node=ranks_per_node)
         times.append((time.perf_counter() - t0) * 1000.0)
         st = placement.PlanStats.of(c, pl)
         metrics.append(st.metrics())
+        inter += traffic(pl.src_rank, ranks_per_node)["inter_node_packs"]
         # The micro-step ratio aggregates over batches: sum of objectives / sum of ideals.
         ms_num += st.microstep_cost_after
         base_ms_num += st.microstep_cost_before
@@ -138,6 +143,8 @@ def place_batches(costs: np.ndarray, dp: int, ga: int, sync: str, tolerance: flo
         "skipped_packs": int(len(costs) - n_batches * per),
         "solver_ms_p50": float(np.median(times)), "solver_ms_max": float(np.max(times)),
         "moved_fraction": sum(m["moved"] for m in metrics) / (n_batches * per),
+        "ranks_per_node": ranks_per_node,
+        "inter_node_fraction": inter / (n_batches * per),
         "microstep_ratio": float(ms_num / denom) if denom else 1.0,
         "rank_ratio": max(m["rank_ratio"] for m in metrics),
         "baseline_microstep_ratio": float(base_ms_num / denom) if denom else 1.0,
@@ -151,13 +158,16 @@ def cmd_place(args) -> int:
         raise CliError(f"--dp and --ga must be >= 1, got --dp {args.dp} --ga {args.ga}")
     if args.balance_tolerance < 0:
         raise CliError(f"--balance-tolerance must be >= 0, got {args.balance_tolerance}")
+    if args.ranks_per_node is not None and args.ranks_per_node < 1:
+        raise CliError(f"--ranks-per-node must be >= 1, got {args.ranks_per_node}")
     costs = read_pack_costs(args.packs)
     if len(costs) < args.dp * args.ga:
         raise CliError(f"{args.packs}: {len(costs)} packs, fewer than one global batch "
                        f"(--dp {args.dp} x --ga {args.ga} = {args.dp * args.ga})")
     out = open(args.out, "w", encoding="utf-8") if args.out else None
     try:
-        report = place_batches(costs, args.dp, args.ga, args.sync, args.balance_tolerance, out)
+        report = place_batches(costs, args.dp, args.ga, args.sync, args.balance_tolerance, out,
+                               ranks_per_node=args.ranks_per_node)
     finally:
         if out is not None:
             out.close()
@@ -176,7 +186,9 @@ def _place_summary(r: dict) -> str:
         + (f"  (optimum reached within {r['microstep_vs_optimum_max']:.4f})" if r["sync"] == "microstep"
            else "  (step mode evens rank totals only)"),
         f"  max rank total / mean        : {r['baseline_rank_ratio']:.4f} -> {r['rank_ratio']:.4f}",
-        f"  packs moved                  : {100 * r['moved_fraction']:.1f}%",
+        f"  packs moved                  : {100 * r['moved_fraction']:.1f}%"
+        + (f" ({100 * r['inter_node_fraction']:.1f}% across nodes of {r['ranks_per_node']} ranks)"
+           if r.get("ranks_per_node") else ""),
         f"  solver time                  : p50 {r['solver_ms_p50']:.2f} ms, max {r['solver_ms_max']:.2f} ms",
     ]
     return "\n".join(lines)
@@ -252,6 +264,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--ga", type=int, required=True, help="micro-batches per global batch")
     pl.add_argument("--sync", choices=placement.SYNC_MODES, default="microstep")
     pl.add_argument("--balance-tolerance", type=float, default=placement.DEFAULT_BALANCE_TOLERANCE)
+    pl.add_argument("--ranks-per-node", type=int, default=None,
+                    help="ranks per node: prefer intra-node moves (default: one node, no preference)")
     pl.add_argument("--out", help="write PLACEMENT.jsonl")
     pl.add_argument("--json", action="store_true", help="print one JSON object")
     pl.set_defaults(func=cmd_place)

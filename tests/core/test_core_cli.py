@@ -65,6 +65,31 @@ def test_place_contract(capsys, packs_file, tmp_path):
         assert sorted((s[0], s[1]) for s in slots) == [(r, m) for r in range(16) for m in range(8)]
 
 
+def test_place_writes_the_delivered_plan(capsys, packs_file, tmp_path):
+    """--out holds what the runtime delivers (solve, then the micro-step order), not the
+    solver's raw slots; --ranks-per-node reaches the solver and the report."""
+    import numpy as np
+
+    from megatron_mm_balance.cli import read_pack_costs
+    from megatron_mm_balance.placement import plan_placement, solve_placement
+    out = tmp_path / "placement.jsonl"
+    code, stdout, _ = run(capsys, "place", str(packs_file), "--dp", "16", "--ga", "8",
+                          "--ranks-per-node", "4", "--out", str(out), "--json")
+    assert code == 0
+    rep = json.loads(stdout)
+    assert rep["ranks_per_node"] == 4 and 0 < rep["inter_node_fraction"] <= rep["moved_fraction"]
+    costs = read_pack_costs(str(packs_file))
+    reordered = 0
+    for b, line in enumerate(out.read_text().splitlines()):
+        c = costs[b * 128:(b + 1) * 128].reshape(16, 8)
+        want = plan_placement(c, ranks_per_node=4)
+        assert json.loads(line)["slots"] == want.slots().tolist()
+        moved = want.moved().sum(axis=0)
+        assert moved[0] == moved.min()
+        reordered += not np.array_equal(want.src_rank, solve_placement(c, ranks_per_node=4).src_rank)
+    assert reordered, "no batch needed a new micro-step order: the check would pass on raw slots"
+
+
 @pytest.mark.parametrize("lines, argv, needle", [
     (None, ["--dp", "2", "--ga", "2"], "no such file"),
     (['{"image_tokens": 5}', '{"image_tokens": '], ["--dp", "1", "--ga", "1"], ":2: malformed JSON"),

@@ -29,19 +29,6 @@ HERE = Path(__file__).parent
 LAUNCH = ROOT / "scripts" / "pretrain_vlm_moe.sh"
 
 
-@pytest.fixture(scope="session")
-def py312():
-    """The Python 3.12 environment's interpreter (built here when missing)."""
-    try:
-        r = subprocess.run(["bash", str(ROOT / "scripts" / "setup_env_py312.sh")], capture_output=True,
-                           text=True, timeout=1800)
-    except subprocess.TimeoutExpired:
-        pytest.skip("scripts/setup_env_py312.sh did not finish in 30 minutes")
-    if r.returncode != 0:
-        pytest.skip(f"the Python 3.12 environment cannot be built here: {(r.stderr or r.stdout).strip()[-500:]}")
-    return r.stdout.strip().splitlines()[-1]
-
-
 def patched(mlm_trees, tmp_path, tag):
     d = mlm_trees.copy(tag, tmp_path / "Megatron-LM")
     r = run_script(d)

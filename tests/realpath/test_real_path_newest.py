@@ -10,7 +10,6 @@ Slow: ``python -m pytest tests/realpath -m realpath``.
 """
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -23,18 +22,6 @@ TAG = "core_v0.19.0"
 REL_TOL = 1e-5
 ITERS = 6
 RUN_TIMEOUT_S = 900
-
-
-@pytest.fixture(scope="module")
-def py312() -> str:
-    try:
-        r = subprocess.run(["bash", str(rp.REPO / "scripts" / "setup_env_py312.sh")], capture_output=True,
-                           text=True, timeout=1800)
-    except subprocess.TimeoutExpired:
-        pytest.skip("scripts/setup_env_py312.sh did not finish in 30 minutes")
-    if r.returncode != 0:
-        pytest.skip(f"the Python 3.12 environment cannot be built here: {(r.stderr or r.stdout).strip()[-500:]}")
-    return r.stdout.strip().splitlines()[-1]
 
 
 @pytest.fixture(scope="module")

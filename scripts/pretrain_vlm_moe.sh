@@ -99,17 +99,29 @@ if [ "${CPU_HARNESS:-off}" = auto ] && [ "$DRY_RUN" != 1 ] && \
   ENTRY=(-m megatron_mm_balance.testing.cpu_pretrain examples/multimodal/train.py)
 fi
 
-# transformer-engine (required on GPU) / apex when present.
+# transformer-engine (required on GPU) / apex when present: one interpreter start probes
+# both (each imports torch), printing "HAS_TE HAS_APEX".
+read -r HAS_TE HAS_APEX < <("$PY" - 2>/dev/null <<'PYEOF' || echo "0 0"
+import importlib
+def ok(name):
+    try:
+        importlib.import_module(name)
+        return 1
+    except Exception:
+        return 0
+print(ok("transformer_engine"), ok("apex"))
+PYEOF
+)
 IMPL_ARGS=()
 if [ "$CPU_RUN" = 1 ]; then
   IMPL_ARGS+=(--transformer-impl local "${CPU_ARGS[@]}")
   MODEL_ARGS=("${MODEL_ARGS[@]/--moe-grouped-gemm/}")      # TE's grouped GEMM only
-elif "$PY" -c "import transformer_engine" >/dev/null 2>&1 || [ "$DRY_RUN" = 1 ]; then
+elif [ "$HAS_TE" = 1 ] || [ "$DRY_RUN" = 1 ]; then
   IMPL_ARGS+=(--transformer-impl transformer_engine --use-te)
 else
   die "transformer-engine is not importable by $PY: examples/multimodal needs it (vision projector and CLIP specs, packed-sequence attention); install it (pip install --no-build-isolation transformer_engine[pytorch]) or use the NGC PyTorch container"
 fi
-if ! "$PY" -c "import apex" >/dev/null 2>&1; then
+if [ "$HAS_APEX" != 1 ]; then
   IMPL_ARGS+=(--no-gradient-accumulation-fusion --no-masked-softmax-fusion)
 fi
 

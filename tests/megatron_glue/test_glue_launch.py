@@ -133,3 +133,24 @@ def test_megatron_accepts_each_config(cfg, tmp_path, mlm_trees):
     assert r.returncode == 0, r.stderr[-3000:]
     dp = world // (v["TP"] * v["PP"] * v["CP"])
     assert f"VALID {world} {dp} {v['EP']} True" in r.stdout
+
+
+def test_gpu_path_refuses_without_transformer_engine_and_probes_apex(tmp_path, mlm_trees):
+    """Without the CPU harness (a GPU config) and no transformer-engine, the launcher stops
+    before torchrun with one message; an importable apex drops the no-fusion flags."""
+    clone = mlm_trees.copy("core_v0.16.1", tmp_path / "Megatron-LM")
+    assert run_script(clone).returncode == 0
+    e = {k: v for k, v in os.environ.items() if k not in ("DRY_RUN", "NNODES", "NPROC_PER_NODE")}
+    e.update(MEGATRON_LM_DIR=str(clone), DATA_PATH=str(tmp_path), OUTPUT_DIR=str(tmp_path / "run"))
+    r = subprocess.run(["bash", str(LAUNCH), "--config", str(ROOT / "configs/megatron/vlm_2b_dense.sh")],
+                       capture_output=True, text=True, env=e, timeout=120)
+    assert r.returncode == 1 and "transformer-engine is not importable" in r.stderr, r.stderr
+    assert "torch.distributed.run" not in r.stdout
+    fake = tmp_path / "fake"
+    fake.mkdir()
+    (fake / "apex.py").write_text("")
+    without = dry_run(ROOT / "configs/megatron/vlm_2b_dense.sh").stdout.split("\n")
+    with_apex = dry_run(ROOT / "configs/megatron/vlm_2b_dense.sh",
+                        {"PYTHONPATH": f"{fake}:{os.environ.get('PYTHONPATH', '')}"}).stdout.split("\n")
+    assert "--no-gradient-accumulation-fusion" in without
+    assert "--no-gradient-accumulation-fusion" not in with_apex

@@ -125,17 +125,27 @@ BLENDS: dict[str, dict[str, float]] = {
 MIXTURES = sorted(["mixed", *COMPONENTS, *BLENDS])
 
 
-def blend(shares: dict[str, float], n: int, seed: int = 0) -> list[Sample]:
-    """``n`` samples drawn from components by share, shuffled (seeded)."""
+def blend_with_sources(shares: dict[str, float], n: int,
+                       seed: int = 0) -> tuple[list[Sample], list[str]]:
+    """:func:`blend`, plus the component each sample was drawn from (same order),
+    so a blend's composition can be checked after the shuffle."""
     rng = np.random.default_rng(seed)
     total = sum(shares.values())
     names = sorted(shares)
     counts = [int(round(n * shares[k] / total)) for k in names]
     samples: list[Sample] = []
+    sources: list[str] = []
     for name, c in zip(names, counts):
-        samples.extend(COMPONENTS[name](rng, c))
-    order = rng.permutation(len(samples))
-    return [samples[i] for i in order.tolist()]
+        drawn = COMPONENTS[name](rng, c)
+        samples.extend(drawn)
+        sources.extend([name] * len(drawn))
+    order = rng.permutation(len(samples)).tolist()
+    return [samples[i] for i in order], [sources[i] for i in order]
+
+
+def blend(shares: dict[str, float], n: int, seed: int = 0) -> list[Sample]:
+    """``n`` samples drawn from components by share, shuffled (seeded)."""
+    return blend_with_sources(shares, n, seed)[0]
 
 
 def mixed(seed: int = 0) -> list[Sample]:

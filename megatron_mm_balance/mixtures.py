@@ -18,7 +18,9 @@ their sources) are:
 
 Blends mix components by sample share. ``mixed`` is the trace the core targets
 are measured on: both real traces in full, plus text-only samples (40% of all
-samples) and multi-image documents (10%).
+samples) and multi-image documents (10%). ``heldout`` and ``heldout-real`` are
+never used to tune the solver; ``heldout-real`` draws real AI2D/ChartQA samples
+next to every synthetic source.
 """
 from __future__ import annotations
 
@@ -111,22 +113,39 @@ BLENDS: dict[str, dict[str, float]] = {
     "doc-heavy": {"ocr": 0.5, "interleaved": 0.2, "text": 0.3},
     # Never used to tune the solver: the mixture the two-phase targets are measured on.
     "heldout": {"text": 0.35, "caption": 0.25, "tiles": 0.2, "interleaved": 0.12, "video": 0.08},
+    # Never used to tune the solver: the held-out trace of the performance-v2 issue
+    # rebuilt with real tile statistics (AI2D, ChartQA) next to the synthetic sources.
+    # Shares calibrated once, with the scalar pack-time balance cost, against the
+    # issue's own baseline (waiting 10.8%, 12.2% above perfect balance); see
+    # docs/mixtures.md, "Calibrating heldout-real".
+    "heldout-real": {"text": 0.35, "ai2d": 0.15, "chartqa": 0.05, "caption": 0.25,
+                     "tiles": 0.05, "interleaved": 0.05, "video": 0.10},
 }
 
 MIXTURES = sorted(["mixed", *COMPONENTS, *BLENDS])
 
 
-def blend(shares: dict[str, float], n: int, seed: int = 0) -> list[Sample]:
-    """``n`` samples drawn from components by share, shuffled (seeded)."""
+def blend_with_sources(shares: dict[str, float], n: int,
+                       seed: int = 0) -> tuple[list[Sample], list[str]]:
+    """:func:`blend`, plus the component each sample was drawn from (same order),
+    so a blend's composition can be checked after the shuffle."""
     rng = np.random.default_rng(seed)
     total = sum(shares.values())
     names = sorted(shares)
     counts = [int(round(n * shares[k] / total)) for k in names]
     samples: list[Sample] = []
+    sources: list[str] = []
     for name, c in zip(names, counts):
-        samples.extend(COMPONENTS[name](rng, c))
-    order = rng.permutation(len(samples))
-    return [samples[i] for i in order.tolist()]
+        drawn = COMPONENTS[name](rng, c)
+        samples.extend(drawn)
+        sources.extend([name] * len(drawn))
+    order = rng.permutation(len(samples)).tolist()
+    return [samples[i] for i in order], [sources[i] for i in order]
+
+
+def blend(shares: dict[str, float], n: int, seed: int = 0) -> list[Sample]:
+    """``n`` samples drawn from components by share, shuffled (seeded)."""
+    return blend_with_sources(shares, n, seed)[0]
 
 
 def mixed(seed: int = 0) -> list[Sample]:

@@ -65,6 +65,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ranks-per-node", default="8",
                    help="ranks per node: moves prefer node-mates, inter-node bytes are "
                         "reported (default 8; 1 = flat)")
+    p.add_argument("--prefetch", action="store_true",
+                   help="redistribute-overlap: micro-step 0's exchange hides behind the "
+                        "previous global batch's last micro-step, as the runtime does when "
+                        "it may run across global batches (default: exposed)")
     p.add_argument("--draw", default="iid",
                    help="how ranks draw packs from the packed pool: iid or contiguous")
     p.add_argument("--buffer", default="1024", help="packing buffer size (default 1024)")
@@ -244,7 +248,8 @@ def _run(args) -> int:
     cfg = SimConfig(dps=dps, ga=ga, seq_len=seq_len, sync=sync, pp=pp, batches=batches,
                     seed=seed, strategies=tuple(strategies), balance_cost=balance_cost,
                     draw=draw, heatmap_ranks=heat_ranks,
-                    ranks_per_node=ranks_per_node if ranks_per_node > 1 else None)
+                    ranks_per_node=ranks_per_node if ranks_per_node > 1 else None,
+                    prefetch=bool(args.prefetch))
     runs, heat = [], None
     t1 = time.perf_counter()
     for t in timings:

@@ -55,6 +55,7 @@ class SimConfig:
     draw: str = "iid"
     heatmap_ranks: int = 64
     ranks_per_node: int | None = 8
+    prefetch: bool = False
 
 
 @dataclass
@@ -219,7 +220,8 @@ def simulate_dp(cfg: SimConfig, D: int, timing: TimingModel, pool: PackPool,
             for name, mode in (("redistribute-sync", "sync"), ("redistribute-overlap", "overlap")):
                 if name in want:
                     r = simulate_timeline(rvf, rlm, rvb, sync=sync, exchange=mode, x=x,
-                                          bubble=ph.bubble, overhead=ov)
+                                          bubble=ph.bubble, overhead=ov,
+                                          prefetch=cfg.prefetch and mode == "overlap")
                     acc[name].add(r, tok, D, ov, moved_bytes, moved, inter_bytes, inter_moved)
             if heat is not None and b0 == 0:
                 heat["redistribute"] = (rvf + rlm + rvb)[0]
@@ -230,7 +232,7 @@ def simulate_dp(cfg: SimConfig, D: int, timing: TimingModel, pool: PackPool,
     common = {"dp": D, "ga": G, "seq_len": cfg.seq_len, "sync": cfg.sync, "pp": cfg.pp,
               "batches": B, "timing": timing.name, "llm_params_b": timing.llm_params_b,
               "balance_cost": resolve_balance_cost(cfg.balance_cost, timing),
-              "ranks_per_node": cfg.ranks_per_node}
+              "ranks_per_node": cfg.ranks_per_node, "prefetch": cfg.prefetch}
     runs = []
 
     def emit(name, a: _Acc, pl: PackPool, base_tps, **extra):

@@ -25,7 +25,12 @@ and receive its packs for micro-step m:
   ``max_r x[:, m]`` (only if any pack moves in that micro-step);
 * ``overlap``: the exchange for micro-step m runs in the background from the
   start of micro-step m-1 on that rank; only the part that outlasts micro-step
-  m-1 is exposed. Micro-step 0's exchange has nothing to hide behind.
+  m-1 is exposed. Micro-step 0's exchange has nothing to hide behind, unless
+  ``prefetch``: the runtime may run across global batches (a fixed micro-batch
+  count), so micro-step 0's exchange starts with the previous global batch's
+  last micro-step on that rank and hides behind it and the step's tail (waiting
+  for the slowest rank, bubble, overhead). Batches are exchangeable draws, so the
+  previous batch's tail is taken to be this batch's own (a first pass).
 
 ``bubble`` (pipeline fill and drain) and ``overhead`` (optimizer step, exposed
 all-reduce) are added once per global batch and are the same on every rank.
@@ -40,11 +45,13 @@ EXCHANGE_MODES = (None, "sync", "overlap")
 
 
 def simulate_timeline(vf, lm, vb, *, sync: str = "microstep", exchange: str | None = None,
-                      x=None, bubble=0.0, overhead: float = 0.0) -> dict:
+                      x=None, bubble=0.0, overhead: float = 0.0, prefetch: bool = False) -> dict:
     """Simulate ``[B, D, G]`` phase times; returns per-batch and per-rank totals (ms).
 
     Keys: ``time`` [B] (step time incl. bubble and overhead), ``compute_end`` [B],
     ``busy`` [B, D], ``exchange`` [B, D] (exposed exchange), ``wait`` [B, D].
+    ``prefetch`` (``overlap`` only): micro-step 0's exchange hides behind the
+    previous global batch's last micro-step and tail (see the module docstring).
     """
     if sync not in SYNC_MODES:
         raise ValueError(f"sync must be one of {SYNC_MODES}, got {sync!r}")
@@ -61,8 +68,37 @@ def simulate_timeline(vf, lm, vb, *, sync: str = "microstep", exchange: str | No
         x = np.asarray(x, dtype=np.float64)
         if x.shape != vf.shape:
             raise ValueError(f"x must have shape {vf.shape}, got {x.shape}")
+    if prefetch and exchange != "overlap":
+        raise ValueError(f"prefetch needs the overlap exchange, got exchange={exchange!r}")
+    bubble = np.broadcast_to(np.asarray(bubble, dtype=np.float64), (B,))
 
-    prev_start = np.zeros((B, D))
+    head_start = np.zeros((B, D))
+    if prefetch:
+        # The previous batch's last micro-step and tail, per rank: this batch's own.
+        first = _run(vf, lm, vb, sync, exchange, x, head_start)
+        step_end = first[0].max(axis=1) + bubble + overhead
+        head_start = first[2] - step_end[:, None]
+    prev_end, exch, _ = _run(vf, lm, vb, sync, exchange, x, head_start)
+
+    compute_end = prev_end.max(axis=1)
+    busy = (vf + lm + vb).sum(axis=2)
+    wait = compute_end[:, None] - busy - exch
+    return {
+        "time": compute_end + bubble + overhead,
+        "compute_end": compute_end,
+        "busy": busy,
+        "exchange": exch,
+        "wait": np.maximum(wait, 0.0),
+        "bubble": np.array(bubble),
+    }
+
+
+def _run(vf, lm, vb, sync, exchange, x, head_start):
+    """The micro-step loop. ``head_start`` [B, D]: when micro-step 0's background
+    exchange started (0, or before the batch with prefetch). Returns each rank's
+    compute end, exposed exchange and the start of its last micro-step."""
+    B, D, G = vf.shape
+    prev_start = head_start
     prev_end = np.zeros((B, D))
     exch = np.zeros((B, D))
     for m in range(G):
@@ -84,16 +120,4 @@ def simulate_timeline(vf, lm, vb, *, sync: str = "microstep", exchange: str | No
             lm_end = arrive + lm[:, :, m]
         end = lm_end + vb[:, :, m]
         prev_start, prev_end = start, end
-
-    compute_end = prev_end.max(axis=1)
-    busy = (vf + lm + vb).sum(axis=2)
-    wait = compute_end[:, None] - busy - exch
-    bubble = np.broadcast_to(np.asarray(bubble, dtype=np.float64), (B,))
-    return {
-        "time": compute_end + bubble + overhead,
-        "compute_end": compute_end,
-        "busy": busy,
-        "exchange": exch,
-        "wait": np.maximum(wait, 0.0),
-        "bubble": np.array(bubble),
-    }
+    return prev_end, exch, prev_start

@@ -88,3 +88,27 @@ def test_simulator_models_the_runtimes_order():
         assert np.array_equal(redistribute_order(c, sync=sync), pl.src_rank * 6 + pl.src_index)
         moved = pl.moved().sum(axis=0)
         assert moved[0] == moved.min()
+
+
+def test_prefetch_changes_only_the_overlapped_run():
+    from megatron_mm_balance.mixtures import make_mixture
+    from megatron_mm_balance.sim.engine import SimConfig, simulate_dp
+    from megatron_mm_balance.sim.pool import build_pool
+    from megatron_mm_balance.sim.timing import load_timing
+    pool = build_pool(make_mixture("heldout-real", n=4000, seed=1), 8192,
+                      cache_key="prefetch-heldout-real-4000")
+    timing = load_timing("vlm_30b_moe")
+    out = {}
+    for prefetch in (False, True):
+        cfg = SimConfig(dps=[32], ga=8, seq_len=8192, batches=3, prefetch=prefetch,
+                        strategies=("none", "redistribute-sync", "redistribute-overlap"))
+        runs, _ = simulate_dp(cfg, 32, timing, pool, {})
+        out[prefetch] = {r["strategy"]: r for r in runs}
+        assert all(r["prefetch"] is prefetch for r in runs)
+    for name in ("none", "redistribute-sync"):
+        assert out[True][name]["time_per_batch_ms"] == out[False][name]["time_per_batch_ms"]
+    off, on = out[False]["redistribute-overlap"], out[True]["redistribute-overlap"]
+    assert off["exchange_share"] > 0          # micro-step 0's exchange is exposed ...
+    assert on["exchange_share"] < off["exchange_share"]   # ... and hides with prefetch
+    assert on["time_per_batch_ms"] < off["time_per_batch_ms"]
+    assert on["bytes_moved_per_step"] == off["bytes_moved_per_step"]

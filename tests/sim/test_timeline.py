@@ -69,6 +69,33 @@ def test_overlap_first_micro_step_is_exposed():
     assert rs["exchange"].tolist() == [[3.0, 3.0]]
 
 
+def test_prefetch_hides_the_first_exchange_behind_the_previous_batchs_tail():
+    # x0 = 25 on rank 0. Without prefetch: rank 0 starts at 25: VF ends 26 -> LM
+    # 26..36, VB ends 38 / 40; m1 starts 38 / 40 (its tail: 57 - 38 = 19 ms), arrive
+    # 41 / 41 -> LM 41..51 -> ends 57 / 53.
+    x = np.array([[[25.0, 0.0], [0.0, 0.0]]])
+    r = simulate_timeline(VF, LM, VB, sync="microstep", exchange="overlap", x=x)
+    assert r["time"].tolist() == [57.0]
+    # Prefetch: the exchange started 19 ms before the batch, 6 ms stay exposed:
+    # VF ends 7 -> LM 7..17, VB 19 / 21; m1 arrive 22 / 22 -> LM 22..32 -> 38 / 34.
+    p = simulate_timeline(VF, LM, VB, sync="microstep", exchange="overlap", x=x, prefetch=True)
+    assert p["exchange"].tolist() == [[6.0, 0.0]]
+    assert p["time"].tolist() == [38.0]
+    # The step's tail counts too: with 10 ms of overhead the tail is 29 ms, the
+    # exchange hides completely and the step is the no-exchange one (33) + 10.
+    p = simulate_timeline(VF, LM, VB, sync="microstep", exchange="overlap", x=x,
+                          overhead=10.0, prefetch=True)
+    assert p["exchange"].tolist() == [[0.0, 0.0]]
+    assert p["time"].tolist() == [43.0]
+    # Later micro-steps are unchanged: the same 20 ms exposed on rank 1 as without it.
+    x = np.array([[[0.0, 5.0], [0.0, 20.0]]])
+    r = simulate_timeline(VF, LM, VB, sync="step", exchange="overlap", x=x)
+    p = simulate_timeline(VF, LM, VB, sync="step", exchange="overlap", x=x, prefetch=True)
+    assert p["exchange"].tolist() == r["exchange"].tolist() == [[0.0, 4.0]]
+    with pytest.raises(ValueError, match="prefetch needs the overlap"):
+        simulate_timeline(VF, LM, VB, exchange="sync", x=x, prefetch=True)
+
+
 def test_sync_vs_overlap_ordering_and_no_exchange_equivalence():
     rng = np.random.default_rng(0)
     vf, lm = rng.uniform(1, 5, (3, 4, 5)), rng.uniform(5, 9, (3, 4, 5))

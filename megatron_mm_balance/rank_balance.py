@@ -228,84 +228,112 @@ def send_home(c: np.ndarray, src_rank: np.ndarray, src_index: np.ndarray, *,
 def _shorten(c, src_rank, src_index, *, limit, levels, max_rounds, weights, node, group,
              step_window=2):
     """One level of :func:`send_home`: ``group[r]`` is rank r's home unit (rank or
-    node). Candidates ``y`` sit on a rank of x's home unit, at most ``step_window``
-    micro-steps from x (0: the same micro-step, where levels hold trivially;
-    otherwise both packs must fit the level or box of the step they land in):
-    O(moved x ranks per unit x (2W + 1)) per round."""
+    node). A pack ``x`` away from its home unit may swap with a pack ``y`` that sits
+    on a rank of x's home unit, at most ``step_window`` micro-steps from x (0: the
+    same micro-step, where levels hold trivially; otherwise both packs must fit the
+    level or box of the step they land in), and is itself away from home.
+
+    Candidates are generated sparsely: the packs away from home are bucketed by
+    (unit they sit on, micro-step), and each ``x`` meets only the buckets of its
+    home unit within the window, so a round costs O(away packs x (2W + 1) x away
+    packs per bucket) rather than O(away packs x ranks per unit x (2W + 1)). Each
+    ``x`` takes its best partner: largest gain, then smallest total change, then
+    the lowest (rank position in its unit, micro-step offset), as a dense scan of
+    the unit's ranks in order would."""
     D, G = c.shape[:2]
     bal = c if weights is None else weights
     a = bal[src_rank, src_index]
     lv = c[src_rank, src_index]
     totals = a.sum(axis=1)
     cap = np.maximum(totals, limit)
-    ranks = np.arange(D)
-    members = _members(group)                               # [units, ranks per unit]
+    num_units = int(group.max()) + 1
+    usize = np.bincount(group, minlength=num_units)
+    uorder = np.argsort(group, kind="stable")
+    ustart = np.concatenate([[0], np.cumsum(usize)])[:-1]
+    mpos = np.empty(D, dtype=np.int64)                      # rank's position in its unit
+    mpos[uorder] = np.arange(D) - ustart[group[uorder]]
+    W = min(int(step_window), G - 1)
+    off = np.arange(-W, W + 1)
+    K = len(off)
+    check_levels = levels is not None and W > 0
+    if check_levels:
+        lf = lv.reshape(D * G, -1)
+        lvl = levels.reshape(G, -1)
+    a_fl = a.ravel()
+    big = np.iinfo(np.int64).max
     saved = 0
     for _ in range(max_rounds):
-        foreign = group[src_rank] != group[ranks][:, None]
-        xr, xi = np.nonzero(foreign)
-        if len(xr) == 0:
+        sr_fl = src_rank.ravel()
+        fx = np.flatnonzero(group[sr_fl] != np.repeat(group, G))   # away packs, row-major
+        F = len(fx)
+        if F == 0:
             break
-        xo = src_rank[xr, xi]
-        yr = members[group[xo]]                             # [F, R]: ranks of x's home unit
-        if levels is None or step_window:                   # nearby micro-steps
-            R = yr.shape[1]
-            W = min(step_window, G - 1)
-            off = np.arange(-W, W + 1)
-            yr = np.repeat(yr, len(off), axis=1)
-            yi = xi[:, None] + np.tile(off, R)[None, :]
-            inside = (yi >= 0) & (yi < G)
-            yr = np.where(inside, yr, -1)
-            yi = np.clip(yi, 0, G - 1)
-        else:
-            yi = np.broadcast_to(xi[:, None], yr.shape)
-        valid = yr >= 0
-        yr = np.where(valid, yr, 0)
-        yo = src_rank[yr, yi]
-        valid &= group[yo] != group[yr]                     # y is away from home too
-        d = a[yr, yi] - a[xr, xi][:, None]                  # x's rank gains y, loses x
-        if levels is not None and step_window:              # x into y's step, y into x's
-            lf = lv.reshape(D * G, -1)
-            lvl = levels.reshape(G, -1)
-            xf = xr * G + xi
-            valid &= (lf[xf][:, None, :] <= lvl[yi]).all(axis=-1)
-            valid &= (lf[yr * G + yi] <= lvl[xi][:, None, :]).all(axis=-1)
-        valid &= (totals[xr][:, None] + d <= cap[xr][:, None]) & (totals[yr] - d <= cap[yr])
-        xo2, xr2 = xo[:, None], xr[:, None]
-        gain = ((xo2 != xr2).astype(np.int64) - (xo2 != yr) + (yo != yr) - (yo != xr2))
+        xr, xi = fx // G, fx % G
+        xo = sr_fl[fx]
+        # Buckets of away packs by (unit they sit on, micro-step); row-major order
+        # keeps each bucket in rank order.
+        bkey = group[xr] * G + xi
+        border = np.argsort(bkey, kind="stable")
+        bcount = np.bincount(bkey, minlength=num_units * G)
+        bstart = np.concatenate([[0], np.cumsum(bcount)])[:-1]
+        ys = xi[:, None] + off[None, :]                     # [F, K]
+        inside = (ys >= 0) & (ys < G)
+        b = group[xo][:, None] * G + np.clip(ys, 0, G - 1)
+        cnt = np.where(inside, bcount[b], 0).ravel()
+        n = int(cnt.sum())
+        if n == 0:
+            break
+        first = np.cumsum(cnt) - cnt
+        pos = np.repeat(bstart[b].ravel() - first, cnt) + np.arange(n)
+        py = border[pos]                                    # y as an index into fx
+        px = np.repeat(np.arange(F), cnt.reshape(F, K).sum(axis=1))
+        x_fl, y_fl = fx[px], fx[py]
+        pxr, pyr, pxi, pyi = xr[px], xr[py], xi[px], xi[py]
+        pxo, pyo = xo[px], xo[py]
+        d = a_fl[y_fl] - a_fl[x_fl]                         # x's rank gains y, loses x
+        valid = (totals[pxr] + d <= cap[pxr]) & (totals[pyr] - d <= cap[pyr])
+        if check_levels:                                    # x into y's step, y into x's
+            valid &= (lf[x_fl] <= lvl[pyi]).all(axis=-1)
+            valid &= (lf[y_fl] <= lvl[pxi]).all(axis=-1)
+        gain = ((pxo != pxr).astype(np.int64) - (pxo != pyr) + (pyo != pyr) - (pyo != pxr))
         if node is not None:                                # move_weight, gathered once
-            nxo, nxr, nyr, nyo = node[xo][:, None], node[xr][:, None], node[yr], node[yo]
+            nxo, nxr, nyr, nyo = node[pxo], node[pxr], node[pyr], node[pyo]
             gain += INTER_NODE_WEIGHT * ((nxo != nxr).astype(np.int64) - (nxo != nyr)
                                          + (nyo != nyr) - (nyo != nxr))
         valid &= gain > 0
         if not valid.any():
             break
-        big = np.iinfo(np.int64).max
         key = np.where(valid, -gain * (1 << 40) + np.abs(d), big)
-        j = np.argmin(key, axis=1)
-        rows = np.arange(len(xr))
-        kb = key[rows, j]
-        cand = np.flatnonzero(kb < big)
-        cand = cand[np.lexsort((cand, kb[cand]))]
-        x = xr[cand] * G + xi[cand]
-        ycol = yr[cand, j[cand]]
-        y = ycol * G + yi[cand, j[cand]]
-        dd = d[cand, j[cand]]
+        col = mpos[pyr] * K + (pyi - pxi + W)               # the dense scan's column
+        has = np.flatnonzero(cnt.reshape(F, K).sum(axis=1))
+        seg = (np.cumsum(cnt) - cnt).reshape(F, K)[has, 0]
+        kmin = np.full(F, big, dtype=np.int64)
+        kmin[has] = np.minimum.reduceat(key, seg)
+        tie = key == kmin[px]
+        cmin = np.full(F, big, dtype=np.int64)
+        cmin[has] = np.minimum.reduceat(np.where(tie, col, big), seg)
+        pick = np.flatnonzero(tie & (col == cmin[px]) & valid)   # one pair per x, x order
+        cand = px[pick]
+        kb = kmin[cand]
+        o = np.lexsort((cand, kb))
+        pick, cand = pick[o], cand[o]
+        x, y = x_fl[pick], y_fl[pick]
+        ycol, dd = pyr[pick], d[pick]
         # Each slot in one swap; swaps that change totals also claim both ranks.
         keep = _first_touch(x, y, D * G)
-        x, y, ycol, dd, cand = x[keep], y[keep], ycol[keep], dd[keep], cand[keep]
+        pick, x, y, ycol, dd = pick[keep], x[keep], y[keep], ycol[keep], dd[keep]
         moves = dd != 0
-        claim = _first_touch(xr[cand[moves]], ycol[moves], D)
+        claim = _first_touch(pxr[pick[moves]], ycol[moves], D)
         keep = ~moves
         keep[np.flatnonzero(moves)[claim]] = True
-        x, y, ycol, dd, cand = x[keep], y[keep], ycol[keep], dd[keep], cand[keep]
+        pick, x, y, ycol, dd = pick[keep], x[keep], y[keep], ycol[keep], dd[keep]
         if len(x) == 0:
             break
-        saved += int(gain[cand, j[cand]].sum())
+        saved += int(gain[pick].sum())
         for arr in (src_rank, src_index, a, lv):
             fl = arr.reshape(D * G, *arr.shape[2:])
             fl[x], fl[y] = fl[y], fl[x].copy()
-        np.add.at(totals, xr[cand], dd)
+        np.add.at(totals, pxr[pick], dd)
         np.subtract.at(totals, ycol, dd)
     return saved
 

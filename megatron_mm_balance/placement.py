@@ -47,7 +47,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .rank_balance import balance_rank_totals, cost_grain, rank_limit, send_home
+from .rank_balance import (balance_node_totals, balance_rank_totals, cost_grain, rank_limit,
+                           send_home)
 from .topology import check_ranks_per_node, node_ids, pair_within_nodes
 from .two_phase import as_cost_pairs, solve_two_phase
 
@@ -170,11 +171,17 @@ def solve_placement(costs, *, sync: str = "microstep",
         # Only rank totals count: keep every pack home and swap pairs between the
         # heaviest and lightest ranks until the totals are even.
         pl = Placement.identity(D, G)
+        limit = rank_limit(int(c.sum()), D, balance_tolerance, cost_grain(c))
+        if node is not None:
+            # Nodes first (few large swaps cross the network), then ranks inside
+            # each node (NVLink), then whatever is left over the limit, anywhere.
+            balance_node_totals(c, pl.src_rank, pl.src_index, node=node, limit=limit)
+            balance_rank_totals(c, pl.src_rank, pl.src_index, tolerance=balance_tolerance,
+                                node=node, mates_only=True, step_window=STEP_MODE_WINDOW)
         balance_rank_totals(c, pl.src_rank, pl.src_index, tolerance=balance_tolerance, node=node,
                             step_window=STEP_MODE_WINDOW)
         if node is not None:
-            send_home(c, pl.src_rank, pl.src_index, node=node, max_rounds=4,
-                      limit=rank_limit(int(c.sum()), D, balance_tolerance, cost_grain(c)))
+            send_home(c, pl.src_rank, pl.src_index, node=node, max_rounds=4, limit=limit)
         return pl
 
     order = np.argsort(-c, axis=1, kind="stable")        # own packs, heaviest first

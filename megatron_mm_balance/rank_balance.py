@@ -60,7 +60,7 @@ def balance_rank_totals(c: np.ndarray, src_rank: np.ndarray, src_index: np.ndarr
                         levels: np.ndarray | None = None, max_rounds: int = 256,
                         weights: np.ndarray | None = None,
                         node: np.ndarray | None = None, mates_first: bool = True,
-                        step_window: int | None = 2) -> int:
+                        mates_only: bool = False, step_window: int | None = 2) -> int:
     """Swap packs in place (``src_rank``/``src_index`` ``[D, G]``) until no rank total
     exceeds :func:`rank_limit`. ``levels[k]`` (``microstep`` mode): the most a pack
     in micro-step ``k`` may cost; with two-phase costs (``c`` ``[D, G, 2]``),
@@ -71,7 +71,8 @@ def balance_rank_totals(c: np.ndarray, src_rank: np.ndarray, src_index: np.ndarr
     ``c`` itself; levels always apply to ``c``. ``node`` (optional, ``[D]``): the
     node of each rank; a pack crossing nodes then counts ``1 + INTER_NODE_WEIGHT``
     moves when swaps of equal balance are compared, and with ``mates_first`` a heavy
-    rank tries its node-mates as partners before the global walk. ``step_window``:
+    rank tries its node-mates as partners before the global walk; with ``mates_only``
+    it tries only them (no pack crosses a node). ``step_window``:
     a pack swaps only with packs at most this many micro-steps away (None: any),
     which keeps a round at O(P * G * (2W + 1)).
     """
@@ -92,7 +93,8 @@ def balance_rank_totals(c: np.ndarray, src_rank: np.ndarray, src_index: np.ndarr
     jj = np.arange(G)[:, None] + off[None, :]
     jok = (jj >= 0) & (jj < G)
     jj = np.clip(jj, 0, G - 1)
-    mates_first = mates_first and node is not None
+    mates_only = mates_only and node is not None
+    mates_first = (mates_first or mates_only) and node is not None
     if mates_first:
         members = _members(node)
     for _ in range(max_rounds):
@@ -117,7 +119,7 @@ def balance_rank_totals(c: np.ndarray, src_rank: np.ndarray, src_index: np.ndarr
             mates = np.take_along_axis(mates, order, axis=1)
             mt = np.take_along_axis(mt, order, axis=1)
             k = ((mt < (totals[heavy] - grain)[:, None]) & (mt < U)).sum(axis=1)
-        live = attempt[heavy] < n_elig + k
+        live = attempt[heavy] < (k if mates_only else n_elig + k)
         if not live.any():
             break
         heavy, n_elig, k = heavy[live], n_elig[live], k[live]
@@ -174,6 +176,86 @@ def balance_rank_totals(c: np.ndarray, src_rank: np.ndarray, src_index: np.ndarr
         totals[h] -= d
         totals[l] += d
         applied += len(h)
+    return applied
+
+
+def balance_node_totals(c: np.ndarray, src_rank: np.ndarray, src_index: np.ndarray, *,
+                        node: np.ndarray, limit: int, max_rounds: int = 64,
+                        weights: np.ndarray | None = None) -> int:
+    """Even the nodes' totals first, with few large swaps across nodes (``step`` mode,
+    where no level binds a pack to a micro-step). Returns the swaps applied.
+
+    Only a node's surplus has to cross the network; evening the ranks of one node is
+    then NVLink traffic (:func:`balance_rank_totals` with ``mates_only``). Each round
+    pairs every node above its limit (heaviest first) with a distinct node below its
+    mean (lightest first; a pair without a useful swap walks on to the next light node
+    in the following round) and swaps one pack of the heavy node's heaviest rank with
+    one of the light node's lightest rank: the swap whose cost difference comes closest
+    to what the pair needs (the heavy node's surplus over its mean, capped by the light
+    node's deficit), strictly narrowing the pair's gap. A node's limit is its mean plus
+    half of its ranks' headroom ``size * (limit - mean) / 2``, so the ranks inside can
+    still end under ``limit``. Integer arithmetic (means scaled by the number of ranks),
+    ties by slot order: deterministic. O(pairs x G^2) per round."""
+    D, G = c.shape[:2]
+    bal = c if weights is None else weights
+    a = bal[src_rank, src_index]
+    totals = a.sum(axis=1)
+    num = int(node.max()) + 1
+    size = np.bincount(node, minlength=num).astype(np.int64)
+    total = int(totals.sum())
+    members = _members(node)
+    rows_all = np.arange(num)
+    # Scaled by D: node n's mean is size*total/D; above the limit iff
+    # 2*D*nt > 2*size*total + size*(D*limit - total).
+    mean_d = size * total
+    over_d2 = 2 * mean_d + size * (D * int(limit) - total)
+    attempt = np.zeros(num, dtype=np.int64)
+    applied = 0
+    big = np.iinfo(np.int64).max
+    for _ in range(max_rounds):
+        nt = np.zeros(num, dtype=np.int64)
+        np.add.at(nt, node, totals)
+        heavy = np.flatnonzero(2 * D * nt > over_d2)
+        if len(heavy) == 0:
+            break
+        heavy = heavy[np.lexsort((heavy, -nt[heavy]))]
+        pool = np.lexsort((rows_all, nt * D - mean_d))
+        pool = pool[D * nt[pool] < mean_d[pool]]
+        if len(pool) == 0:
+            break
+        heavy = heavy[attempt[heavy] < len(pool)]
+        if len(heavy) == 0:
+            break
+        light = pool[(np.arange(len(heavy)) + attempt[heavy]) % len(pool)]
+        _, first = np.unique(light, return_index=True)
+        keep = np.zeros(len(heavy), dtype=bool)
+        keep[first] = True
+        attempt[heavy[~keep]] += 1
+        h, l = heavy[keep], light[keep]
+        P = len(h)
+        mh, ml = members[h], members[l]
+        sr = np.take_along_axis(mh, np.argmax(np.where(mh >= 0, totals[mh], -1), axis=1)[:, None],
+                                axis=1)[:, 0]
+        rr = np.take_along_axis(ml, np.argmin(np.where(ml >= 0, totals[ml], big), axis=1)[:, None],
+                                axis=1)[:, 0]
+        delta = a[sr][:, :, None] - a[rr][:, None, :]           # [P, G (heavy), G (light)]
+        gap = (nt[h] - nt[l])[:, None, None]
+        want = np.minimum(D * nt[h] - mean_d[h], mean_d[l] - D * nt[l])[:, None, None]
+        valid = (delta > 0) & (delta < gap)
+        key = np.where(valid, np.abs(D * delta - want), big).reshape(P, G * G)
+        best = np.argmin(key, axis=1)
+        ok = key[np.arange(P), best] < big
+        attempt[h[~ok]] += 1
+        if not ok.any():
+            continue
+        sr, rr, best = sr[ok], rr[ok], best[ok]
+        i, j = best // G, best % G
+        d = a[sr, i] - a[rr, j]
+        for arr in (src_rank, src_index, a):
+            arr[sr, i], arr[rr, j] = arr[rr, j], arr[sr, i].copy()
+        totals[sr] -= d
+        totals[rr] += d
+        applied += len(sr)
     return applied
 
 

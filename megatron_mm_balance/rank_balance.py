@@ -189,7 +189,7 @@ def balance_node_totals(c: np.ndarray, src_rank: np.ndarray, src_index: np.ndarr
     then NVLink traffic (:func:`balance_rank_totals` with ``mates_only``). Each round
     pairs every node above its limit (heaviest first) with a distinct node below its
     mean (lightest first; a pair without a useful swap walks on to the next light node
-    in the following round) and swaps one pack of the heavy node's heaviest rank with
+    in the following round, a pair that swapped starts from the lightest again) and swaps one pack of the heavy node's heaviest rank with
     one of the light node's lightest rank: the swap whose cost difference comes closest
     to what the pair needs (the heavy node's surplus over its mean, capped by the light
     node's deficit), strictly narrowing the pair's gap. A node's limit is its mean plus
@@ -248,6 +248,7 @@ def balance_node_totals(c: np.ndarray, src_rank: np.ndarray, src_index: np.ndarr
         attempt[h[~ok]] += 1
         if not ok.any():
             continue
+        attempt[h[ok]] = 0                                      # next time: lightest first
         sr, rr, best = sr[ok], rr[ok], best[ok]
         i, j = best // G, best % G
         d = a[sr, i] - a[rr, j]

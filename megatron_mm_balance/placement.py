@@ -49,6 +49,7 @@ import numpy as np
 
 from .rank_balance import (balance_node_totals, balance_rank_totals, cost_grain, rank_limit,
                            send_home)
+from .sorting import lex_argsort, stable_argsort
 from .topology import check_ranks_per_node, node_ids, pair_within_nodes
 from .two_phase import as_cost_pairs, solve_two_phase
 
@@ -184,7 +185,8 @@ def solve_placement(costs, *, sync: str = "microstep",
             send_home(c, pl.src_rank, pl.src_index, node=node, max_rounds=4, limit=limit)
         return pl
 
-    order = np.argsort(-c, axis=1, kind="stable")        # own packs, heaviest first
+    # own packs, heaviest first (ties by position): one stable sort of (rank, -cost)
+    order = (lex_argsort((-c.ravel(), np.repeat(np.arange(D), G))) % G).reshape(D, G)
     cs = np.take_along_axis(c, order, axis=1)             # [D, G] sorted costs
     levels = np.sort(c.ravel())[::-1][::D]                 # L_k, non-increasing
     # microstep mode from here on (step mode returned above).
@@ -219,7 +221,7 @@ def solve_placement(costs, *, sync: str = "microstep",
             _repair(chosen, forced, unplaced, deadline, cs, flat_rank, flat_pos, k, D, G)
 
         # Phase B: which chosen packs stay at home, and where the others go.
-        r_idx, p_idx = np.nonzero(chosen)                   # row-major: origin order
+        r_idx, p_idx = np.divmod(np.flatnonzero(chosen), G)  # row-major: origin order
         cost = cs[r_idx, p_idx]
         mean_after = (totals.sum() + cost.sum()) / D
         band = band0 + future_slack * future[k]
@@ -261,15 +263,15 @@ def solve_placement(costs, *, sync: str = "microstep",
 
 def _key_heaviest_first(cs, flat_rank, flat_pos, mask):
     """Indices (flat) of ``mask`` ordered heaviest first, ties by rank then position."""
-    idx = np.flatnonzero(mask)
-    return idx[np.lexsort((flat_pos.ravel()[idx], flat_rank.ravel()[idx], -cs.ravel()[idx]))]
+    idx = np.flatnonzero(mask)                   # row-major: by rank, then position
+    return idx[stable_argsort(-cs.ravel()[idx])]
 
 
 def _least_urgent_first(chosen, forced, deadline, cs, flat_rank):
     """Indices (flat) of the chosen, non-forced packs: latest deadline, then lightest,
     then highest rank first: the ones a micro-step can give up at least cost."""
     idx = np.flatnonzero(chosen & ~forced)
-    return idx[np.lexsort((-flat_rank.ravel()[idx], cs.ravel()[idx], -deadline.ravel()[idx]))]
+    return idx[lex_argsort((-flat_rank.ravel()[idx], cs.ravel()[idx], -deadline.ravel()[idx]))]
 
 
 def _drop(chosen, forced, deadline, cs, flat_rank, count):

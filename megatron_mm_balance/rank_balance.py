@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .sorting import lex_argsort, stable_argsort
 from .topology import INTER_NODE_WEIGHT
 
 DEFAULT_RANK_TOLERANCE = 0.002
@@ -356,7 +357,7 @@ def _shorten(c, src_rank, src_index, *, limit, levels, max_rounds, weights, node
         # Buckets of away packs by (unit they sit on, micro-step); row-major order
         # keeps each bucket in rank order.
         bkey = group[xr] * G + xi
-        border = np.argsort(bkey, kind="stable")
+        border = stable_argsort(bkey)
         bcount = np.bincount(bkey, minlength=num_units * G)
         bstart = np.concatenate([[0], np.cumsum(bcount)])[:-1]
         ys = xi[:, None] + off[None, :]                     # [F, K]
@@ -398,7 +399,7 @@ def _shorten(c, src_rank, src_index, *, limit, levels, max_rounds, weights, node
         pick = np.flatnonzero(tie & (col == cmin[px]) & valid)   # one pair per x, x order
         cand = px[pick]
         kb = kmin[cand]
-        o = np.lexsort((cand, kb))
+        o = lex_argsort((cand, kb))
         pick, cand = pick[o], cand[o]
         x, y = x_fl[pick], y_fl[pick]
         ycol, dd = pyr[pick], d[pick]

@@ -14,7 +14,8 @@ Stage 1, balance (ignoring origins):
   assignment that puts D packs into micro-step ``k``, each costing at most
   ``L_k``, is equally optimal. That freedom is what stage 2 spends.
 * ``sync="step"`` (ranks meet only at the gradient all-reduce) evens each rank's
-  total; any micro-step may hold any pack.
+  total; any micro-step may hold any pack. With nodes, node totals are evened
+  first (few large swaps cross the network), then the ranks inside each node.
 
 Stage 2, move little: micro-steps are filled heaviest level first. In each, every
 rank proposes its own heaviest unplaced pack, which would stay at home; packs

@@ -284,8 +284,10 @@ def send_home(c: np.ndarray, src_rank: np.ndarray, src_index: np.ndarray, *,
     home node swaps with a pack on any rank of that node that came from another
     node, so both end nearer home (inter-node moves weigh ``1 + INTER_NODE_WEIGHT``).
 
-    Candidates: each pack away from home against the foreign packs of the same
-    micro-step on its home rank (node): O(moved packs x ranks per node) per round.
+    Candidates: each pack away from home against the packs away from home that sit
+    on its home rank (node) in the micro-steps of the window, found through buckets
+    by (unit, micro-step): O(away packs x (2W + 1) x away packs per bucket) per
+    round, no dense scan of the unit's ranks.
     Per round, each slot takes part in one swap; a swap that changes totals also
     claims its two ranks, so the limit holds however many swaps run in parallel."""
     D = c.shape[0]

@@ -280,3 +280,23 @@ def test_node_aware_identical_across_processes_in_both_sync_modes():
         h.update(p.src_rank.tobytes()); h.update(p.src_index.tobytes())
     digests.add(h.hexdigest())
     assert len(digests) == 1
+
+
+def test_mates_only_rank_balance_never_crosses_a_node(packs):
+    rng = np.random.default_rng(8)
+    D, G, R = 64, 16, 8
+    node = np.arange(D) // R
+    c = rng.choice(packs, size=D * G).reshape(D, G)
+    pl = Placement.identity(D, G)
+    spread0 = np.ptp(c.sum(axis=1).reshape(-1, R), axis=1)
+    swaps = rank_balance.balance_rank_totals(c, pl.src_rank, pl.src_index, node=node,
+                                             mates_only=True)
+    check_placement(pl, D, G)
+    assert swaps > 0
+    t = traffic(pl.src_rank, R)
+    assert t["moved_packs"] > 0 and t["inter_node_packs"] == 0
+    # node totals unchanged, ranks inside each node closer together
+    totals = pl.apply(c).sum(axis=1)
+    assert np.array_equal(totals.reshape(-1, R).sum(axis=1), c.sum(axis=1).reshape(-1, R).sum(axis=1))
+    assert (np.ptp(totals.reshape(-1, R), axis=1) <= spread0).all()
+    assert np.ptp(totals.reshape(-1, R), axis=1).sum() < spread0.sum() / 4

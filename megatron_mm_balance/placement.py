@@ -193,6 +193,7 @@ def solve_placement(costs, *, sync: str = "microstep",
     # microstep mode from here on (step mode returned above).
     # deadline[r, j]: the last micro-step whose level admits the pack.
     deadline = np.searchsorted(-levels, -cs, side="right") - 1
+    due_unplaced = np.bincount(deadline.ravel(), minlength=G)   # unplaced packs per deadline
     floor = int(levels[-1])
     future = np.append(levels[1:], floor).astype(np.float64) - floor   # correcting power left
     band0 = STAGE2_BAND_FACTOR * balance_tolerance * float(c.sum()) / D
@@ -219,7 +220,8 @@ def solve_placement(costs, *, sync: str = "microstep",
         elif n < D:
             _fill(chosen, unplaced, cs, flat_rank, flat_pos, D - n, G - k)
         if k + 1 < G:
-            _repair(chosen, forced, unplaced, deadline, cs, flat_rank, flat_pos, k, D, G)
+            _repair(chosen, forced, unplaced, deadline, cs, flat_rank, flat_pos, k, D, G,
+                    due_unplaced)
 
         # Phase B: which chosen packs stay at home, and where the others go.
         r_idx, p_idx = np.divmod(np.flatnonzero(chosen), G)  # row-major: origin order
@@ -250,6 +252,7 @@ def solve_placement(costs, *, sync: str = "microstep",
         dst_step[r_idx, p_idx] = k
         np.add.at(totals, dest, cost)
         placed |= chosen
+        due_unplaced -= np.bincount(deadline[r_idx, p_idx], minlength=G)
 
     src_rank = np.empty((D, G), dtype=np.int64)
     src_index = np.empty((D, G), dtype=np.int64)
@@ -294,14 +297,17 @@ def _fill(chosen, unplaced, cs, flat_rank, flat_pos, count, slots_left):
     chosen.ravel()[idx] = True
 
 
-def _repair(chosen, forced, unplaced, deadline, cs, flat_rank, flat_pos, k, D, G):
-    """Keep later micro-steps feasible: no more packs due by step k' than slots left."""
+def _repair(chosen, forced, unplaced, deadline, cs, flat_rank, flat_pos, k, D, G, due_unplaced):
+    """Keep later micro-steps feasible: no more packs due by step k' than slots left.
+    ``due_unplaced``: the unplaced packs per deadline (so only the D chosen ones are
+    counted here, not the whole matrix)."""
     while True:
-        rest = unplaced & ~chosen
-        due = np.cumsum(np.bincount(deadline[rest], minlength=G))[k + 1:]
+        due_chosen = np.bincount(deadline.ravel()[np.flatnonzero(chosen)], minlength=G)
+        due = np.cumsum(due_unplaced - due_chosen)[k + 1:]
         excess = int((due - D * np.arange(1, G - k)).max())
         if excess <= 0:
             return
+        rest = unplaced & ~chosen
         out = _least_urgent_first(chosen, forced, deadline, cs, flat_rank)
         if len(out) < excess:   # cannot happen: stage-1 levels guarantee feasibility
             raise AssertionError("placement infeasible: inconsistent levels")

@@ -209,12 +209,12 @@ def solve_placement(costs, *, sync: str = "microstep",
     for k in range(G):
         unplaced = ~placed
         chosen = np.zeros((D, G), dtype=bool)
-        has = unplaced.any(axis=1)
-        first = np.argmax(unplaced, axis=1)
+        first = np.argmax(unplaced, axis=1)                 # 0 when a row has none left
+        has = unplaced[rows, first]
         chosen[rows[has], first[has]] = True                # proposals
         forced = unplaced & (deadline <= k)
         chosen |= forced
-        n = int(chosen.sum())
+        n = int(np.count_nonzero(chosen))
         if n > D:
             _drop(chosen, forced, deadline, cs, flat_rank, n - D)
         elif n < D:
@@ -224,8 +224,9 @@ def solve_placement(costs, *, sync: str = "microstep",
                     due_unplaced)
 
         # Phase B: which chosen packs stay at home, and where the others go.
-        r_idx, p_idx = np.divmod(np.flatnonzero(chosen), G)  # row-major: origin order
-        cost = cs[r_idx, p_idx]
+        fl = np.flatnonzero(chosen)                          # row-major: origin order
+        r_idx, p_idx = np.divmod(fl, G)
+        cost = cs.ravel()[fl]
         mean_after = (totals.sum() + cost.sum()) / D
         band = band0 + future_slack * future[k]
         # Each rank's stay candidate: its heaviest chosen pack (first in row order).
@@ -245,14 +246,15 @@ def solve_placement(costs, *, sync: str = "microstep",
         movers = np.flatnonzero(~stay)
         free = np.flatnonzero(~taken)
         # Heaviest mover to the lightest free rank; ties by origin then position / rank id.
-        mv = movers[np.lexsort((p_idx[movers], r_idx[movers], -cost[movers]))]
-        fr = free[np.lexsort((free, totals[free]))]
+        # (movers and free ranks are in (origin, position) / rank order already)
+        mv = movers[stable_argsort(-cost[movers])]
+        fr = free[stable_argsort(totals[free])]
         dest[mv] = pair_within_nodes(r_idx[mv], fr, node)
-        dst_rank[r_idx, p_idx] = dest
-        dst_step[r_idx, p_idx] = k
-        np.add.at(totals, dest, cost)
+        dst_rank.ravel()[fl] = dest
+        dst_step.ravel()[fl] = k
+        totals[dest] += cost                                 # dest: every rank once
         placed |= chosen
-        due_unplaced -= np.bincount(deadline[r_idx, p_idx], minlength=G)
+        due_unplaced -= np.bincount(deadline.ravel()[fl], minlength=G)
 
     src_rank = np.empty((D, G), dtype=np.int64)
     src_index = np.empty((D, G), dtype=np.int64)

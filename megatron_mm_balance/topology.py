@@ -18,6 +18,8 @@ import os
 
 import numpy as np
 
+from .sorting import stable_argsort
+
 DEFAULT_RANKS_PER_NODE = 8
 # An inter-node move counts as this many intra-node moves when the solver chooses
 # between swaps of equal balance (a network hop is ~10x slower than NVLink).
@@ -86,8 +88,8 @@ def pair_within_nodes(movers_origin: np.ndarray, free: np.ndarray,
     fn = node[free]
     num_nodes = int(node.max()) + 1
     # position of each mover / free rank within its node's group, orders kept
-    m_ord = np.argsort(mn, kind="stable")
-    f_ord = np.argsort(fn, kind="stable")
+    m_ord = stable_argsort(mn)
+    f_ord = stable_argsort(fn)
     m_cnt = np.bincount(mn, minlength=num_nodes)
     f_cnt = np.bincount(fn, minlength=num_nodes)
     m_start = np.concatenate([[0], np.cumsum(m_cnt)])[:-1]

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .sorting import lex_argsort
+from .sorting import lex_argsort, stable_argsort
 from .rank_balance import balance_rank_totals, cost_grain, rank_limit, send_home
 from .topology import check_ranks_per_node, node_ids, pair_within_nodes
 
@@ -238,7 +238,7 @@ def solve_two_phase(costs, *, balance_tolerance: float, ranks_per_node: int | No
         r, i = rows[sel], cols[sel]
         first = np.ones(len(sel), dtype=bool)
         # a rank keeps its heaviest pack of this step (first in order among its own)
-        o = np.lexsort((np.arange(len(sel)), r))
+        o = stable_argsort(r)
         dup = np.zeros(len(sel), dtype=bool)
         dup[o[1:]] = r[o[1:]] == r[o[:-1]]
         first &= ~dup
@@ -246,7 +246,7 @@ def solve_two_phase(costs, *, balance_tolerance: float, ranks_per_node: int | No
         src_index[r[first], m] = i[first]
         movers = np.flatnonzero(~first)                      # heaviest first already
         free = np.flatnonzero(src_rank[:, m] < 0)
-        free = free[np.lexsort((free, totals[free]))]
+        free = free[stable_argsort(totals[free])]              # free: ascending ranks
         dest = pair_within_nodes(r[movers], free, node)
         src_rank[dest, m] = r[movers]
         src_index[dest, m] = i[movers]

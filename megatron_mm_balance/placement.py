@@ -14,7 +14,8 @@ Stage 1, balance (ignoring origins):
   assignment that puts D packs into micro-step ``k``, each costing at most
   ``L_k``, is equally optimal. That freedom is what stage 2 spends.
 * ``sync="step"`` (ranks meet only at the gradient all-reduce) evens each rank's
-  total; any micro-step may hold any pack.
+  total; any micro-step may hold any pack. With nodes, node totals are evened
+  first (few large swaps cross the network), then the ranks inside each node.
 
 Stage 2, move little: micro-steps are filled heaviest level first. In each, every
 rank proposes its own heaviest unplaced pack, which would stay at home; packs
@@ -47,7 +48,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .rank_balance import balance_rank_totals, cost_grain, rank_limit, send_home
+from .rank_balance import (balance_node_totals, balance_rank_totals, cost_grain, rank_limit,
+                           send_home)
+from .sorting import lex_argsort, stable_argsort
 from .topology import check_ranks_per_node, node_ids, pair_within_nodes
 from .two_phase import as_cost_pairs, solve_two_phase
 
@@ -170,19 +173,27 @@ def solve_placement(costs, *, sync: str = "microstep",
         # Only rank totals count: keep every pack home and swap pairs between the
         # heaviest and lightest ranks until the totals are even.
         pl = Placement.identity(D, G)
+        limit = rank_limit(int(c.sum()), D, balance_tolerance, cost_grain(c))
+        if node is not None:
+            # Nodes first (few large swaps cross the network), then ranks inside
+            # each node (NVLink), then whatever is left over the limit, anywhere.
+            balance_node_totals(c, pl.src_rank, pl.src_index, node=node, limit=limit)
+            balance_rank_totals(c, pl.src_rank, pl.src_index, tolerance=balance_tolerance,
+                                node=node, mates_only=True, step_window=STEP_MODE_WINDOW)
         balance_rank_totals(c, pl.src_rank, pl.src_index, tolerance=balance_tolerance, node=node,
                             step_window=STEP_MODE_WINDOW)
         if node is not None:
-            send_home(c, pl.src_rank, pl.src_index, node=node, max_rounds=4,
-                      limit=rank_limit(int(c.sum()), D, balance_tolerance, cost_grain(c)))
+            send_home(c, pl.src_rank, pl.src_index, node=node, max_rounds=4, limit=limit)
         return pl
 
-    order = np.argsort(-c, axis=1, kind="stable")        # own packs, heaviest first
+    # own packs, heaviest first (ties by position): one stable sort of (rank, -cost)
+    order = (lex_argsort((-c.ravel(), np.repeat(np.arange(D), G))) % G).reshape(D, G)
     cs = np.take_along_axis(c, order, axis=1)             # [D, G] sorted costs
     levels = np.sort(c.ravel())[::-1][::D]                 # L_k, non-increasing
     # microstep mode from here on (step mode returned above).
     # deadline[r, j]: the last micro-step whose level admits the pack.
     deadline = np.searchsorted(-levels, -cs, side="right") - 1
+    due_unplaced = np.bincount(deadline.ravel(), minlength=G)   # unplaced packs per deadline
     floor = int(levels[-1])
     future = np.append(levels[1:], floor).astype(np.float64) - floor   # correcting power left
     band0 = STAGE2_BAND_FACTOR * balance_tolerance * float(c.sum()) / D
@@ -198,22 +209,24 @@ def solve_placement(costs, *, sync: str = "microstep",
     for k in range(G):
         unplaced = ~placed
         chosen = np.zeros((D, G), dtype=bool)
-        has = unplaced.any(axis=1)
-        first = np.argmax(unplaced, axis=1)
+        first = np.argmax(unplaced, axis=1)                 # 0 when a row has none left
+        has = unplaced[rows, first]
         chosen[rows[has], first[has]] = True                # proposals
         forced = unplaced & (deadline <= k)
         chosen |= forced
-        n = int(chosen.sum())
+        n = int(np.count_nonzero(chosen))
         if n > D:
             _drop(chosen, forced, deadline, cs, flat_rank, n - D)
         elif n < D:
             _fill(chosen, unplaced, cs, flat_rank, flat_pos, D - n, G - k)
         if k + 1 < G:
-            _repair(chosen, forced, unplaced, deadline, cs, flat_rank, flat_pos, k, D, G)
+            _repair(chosen, forced, unplaced, deadline, cs, flat_rank, flat_pos, k, D, G,
+                    due_unplaced)
 
         # Phase B: which chosen packs stay at home, and where the others go.
-        r_idx, p_idx = np.nonzero(chosen)                   # row-major: origin order
-        cost = cs[r_idx, p_idx]
+        fl = np.flatnonzero(chosen)                          # row-major: origin order
+        r_idx, p_idx = np.divmod(fl, G)
+        cost = cs.ravel()[fl]
         mean_after = (totals.sum() + cost.sum()) / D
         band = band0 + future_slack * future[k]
         # Each rank's stay candidate: its heaviest chosen pack (first in row order).
@@ -233,13 +246,15 @@ def solve_placement(costs, *, sync: str = "microstep",
         movers = np.flatnonzero(~stay)
         free = np.flatnonzero(~taken)
         # Heaviest mover to the lightest free rank; ties by origin then position / rank id.
-        mv = movers[np.lexsort((p_idx[movers], r_idx[movers], -cost[movers]))]
-        fr = free[np.lexsort((free, totals[free]))]
+        # (movers and free ranks are in (origin, position) / rank order already)
+        mv = movers[stable_argsort(-cost[movers])]
+        fr = free[stable_argsort(totals[free])]
         dest[mv] = pair_within_nodes(r_idx[mv], fr, node)
-        dst_rank[r_idx, p_idx] = dest
-        dst_step[r_idx, p_idx] = k
-        np.add.at(totals, dest, cost)
+        dst_rank.ravel()[fl] = dest
+        dst_step.ravel()[fl] = k
+        totals[dest] += cost                                 # dest: every rank once
         placed |= chosen
+        due_unplaced -= np.bincount(deadline.ravel()[fl], minlength=G)
 
     src_rank = np.empty((D, G), dtype=np.int64)
     src_index = np.empty((D, G), dtype=np.int64)
@@ -254,15 +269,15 @@ def solve_placement(costs, *, sync: str = "microstep",
 
 def _key_heaviest_first(cs, flat_rank, flat_pos, mask):
     """Indices (flat) of ``mask`` ordered heaviest first, ties by rank then position."""
-    idx = np.flatnonzero(mask)
-    return idx[np.lexsort((flat_pos.ravel()[idx], flat_rank.ravel()[idx], -cs.ravel()[idx]))]
+    idx = np.flatnonzero(mask)                   # row-major: by rank, then position
+    return idx[stable_argsort(-cs.ravel()[idx])]
 
 
 def _least_urgent_first(chosen, forced, deadline, cs, flat_rank):
     """Indices (flat) of the chosen, non-forced packs: latest deadline, then lightest,
     then highest rank first: the ones a micro-step can give up at least cost."""
     idx = np.flatnonzero(chosen & ~forced)
-    return idx[np.lexsort((-flat_rank.ravel()[idx], cs.ravel()[idx], -deadline.ravel()[idx]))]
+    return idx[lex_argsort((-flat_rank.ravel()[idx], cs.ravel()[idx], -deadline.ravel()[idx]))]
 
 
 def _drop(chosen, forced, deadline, cs, flat_rank, count):
@@ -284,14 +299,17 @@ def _fill(chosen, unplaced, cs, flat_rank, flat_pos, count, slots_left):
     chosen.ravel()[idx] = True
 
 
-def _repair(chosen, forced, unplaced, deadline, cs, flat_rank, flat_pos, k, D, G):
-    """Keep later micro-steps feasible: no more packs due by step k' than slots left."""
+def _repair(chosen, forced, unplaced, deadline, cs, flat_rank, flat_pos, k, D, G, due_unplaced):
+    """Keep later micro-steps feasible: no more packs due by step k' than slots left.
+    ``due_unplaced``: the unplaced packs per deadline (so only the D chosen ones are
+    counted here, not the whole matrix)."""
     while True:
-        rest = unplaced & ~chosen
-        due = np.cumsum(np.bincount(deadline[rest], minlength=G))[k + 1:]
+        due_chosen = np.bincount(deadline.ravel()[np.flatnonzero(chosen)], minlength=G)
+        due = np.cumsum(due_unplaced - due_chosen)[k + 1:]
         excess = int((due - D * np.arange(1, G - k)).max())
         if excess <= 0:
             return
+        rest = unplaced & ~chosen
         out = _least_urgent_first(chosen, forced, deadline, cs, flat_rank)
         if len(out) < excess:   # cannot happen: stage-1 levels guarantee feasibility
             raise AssertionError("placement infeasible: inconsistent levels")

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .sorting import lex_argsort, stable_argsort
 from .topology import INTER_NODE_WEIGHT
 
 DEFAULT_RANK_TOLERANCE = 0.002
@@ -60,7 +61,7 @@ def balance_rank_totals(c: np.ndarray, src_rank: np.ndarray, src_index: np.ndarr
                         levels: np.ndarray | None = None, max_rounds: int = 256,
                         weights: np.ndarray | None = None,
                         node: np.ndarray | None = None, mates_first: bool = True,
-                        step_window: int | None = 2) -> int:
+                        mates_only: bool = False, step_window: int | None = 2) -> int:
     """Swap packs in place (``src_rank``/``src_index`` ``[D, G]``) until no rank total
     exceeds :func:`rank_limit`. ``levels[k]`` (``microstep`` mode): the most a pack
     in micro-step ``k`` may cost; with two-phase costs (``c`` ``[D, G, 2]``),
@@ -71,7 +72,8 @@ def balance_rank_totals(c: np.ndarray, src_rank: np.ndarray, src_index: np.ndarr
     ``c`` itself; levels always apply to ``c``. ``node`` (optional, ``[D]``): the
     node of each rank; a pack crossing nodes then counts ``1 + INTER_NODE_WEIGHT``
     moves when swaps of equal balance are compared, and with ``mates_first`` a heavy
-    rank tries its node-mates as partners before the global walk. ``step_window``:
+    rank tries its node-mates as partners before the global walk; with ``mates_only``
+    it tries only them (no pack crosses a node). ``step_window``:
     a pack swaps only with packs at most this many micro-steps away (None: any),
     which keeps a round at O(P * G * (2W + 1)).
     """
@@ -92,7 +94,8 @@ def balance_rank_totals(c: np.ndarray, src_rank: np.ndarray, src_index: np.ndarr
     jj = np.arange(G)[:, None] + off[None, :]
     jok = (jj >= 0) & (jj < G)
     jj = np.clip(jj, 0, G - 1)
-    mates_first = mates_first and node is not None
+    mates_only = mates_only and node is not None
+    mates_first = (mates_first or mates_only) and node is not None
     if mates_first:
         members = _members(node)
     for _ in range(max_rounds):
@@ -117,7 +120,7 @@ def balance_rank_totals(c: np.ndarray, src_rank: np.ndarray, src_index: np.ndarr
             mates = np.take_along_axis(mates, order, axis=1)
             mt = np.take_along_axis(mt, order, axis=1)
             k = ((mt < (totals[heavy] - grain)[:, None]) & (mt < U)).sum(axis=1)
-        live = attempt[heavy] < n_elig + k
+        live = attempt[heavy] < (k if mates_only else n_elig + k)
         if not live.any():
             break
         heavy, n_elig, k = heavy[live], n_elig[live], k[live]
@@ -177,6 +180,87 @@ def balance_rank_totals(c: np.ndarray, src_rank: np.ndarray, src_index: np.ndarr
     return applied
 
 
+def balance_node_totals(c: np.ndarray, src_rank: np.ndarray, src_index: np.ndarray, *,
+                        node: np.ndarray, limit: int, max_rounds: int = 64,
+                        weights: np.ndarray | None = None) -> int:
+    """Even the nodes' totals first, with few large swaps across nodes (``step`` mode,
+    where no level binds a pack to a micro-step). Returns the swaps applied.
+
+    Only a node's surplus has to cross the network; evening the ranks of one node is
+    then NVLink traffic (:func:`balance_rank_totals` with ``mates_only``). Each round
+    pairs every node above its limit (heaviest first) with a distinct node below its
+    mean (lightest first; a pair without a useful swap walks on to the next light node
+    in the following round, a pair that swapped starts from the lightest again) and swaps one pack of the heavy node's heaviest rank with
+    one of the light node's lightest rank: the swap whose cost difference comes closest
+    to what the pair needs (the heavy node's surplus over its mean, capped by the light
+    node's deficit), strictly narrowing the pair's gap. A node's limit is its mean plus
+    half of its ranks' headroom ``size * (limit - mean) / 2``, so the ranks inside can
+    still end under ``limit``. Integer arithmetic (means scaled by the number of ranks),
+    ties by slot order: deterministic. O(pairs x G^2) per round."""
+    D, G = c.shape[:2]
+    bal = c if weights is None else weights
+    a = bal[src_rank, src_index]
+    totals = a.sum(axis=1)
+    num = int(node.max()) + 1
+    size = np.bincount(node, minlength=num).astype(np.int64)
+    total = int(totals.sum())
+    members = _members(node)
+    rows_all = np.arange(num)
+    # Scaled by D: node n's mean is size*total/D; above the limit iff
+    # 2*D*nt > 2*size*total + size*(D*limit - total).
+    mean_d = size * total
+    over_d2 = 2 * mean_d + size * (D * int(limit) - total)
+    attempt = np.zeros(num, dtype=np.int64)
+    applied = 0
+    big = np.iinfo(np.int64).max
+    for _ in range(max_rounds):
+        nt = np.zeros(num, dtype=np.int64)
+        np.add.at(nt, node, totals)
+        heavy = np.flatnonzero(2 * D * nt > over_d2)
+        if len(heavy) == 0:
+            break
+        heavy = heavy[np.lexsort((heavy, -nt[heavy]))]
+        pool = np.lexsort((rows_all, nt * D - mean_d))
+        pool = pool[D * nt[pool] < mean_d[pool]]
+        if len(pool) == 0:
+            break
+        heavy = heavy[attempt[heavy] < len(pool)]
+        if len(heavy) == 0:
+            break
+        light = pool[(np.arange(len(heavy)) + attempt[heavy]) % len(pool)]
+        _, first = np.unique(light, return_index=True)
+        keep = np.zeros(len(heavy), dtype=bool)
+        keep[first] = True
+        attempt[heavy[~keep]] += 1
+        h, l = heavy[keep], light[keep]
+        P = len(h)
+        mh, ml = members[h], members[l]
+        sr = np.take_along_axis(mh, np.argmax(np.where(mh >= 0, totals[mh], -1), axis=1)[:, None],
+                                axis=1)[:, 0]
+        rr = np.take_along_axis(ml, np.argmin(np.where(ml >= 0, totals[ml], big), axis=1)[:, None],
+                                axis=1)[:, 0]
+        delta = a[sr][:, :, None] - a[rr][:, None, :]           # [P, G (heavy), G (light)]
+        gap = (nt[h] - nt[l])[:, None, None]
+        want = np.minimum(D * nt[h] - mean_d[h], mean_d[l] - D * nt[l])[:, None, None]
+        valid = (delta > 0) & (delta < gap)
+        key = np.where(valid, np.abs(D * delta - want), big).reshape(P, G * G)
+        best = np.argmin(key, axis=1)
+        ok = key[np.arange(P), best] < big
+        attempt[h[~ok]] += 1
+        if not ok.any():
+            continue
+        attempt[h[ok]] = 0                                      # next time: lightest first
+        sr, rr, best = sr[ok], rr[ok], best[ok]
+        i, j = best // G, best % G
+        d = a[sr, i] - a[rr, j]
+        for arr in (src_rank, src_index, a):
+            arr[sr, i], arr[rr, j] = arr[rr, j], arr[sr, i].copy()
+        totals[sr] -= d
+        totals[rr] += d
+        applied += len(sr)
+    return applied
+
+
 def move_weight(origin, location, node: np.ndarray | None) -> np.ndarray:
     """What a pack from rank ``origin`` computed on rank ``location`` costs in moves:
     0 at home, 1 on another rank, ``1 + INTER_NODE_WEIGHT`` on another node."""
@@ -200,8 +284,10 @@ def send_home(c: np.ndarray, src_rank: np.ndarray, src_index: np.ndarray, *,
     home node swaps with a pack on any rank of that node that came from another
     node, so both end nearer home (inter-node moves weigh ``1 + INTER_NODE_WEIGHT``).
 
-    Candidates: each pack away from home against the foreign packs of the same
-    micro-step on its home rank (node): O(moved packs x ranks per node) per round.
+    Candidates: each pack away from home against the packs away from home that sit
+    on its home rank (node) in the micro-steps of the window, found through buckets
+    by (unit, micro-step): O(away packs x (2W + 1) x away packs per bucket) per
+    round, no dense scan of the unit's ranks.
     Per round, each slot takes part in one swap; a swap that changes totals also
     claims its two ranks, so the limit holds however many swaps run in parallel."""
     D = c.shape[0]
@@ -228,84 +314,112 @@ def send_home(c: np.ndarray, src_rank: np.ndarray, src_index: np.ndarray, *,
 def _shorten(c, src_rank, src_index, *, limit, levels, max_rounds, weights, node, group,
              step_window=2):
     """One level of :func:`send_home`: ``group[r]`` is rank r's home unit (rank or
-    node). Candidates ``y`` sit on a rank of x's home unit, at most ``step_window``
-    micro-steps from x (0: the same micro-step, where levels hold trivially;
-    otherwise both packs must fit the level or box of the step they land in):
-    O(moved x ranks per unit x (2W + 1)) per round."""
+    node). A pack ``x`` away from its home unit may swap with a pack ``y`` that sits
+    on a rank of x's home unit, at most ``step_window`` micro-steps from x (0: the
+    same micro-step, where levels hold trivially; otherwise both packs must fit the
+    level or box of the step they land in), and is itself away from home.
+
+    Candidates are generated sparsely: the packs away from home are bucketed by
+    (unit they sit on, micro-step), and each ``x`` meets only the buckets of its
+    home unit within the window, so a round costs O(away packs x (2W + 1) x away
+    packs per bucket) rather than O(away packs x ranks per unit x (2W + 1)). Each
+    ``x`` takes its best partner: largest gain, then smallest total change, then
+    the lowest (rank position in its unit, micro-step offset), as a dense scan of
+    the unit's ranks in order would."""
     D, G = c.shape[:2]
     bal = c if weights is None else weights
     a = bal[src_rank, src_index]
     lv = c[src_rank, src_index]
     totals = a.sum(axis=1)
     cap = np.maximum(totals, limit)
-    ranks = np.arange(D)
-    members = _members(group)                               # [units, ranks per unit]
+    num_units = int(group.max()) + 1
+    usize = np.bincount(group, minlength=num_units)
+    uorder = np.argsort(group, kind="stable")
+    ustart = np.concatenate([[0], np.cumsum(usize)])[:-1]
+    mpos = np.empty(D, dtype=np.int64)                      # rank's position in its unit
+    mpos[uorder] = np.arange(D) - ustart[group[uorder]]
+    W = min(int(step_window), G - 1)
+    off = np.arange(-W, W + 1)
+    K = len(off)
+    check_levels = levels is not None and W > 0
+    if check_levels:
+        lf = lv.reshape(D * G, -1)
+        lvl = levels.reshape(G, -1)
+    a_fl = a.ravel()
+    big = np.iinfo(np.int64).max
     saved = 0
     for _ in range(max_rounds):
-        foreign = group[src_rank] != group[ranks][:, None]
-        xr, xi = np.nonzero(foreign)
-        if len(xr) == 0:
+        sr_fl = src_rank.ravel()
+        fx = np.flatnonzero(group[sr_fl] != np.repeat(group, G))   # away packs, row-major
+        F = len(fx)
+        if F == 0:
             break
-        xo = src_rank[xr, xi]
-        yr = members[group[xo]]                             # [F, R]: ranks of x's home unit
-        if levels is None or step_window:                   # nearby micro-steps
-            R = yr.shape[1]
-            W = min(step_window, G - 1)
-            off = np.arange(-W, W + 1)
-            yr = np.repeat(yr, len(off), axis=1)
-            yi = xi[:, None] + np.tile(off, R)[None, :]
-            inside = (yi >= 0) & (yi < G)
-            yr = np.where(inside, yr, -1)
-            yi = np.clip(yi, 0, G - 1)
-        else:
-            yi = np.broadcast_to(xi[:, None], yr.shape)
-        valid = yr >= 0
-        yr = np.where(valid, yr, 0)
-        yo = src_rank[yr, yi]
-        valid &= group[yo] != group[yr]                     # y is away from home too
-        d = a[yr, yi] - a[xr, xi][:, None]                  # x's rank gains y, loses x
-        if levels is not None and step_window:              # x into y's step, y into x's
-            lf = lv.reshape(D * G, -1)
-            lvl = levels.reshape(G, -1)
-            xf = xr * G + xi
-            valid &= (lf[xf][:, None, :] <= lvl[yi]).all(axis=-1)
-            valid &= (lf[yr * G + yi] <= lvl[xi][:, None, :]).all(axis=-1)
-        valid &= (totals[xr][:, None] + d <= cap[xr][:, None]) & (totals[yr] - d <= cap[yr])
-        xo2, xr2 = xo[:, None], xr[:, None]
-        gain = ((xo2 != xr2).astype(np.int64) - (xo2 != yr) + (yo != yr) - (yo != xr2))
+        xr, xi = fx // G, fx % G
+        xo = sr_fl[fx]
+        # Buckets of away packs by (unit they sit on, micro-step); row-major order
+        # keeps each bucket in rank order.
+        bkey = group[xr] * G + xi
+        border = stable_argsort(bkey)
+        bcount = np.bincount(bkey, minlength=num_units * G)
+        bstart = np.concatenate([[0], np.cumsum(bcount)])[:-1]
+        ys = xi[:, None] + off[None, :]                     # [F, K]
+        inside = (ys >= 0) & (ys < G)
+        b = group[xo][:, None] * G + np.clip(ys, 0, G - 1)
+        cnt = np.where(inside, bcount[b], 0).ravel()
+        n = int(cnt.sum())
+        if n == 0:
+            break
+        first = np.cumsum(cnt) - cnt
+        pos = np.repeat(bstart[b].ravel() - first, cnt) + np.arange(n)
+        py = border[pos]                                    # y as an index into fx
+        px = np.repeat(np.arange(F), cnt.reshape(F, K).sum(axis=1))
+        x_fl, y_fl = fx[px], fx[py]
+        pxr, pyr, pxi, pyi = xr[px], xr[py], xi[px], xi[py]
+        pxo, pyo = xo[px], xo[py]
+        d = a_fl[y_fl] - a_fl[x_fl]                         # x's rank gains y, loses x
+        valid = (totals[pxr] + d <= cap[pxr]) & (totals[pyr] - d <= cap[pyr])
+        if check_levels:                                    # x into y's step, y into x's
+            valid &= (lf[x_fl] <= lvl[pyi]).all(axis=-1)
+            valid &= (lf[y_fl] <= lvl[pxi]).all(axis=-1)
+        gain = ((pxo != pxr).astype(np.int64) - (pxo != pyr) + (pyo != pyr) - (pyo != pxr))
         if node is not None:                                # move_weight, gathered once
-            nxo, nxr, nyr, nyo = node[xo][:, None], node[xr][:, None], node[yr], node[yo]
+            nxo, nxr, nyr, nyo = node[pxo], node[pxr], node[pyr], node[pyo]
             gain += INTER_NODE_WEIGHT * ((nxo != nxr).astype(np.int64) - (nxo != nyr)
                                          + (nyo != nyr) - (nyo != nxr))
         valid &= gain > 0
         if not valid.any():
             break
-        big = np.iinfo(np.int64).max
         key = np.where(valid, -gain * (1 << 40) + np.abs(d), big)
-        j = np.argmin(key, axis=1)
-        rows = np.arange(len(xr))
-        kb = key[rows, j]
-        cand = np.flatnonzero(kb < big)
-        cand = cand[np.lexsort((cand, kb[cand]))]
-        x = xr[cand] * G + xi[cand]
-        ycol = yr[cand, j[cand]]
-        y = ycol * G + yi[cand, j[cand]]
-        dd = d[cand, j[cand]]
+        col = mpos[pyr] * K + (pyi - pxi + W)               # the dense scan's column
+        has = np.flatnonzero(cnt.reshape(F, K).sum(axis=1))
+        seg = (np.cumsum(cnt) - cnt).reshape(F, K)[has, 0]
+        kmin = np.full(F, big, dtype=np.int64)
+        kmin[has] = np.minimum.reduceat(key, seg)
+        tie = key == kmin[px]
+        cmin = np.full(F, big, dtype=np.int64)
+        cmin[has] = np.minimum.reduceat(np.where(tie, col, big), seg)
+        pick = np.flatnonzero(tie & (col == cmin[px]) & valid)   # one pair per x, x order
+        cand = px[pick]
+        kb = kmin[cand]
+        o = lex_argsort((cand, kb))
+        pick, cand = pick[o], cand[o]
+        x, y = x_fl[pick], y_fl[pick]
+        ycol, dd = pyr[pick], d[pick]
         # Each slot in one swap; swaps that change totals also claim both ranks.
         keep = _first_touch(x, y, D * G)
-        x, y, ycol, dd, cand = x[keep], y[keep], ycol[keep], dd[keep], cand[keep]
+        pick, x, y, ycol, dd = pick[keep], x[keep], y[keep], ycol[keep], dd[keep]
         moves = dd != 0
-        claim = _first_touch(xr[cand[moves]], ycol[moves], D)
+        claim = _first_touch(pxr[pick[moves]], ycol[moves], D)
         keep = ~moves
         keep[np.flatnonzero(moves)[claim]] = True
-        x, y, ycol, dd, cand = x[keep], y[keep], ycol[keep], dd[keep], cand[keep]
+        pick, x, y, ycol, dd = pick[keep], x[keep], y[keep], ycol[keep], dd[keep]
         if len(x) == 0:
             break
-        saved += int(gain[cand, j[cand]].sum())
+        saved += int(gain[pick].sum())
         for arr in (src_rank, src_index, a, lv):
             fl = arr.reshape(D * G, *arr.shape[2:])
             fl[x], fl[y] = fl[y], fl[x].copy()
-        np.add.at(totals, xr[cand], dd)
+        np.add.at(totals, pxr[pick], dd)
         np.subtract.at(totals, ycol, dd)
     return saved
 

@@ -7,14 +7,18 @@ ranks consecutively; data-parallel rank order follows it when the other
 parallelisms are inner).
 
 The placement uses this to prefer intra-node moves wherever the balance does not
-care (:func:`pair_within_nodes`, and the move weights of :mod:`.rank_balance`),
-and reports inter-node packs and bytes (:func:`traffic`).
+care (:func:`pair_within_nodes`, the move weights of :mod:`.rank_balance`, and in
+``step`` mode node totals evened before rank totals:
+:func:`~megatron_mm_balance.rank_balance.balance_node_totals`), and reports
+inter-node packs and bytes (:func:`traffic`).
 """
 from __future__ import annotations
 
 import os
 
 import numpy as np
+
+from .sorting import stable_argsort
 
 DEFAULT_RANKS_PER_NODE = 8
 # An inter-node move counts as this many intra-node moves when the solver chooses
@@ -84,8 +88,8 @@ def pair_within_nodes(movers_origin: np.ndarray, free: np.ndarray,
     fn = node[free]
     num_nodes = int(node.max()) + 1
     # position of each mover / free rank within its node's group, orders kept
-    m_ord = np.argsort(mn, kind="stable")
-    f_ord = np.argsort(fn, kind="stable")
+    m_ord = stable_argsort(mn)
+    f_ord = stable_argsort(fn)
     m_cnt = np.bincount(mn, minlength=num_nodes)
     f_cnt = np.bincount(fn, minlength=num_nodes)
     m_start = np.concatenate([[0], np.cumsum(m_cnt)])[:-1]

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .sorting import lex_argsort, stable_argsort
 from .rank_balance import balance_rank_totals, cost_grain, rank_limit, send_home
 from .topology import check_ranks_per_node, node_ids, pair_within_nodes
 
@@ -93,10 +94,7 @@ def _order_objective(v, l, order, D):
 
 def _desc_order(key, tie):
     """Pack indices by ``key`` descending, ties by ``tie`` descending, then index."""
-    span = int(tie.max()) + 1 if len(tie) else 1
-    if int(key.max(initial=0)) < (np.iinfo(np.int64).max // 2) // span:
-        return np.argsort(-(key * span + tie), kind="stable")
-    return np.lexsort((np.arange(len(key)), -tie, -key))
+    return lex_argsort((-tie, -key))
 
 
 def _sorted_groups(key, tie, D):
@@ -233,14 +231,14 @@ def solve_two_phase(costs, *, balance_tolerance: float, ranks_per_node: int | No
     wf, sf = w.ravel(), step.ravel()
     # Packs of each step, heaviest first, ties by origin then index (row-major).
     top = int(wf.max()) + 1
-    order = np.argsort(sf * top + (top - 1 - wf), kind="stable")
+    order = lex_argsort((top - 1 - wf, sf))
     bounds = np.searchsorted(sf[order], np.arange(G + 1))
     for m in range(G):
         sel = order[bounds[m]:bounds[m + 1]]
         r, i = rows[sel], cols[sel]
         first = np.ones(len(sel), dtype=bool)
         # a rank keeps its heaviest pack of this step (first in order among its own)
-        o = np.lexsort((np.arange(len(sel)), r))
+        o = stable_argsort(r)
         dup = np.zeros(len(sel), dtype=bool)
         dup[o[1:]] = r[o[1:]] == r[o[:-1]]
         first &= ~dup
@@ -248,7 +246,7 @@ def solve_two_phase(costs, *, balance_tolerance: float, ranks_per_node: int | No
         src_index[r[first], m] = i[first]
         movers = np.flatnonzero(~first)                      # heaviest first already
         free = np.flatnonzero(src_rank[:, m] < 0)
-        free = free[np.lexsort((free, totals[free]))]
+        free = free[stable_argsort(totals[free])]              # free: ascending ranks
         dest = pair_within_nodes(r[movers], free, node)
         src_rank[dest, m] = r[movers]
         src_index[dest, m] = i[movers]

@@ -65,7 +65,12 @@ def explicit_layout_worker(rank, world):
     assert all(isinstance(o, RerunDataIterator) for o in out)
     chunks = [_consume(o) for o in out]
     bals = balancers(out)
+    import time
+    deadline = time.monotonic() + 20           # the exchange thread reads ahead at once
+    while loaders[0].n <= STEPS * G and time.monotonic() < deadline:
+        time.sleep(0.01)
     res = {"chunks": chunks, "state": out[0].iterable.save_state(), "sampler": sampler_run,
+           "loader_read": loaders[0].n, "prefetched": [s.get("prefetched") for s in bals[0].stats],
            "moved": sum(s.get("packs_moved", 0) for s in bals[0].stats),
            "steps_logged": len(bals[0].stats), "groups": exchange_group_ranks()}
     for b in bals:
@@ -126,7 +131,9 @@ def test_explicit_layout_lists_none_and_identical_chunk_placements():
     for r in (r0, r1):
         assert r["chunks"][0] == r["chunks"][1]          # chunks agree: same costs, same solver
         assert all(len(step) == G for step in r["chunks"][0])
-        assert r["state"] == {"read": STEPS * G}         # the loader's own save_state, not ahead
+        # The thread read ahead into the next global batch; the state is the consumed one.
+        assert r["loader_read"] > STEPS * G and all(r["prefetched"][1:]), r["prefetched"]
+        assert r["state"] == {"read": STEPS * G}
         assert r["steps_logged"] == STEPS
     for s in range(STEPS):
         got = sorted(r0["chunks"][0][s] + r1["chunks"][0][s])

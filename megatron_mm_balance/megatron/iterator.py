@@ -132,10 +132,11 @@ def _schedule_for(args, num_microbatches):
     compute. That stays exact for checkpoints either way: Megatron's own samplers
     resume from ``consumed_train_samples`` (a global batch read ahead but not
     trained on is simply read again), and a loader with ``save_state`` (energon)
-    is checkpointed through the balancer's paired state. Only under
+    is checkpointed through the balancer's paired state. Under
     ``--rampup-batch-size`` (``--step-batch-size-schedule``), where the count
-    changes between batches, does the balancer get a callable and start each
-    global batch when training does.
+    changes between batches, the balancer gets a callable read when training
+    starts each global batch, and :func:`_predictor_for` lets the thread run
+    ahead on predicted counts, each checked against that callable.
     """
     if num_microbatches is None:
         if not variable_batch_size(args):
@@ -145,6 +146,18 @@ def _schedule_for(args, num_microbatches):
     if callable(num_microbatches):
         return num_microbatches
     return int(num_microbatches)
+
+
+def _predictor_for(args, num_microbatches):
+    """Under batch-size ramp-up (and no explicit count): a :class:`MicrobatchSchedule` with
+    ``predict=True``, Megatron's calculator run privately on the samples the global batches
+    handed out so far consume (from ``consumed_train_samples`` at wrap time, so a resumed
+    run predicts from where it is). The exchange thread prefetches on it; the balancer
+    checks each prediction against ``get_num_microbatches()`` when the loop starts the
+    batch and fails with both counts named if they differ. None otherwise."""
+    if num_microbatches is None and variable_batch_size(args):
+        return MicrobatchSchedule(args, predict=True)
+    return None
 
 
 class Coordinator:
@@ -194,7 +207,9 @@ class ExchangeCoordinator(Coordinator):
         balanced = BalancedDataIterator(reader, num_microbatches=schedule, group=group,
                                         exchange_group=group, cost_fn=self.cost_fn,
                                         config=self.cfg.runtime(),
-                                        state_fn=state_fn if callable(state_fn) else None)
+                                        state_fn=state_fn if callable(state_fn) else None,
+                                        predict_microbatches=_predictor_for(self.args,
+                                                                            self.num_microbatches))
         telemetry = self._telemetry(balanced, group, chunk)
         return RerunDataIterator(BalancedTrainIterable(balanced, source, telemetry))
 

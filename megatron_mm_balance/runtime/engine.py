@@ -84,6 +84,7 @@ class Item:
     last: bool = False
     stats: dict | None = None
     state_after: object = None         # on the last item: the plan's ``state_after``
+    num_microbatches: int = 0          # the global batch's G, as the thread ran it
 
 
 def _gather_stats(costs: np.ndarray, placement: Placement, me: int, planned=None) -> dict:

@@ -22,7 +22,10 @@ behind batch ``b``'s last micro-step (one global batch may be pulled from the
 source and never delivered when training stops). With a callable the thread
 starts a batch only when the consumer asks for it, since the value may change
 right before that (Megatron updates it at the top of each iteration), so that
-batch's all-gather, solve and first exchange are exposed.
+batch's all-gather, solve and first exchange are exposed, unless a
+``predict_microbatches`` callable is also given: the thread then free-runs on
+its predictions, and the consumer checks each against the real value when the
+batch starts (a mismatch is an error naming the batch and both counts).
 
 Checkpointable sources (a ``save_state()`` method, as energon's loaders have)
 prefetch the same way. The source is only ever touched by the thread that
@@ -70,9 +73,10 @@ class _Worker:
     """The background thread's state. Holds no reference to the iterator, so an
     abandoned iterator can still be garbage-collected (and closed by ``__del__``)."""
 
-    def __init__(self, engine: Engine, fixed_G: int | None):
+    def __init__(self, engine: Engine, fixed_G: int | None, predictor=None):
         self.engine = engine
         self.fixed_G = fixed_G
+        self.predictor = predictor          # free-running on predicted counts (checked by the consumer)
         #: the global batch the consumer has asked for last (written by the consumer only);
         #: a batch started before the consumer asked for it was prefetched
         self.requested = -1
@@ -107,6 +111,11 @@ class _Worker:
             while True:
                 if self.fixed_G is not None:        # free-running: the next batch needs no request
                     gb, G = gb + 1, self.fixed_G
+                elif self.predictor is not None:
+                    gb, G = gb + 1, self.predictor()
+                    if not _is_count(G):
+                        raise ValueError(f"predict_microbatches returned {G!r} for global batch {gb}; "
+                                         f"expected a positive int")
                 else:
                     req = self._next_request()
                     if req is None:
@@ -117,6 +126,7 @@ class _Worker:
                 plan.stats["prefetched"] = prefetched
                 for k in range(G):
                     item = eng.step(plan, k)
+                    item.num_microbatches = G
                     if k == G - 1:
                         item.stats, item.state_after = plan.stats, plan.state_after
                     if not self._put(item):
@@ -158,14 +168,25 @@ class BalancedDataIterator:
             here and then by whichever thread pulls, right after each global
             batch; :meth:`save_state` returns the state paired with the last
             consumed batch.
+        predict_microbatches: with a callable ``num_microbatches`` and
+            ``overlap=True``: zero-argument callable giving the counts of the
+            global batches in order, ahead of time (Megatron's ramp-up schedule
+            run on a private calculator), so the thread can prefetch across
+            batches; each prediction is checked against ``num_microbatches()``
+            when the batch starts.
         **settings: the same fields as keywords, a convenience that builds the
             config (``sync="step", overlap=False``); not together with ``config``.
     """
 
     def __init__(self, source, *, num_microbatches, group=None, cost_fn=None, exchange_group=None,
-                 config: BalancerConfig | None = None, state_fn=None, **settings):
+                 config: BalancerConfig | None = None, state_fn=None, predict_microbatches=None,
+                 **settings):
         if not (callable(num_microbatches) or _is_count(num_microbatches)):
             raise ValueError(f"num_microbatches must be a positive int or a callable, got {num_microbatches!r}")
+        if predict_microbatches is not None and not (callable(predict_microbatches)
+                                                     and callable(num_microbatches)):
+            raise ValueError("predict_microbatches must be a callable, given with a callable "
+                             "num_microbatches")
         if config is None:
             config = BalancerConfig(**settings)
         elif settings:
@@ -232,7 +253,7 @@ class BalancedDataIterator:
                               ranks_per_node=config.ranks_per_node, state_fn=state_fn)
         if self.overlap:
             fixed = None if callable(self._num_mb) else int(self._num_mb)
-            self._worker = _Worker(self._engine, fixed)
+            self._worker = _Worker(self._engine, fixed, predict_microbatches)
             self._worker.thread.start()
         _LIVE.add(self)
 
@@ -258,6 +279,11 @@ class BalancedDataIterator:
         self._wait_ms += waited
         if self._k == 0:
             self._wait_first_ms = waited
+        if self._k == 0 and self._worker is not None and item.num_microbatches != self._G:
+            self._fail(BalancerError(
+                f"num_microbatches() is {self._G} at global batch {self._gb} but the exchange thread "
+                f"prefetched it with {item.num_microbatches} micro-batches (predict_microbatches "
+                f"disagrees with the training loop's schedule)", global_batch=self._gb))
         if item.event is not None:
             self._engine.cuda_mover.ready(item.event, item.buffers)
         self._k += 1
@@ -273,7 +299,7 @@ class BalancedDataIterator:
         self._G, self._k, self._wait_ms = int(G), 0, 0.0
         if self._worker is not None:
             self._worker.requested = self._gb
-            if self._worker.fixed_G is None:
+            if self._worker.fixed_G is None and self._worker.predictor is None:
                 self._worker.requests.put((self._gb, self._G))
         else:
             try:

@@ -203,6 +203,30 @@ def test_schedule_is_an_int_for_a_fixed_batch_size_even_with_save_state():
     assert _schedule_for(argparse.Namespace(), fn) is fn
 
 
+def test_ramp_up_gets_a_predicting_schedule_for_the_thread():
+    """Ramp-up: the thread runs ahead on Megatron's calculator run privately from the consumed
+    samples at wrap time (a resumed run predicts from there); fixed or explicit counts: none."""
+    import inspect
+    from megatron.core.num_microbatches_calculator import _build_num_microbatches_calculator as build
+    from megatron_mm_balance.megatron.iterator import _predictor_for
+    base = dict(global_batch_size=16, micro_batch_size=1, data_parallel_size=2,
+                decrease_batch_size_if_needed=False)
+    if "rampup_batch_size" in inspect.signature(build).parameters:
+        var = dict(rampup_batch_size=[4, 4, 40])
+    else:
+        var = dict(step_batch_size_schedule="0:4 8:8 24:12 60:16", seq_length=None)
+    pred = _predictor_for(argparse.Namespace(**base, **var, consumed_train_samples=12), None)
+    calc = build(rank=1, **base, **var)
+    consumed, want = 12, []
+    for _ in range(6):
+        calc.update(consumed, False)
+        want.append(calc.get())
+        consumed += calc.get_current_global_batch_size()
+    assert [pred() for _ in range(6)] == want
+    assert _predictor_for(argparse.Namespace(**base, rampup_batch_size=None), None) is None
+    assert _predictor_for(argparse.Namespace(**base, **var), 4) is None
+
+
 def test_the_glue_hands_the_loaders_save_state_to_the_balancer():
     """ExchangeCoordinator.wrap: the loader's save_state becomes the balancer's state_fn and
     ``iterable.save_state`` is the paired one."""

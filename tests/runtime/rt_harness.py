@@ -268,6 +268,42 @@ def scenario_save_state(rank, world, configs, before=3, total=6, soak=30):
     return {"configs": res, "alive": alive, "handed": handed}
 
 
+def scenario_predict(rank, world, schedule, wrong_at=None):
+    """Ramp-up with ``predict_microbatches``: the thread free-runs on the predicted counts,
+    the consumer's callable gives the real ones (differing at ``wrong_at`` if set)."""
+    from megatron_mm_balance.runtime import BalancedDataIterator
+    real, pred = iter(schedule), iter(schedule)
+    seen = []
+
+    def num_mb():
+        n = next(real)
+        seen.append(n)
+        return n + (1 if wrong_at is not None and len(seen) - 1 == wrong_at else 0)
+
+    pulled, got, out = [], [], {}
+    src = SavableSource(rank, sum(schedule), seed=3)
+    with BalancedDataIterator(src, num_microbatches=num_mb, predict_microbatches=lambda: next(pred),
+                              timeout=30) as it:
+        try:
+            for gb, G in enumerate(schedule):
+                for k in range(G):
+                    p = next(it)
+                    got.append([gb, k, p["id"], checksum(p)])
+                if gb == 1:
+                    deadline = time.monotonic() + 10.0     # the thread reads ahead at once
+                    while src.pulls <= 3 and time.monotonic() < deadline:
+                        time.sleep(0.01)
+                    out["state_after_1"] = it.save_state().next
+                    out["pulled_after_1"] = src.pulls
+            out["outcome"] = "ok"
+        except Exception as e:
+            out["outcome"] = f"{type(e).__name__}: {e}"
+        out["prefetched"] = [bool(s.get("prefetched")) for s in it.stats]
+        out["per_batch"] = [s.get("num_microbatches") for s in it.stats]
+    out["delivered"] = got
+    return out
+
+
 class PhaseCost:
     """A two-phase cost: (image tokens, 1000 x text length) per pack."""
     components = 2

@@ -63,3 +63,28 @@ def test_states_of_consumed_batches_are_dropped(world):
         # One held by the consumer plus one per global batch in flight in the thread.
         assert max(res["alive"]) <= 4, res["alive"]
         assert res["alive"][-1] <= 4
+
+
+SCHEDULE = [1, 2, 3, 3, 5]
+
+
+def test_predicted_ramp_up_prefetches_and_a_wrong_prediction_fails_clearly():
+    """A callable num_microbatches plus predict_microbatches: the thread prefetches across
+    global batches on the predictions (each checked when the batch starts), the state is
+    still the consumed one; a prediction that disagrees is an error naming the batch."""
+    results = harness.launch(2, "predict", hard_timeout=120, schedule=SCHEDULE)
+    ids = []
+    for r, res in enumerate(results):
+        assert res.get("outcome") == "ok", f"rank {r}: {res}"
+        assert res["per_batch"] == SCHEDULE
+        assert [[gb, k] for gb, k, _, _ in res["delivered"]] == [
+            [gb, k] for gb, G in enumerate(SCHEDULE) for k in range(G)]
+        assert all(res["prefetched"][1:]), res["prefetched"]
+        assert res["state_after_1"] == 3 and res["pulled_after_1"] > 3
+        ids += [row[2] for row in res["delivered"]]
+    assert sorted(ids) == sorted(f"r{r}-p{i}" for r in range(2) for i in range(sum(SCHEDULE)))
+    bad = harness.launch(2, "predict", hard_timeout=120, schedule=SCHEDULE, wrong_at=2)
+    for r, res in enumerate(bad):
+        assert res.get("outcome", "").startswith(
+            "BalancerError: num_microbatches() is 4 at global batch 2 but the exchange thread "
+            "prefetched it with 3 micro-batches"), f"rank {r}: {res}"

@@ -10,9 +10,12 @@ Megatron's contracts, and how the wrapper keeps them:
   first micro-batch of every global batch (batch-size ramp-up works).
 * The same multiset of micro-batches is consumed per step, so
   ``consumed_train_samples`` is untouched.
-* ``train_iterator.iterable.save_state()`` (energon's dataloader checkpoint) is
-  still there; the balancer reads a global batch from the loader only when the
-  training loop starts it, so between steps the loader state is the consumed one.
+* ``train_iterator.iterable.save_state()`` (energon's dataloader checkpoint,
+  which ``maybe_save_dataloader_state`` calls) is still there and exact: the
+  exchange thread reads ahead into the next global batch, but it calls the
+  loader's ``save_state`` itself right after pulling each batch and the
+  balancer returns the state paired with the last batch the training loop
+  consumed (see :meth:`~megatron_mm_balance.runtime.BalancedDataIterator.save_state`).
 
 Only ranks that read data are wrapped: first/last pipeline stage, tensor rank 0
 (see :mod:`.groups`); other ranks' iterators are returned unchanged.
@@ -30,10 +33,12 @@ from .schedule import MicrobatchSchedule, variable_batch_size
 class BalancedTrainIterable:
     """What Megatron's ``RerunDataIterator`` wraps: balanced micro-batches plus ``save_state``.
 
-    ``save_state()`` is the loader's own: the balancer pulls a global batch from
-    the loader only when the training loop asks for its first micro-batch, so
-    between steps (where Megatron checkpoints) the loader has read exactly the
-    micro-batches consumed so far on this rank.
+    ``save_state()`` returns the loader state that matches the global batches the
+    training loop has consumed: the balancer's paired state (captured by the
+    exchange thread, the only reader of the loader, right after each pull), not
+    the loader's current position, which may be a global batch ahead. It exists
+    only when the loader has ``save_state``; called inside a global batch it
+    raises (Megatron checkpoints between steps).
     """
 
     def __init__(self, balanced, source, telemetry=None):
@@ -54,7 +59,9 @@ class BalancedTrainIterable:
 
     @property
     def save_state(self) -> Callable[[], Any]:
-        """The loader's ``save_state`` (absent, as on the loader, if it has none)."""
+        """The balancer's paired ``save_state`` (absent, as on the loader, if it has none)."""
+        if getattr(self.balancer, "savable", False):
+            return self.balancer.save_state
         fn = getattr(self.source, "save_state", None)
         if not callable(fn):
             raise AttributeError(f"{type(self.source).__name__} has no save_state")
@@ -98,16 +105,6 @@ def make_cost_fn(args=None):
     return ImageTokenCost(tpt)
 
 
-class _Constant:
-    """A fixed micro-batch count as a zero-arg callable (see ``wrap_train_data_iterator``)."""
-
-    def __init__(self, n: int):
-        self.n = n
-
-    def __call__(self) -> int:
-        return self.n
-
-
 class _NextOnly:
     """Makes an object with only ``__next__`` (enough for ``RerunDataIterator``) iterable."""
 
@@ -127,29 +124,40 @@ def _unwrap(iterator):
     return iterator.iterable if isinstance(iterator, RerunDataIterator) else iterator
 
 
-def _schedule_for(source, args, num_microbatches):
+def _schedule_for(args, num_microbatches):
     """What the balancer reads its micro-batch count from, one per chunk.
 
     A fixed int lets the exchange thread run ahead into the next global batch, so
-    that batch's all-gather, solve and first exchange also hide behind compute.
-    That is exact when the loader's position is not checkpointed through the
-    iterator: Megatron's own samplers resume from ``consumed_train_samples``, and a
-    global batch read ahead but not trained on is simply read again. A loader with
-    ``save_state`` (energon) is checkpointed through the iterator, and under
-    ``--rampup-batch-size`` the count changes between batches; in both cases the
-    balancer gets a callable and starts each global batch only when training does.
+    that batch's pull, all-gather, solve and first exchange also hide behind
+    compute. That stays exact for checkpoints either way: Megatron's own samplers
+    resume from ``consumed_train_samples`` (a global batch read ahead but not
+    trained on is simply read again), and a loader with ``save_state`` (energon)
+    is checkpointed through the balancer's paired state. Under
+    ``--rampup-batch-size`` (``--step-batch-size-schedule``), where the count
+    changes between batches, the balancer gets a callable read when training
+    starts each global batch, and :func:`_predictor_for` lets the thread run
+    ahead on predicted counts, each checked against that callable.
     """
     if num_microbatches is None:
-        fixed = not variable_batch_size(args)
-        if fixed and not callable(getattr(source, "save_state", None)):
+        if not variable_batch_size(args):
             from megatron.core.num_microbatches_calculator import get_num_microbatches
             return int(get_num_microbatches())
         return MicrobatchSchedule(args)
     if callable(num_microbatches):
         return num_microbatches
-    if callable(getattr(source, "save_state", None)):
-        return _Constant(int(num_microbatches))
     return int(num_microbatches)
+
+
+def _predictor_for(args, num_microbatches):
+    """Under batch-size ramp-up (and no explicit count): a :class:`MicrobatchSchedule` with
+    ``predict=True``, Megatron's calculator run privately on the samples the global batches
+    handed out so far consume (from ``consumed_train_samples`` at wrap time, so a resumed
+    run predicts from where it is). The exchange thread prefetches on it; the balancer
+    checks each prediction against ``get_num_microbatches()`` when the loop starts the
+    batch and fails with both counts named if they differ. None otherwise."""
+    if num_microbatches is None and variable_batch_size(args):
+        return MicrobatchSchedule(args, predict=True)
+    return None
 
 
 class Coordinator:
@@ -190,14 +198,18 @@ class ExchangeCoordinator(Coordinator):
         from megatron.core.rerun_state_machine import RerunDataIterator
         from ..runtime import BalancedDataIterator
 
-        schedule = _schedule_for(source, self.args, self.num_microbatches)
+        schedule = _schedule_for(self.args, self.num_microbatches)
+        state_fn = getattr(source, "save_state", None)     # energon: called by the exchange thread
         if not hasattr(source, "__next__"):
             source = iter(source)
         reader = source if hasattr(source, "__iter__") else _NextOnly(source)
         # Packs stay where the loader put them (device None); get_batch moves them.
         balanced = BalancedDataIterator(reader, num_microbatches=schedule, group=group,
                                         exchange_group=group, cost_fn=self.cost_fn,
-                                        config=self.cfg.runtime())
+                                        config=self.cfg.runtime(),
+                                        state_fn=state_fn if callable(state_fn) else None,
+                                        predict_microbatches=_predictor_for(self.args,
+                                                                            self.num_microbatches))
         telemetry = self._telemetry(balanced, group, chunk)
         return RerunDataIterator(BalancedTrainIterable(balanced, source, telemetry))
 

@@ -69,6 +69,9 @@ class BatchPlan:
     packs: list                        # this rank's pulled packs (None once sent/used)
     placement: Placement
     stats: dict = field(default_factory=dict)
+    #: the source's ``save_state()`` right after this batch was pulled, i.e. the state
+    #: before the next global batch (set only when the engine has a ``state_fn``)
+    state_after: object = None
 
 
 @dataclass
@@ -80,6 +83,8 @@ class Item:
     buffers: tuple = ()
     last: bool = False
     stats: dict | None = None
+    state_after: object = None         # on the last item: the plan's ``state_after``
+    num_microbatches: int = 0          # the global batch's G, as the thread ran it
 
 
 def _gather_stats(costs: np.ndarray, placement: Placement, me: int, planned=None) -> dict:
@@ -107,8 +112,12 @@ class Engine:
 
     def __init__(self, source, *, ranks, rank_index, exchange_group, cost_fn, cost_identity,
                  sync, balance_tolerance, device, timeout, board, shadow: bool = False,
-                 ranks_per_node: int | None = None):
+                 ranks_per_node: int | None = None, state_fn=None):
         self.source = source
+        #: the source's ``save_state`` (or None): called right after each global batch is
+        #: pulled, on the thread that pulls, so the state is exact for that position
+        self.state_fn = state_fn
+        self._state_after = None
         self.ranks = list(ranks)
         self.me = rank_index
         self.world = len(self.ranks)
@@ -163,6 +172,14 @@ class Engine:
 
     # -- start of a global batch ---------------------------------------------
     def start_batch(self, gb: int, G: int) -> BatchPlan:
+        """Pull, agree and solve global batch ``gb``; with a ``state_fn`` the plan also
+        carries the source's state right after the pull (before batch ``gb + 1``)."""
+        self._state_after = None
+        plan = self._start_batch(gb, G)
+        plan.state_after, self._state_after = self._state_after, None
+        return plan
+
+    def _start_batch(self, gb: int, G: int) -> BatchPlan:
         self._beat("pulling packs from the data source")
         packs, costs, status, err = [], [], OK, None
         try:
@@ -172,6 +189,11 @@ class Engine:
                 except StopIteration:
                     break
                 self.heartbeat = time.monotonic()
+            if self.state_fn is not None and len(packs) == G:
+                # Nothing else touches the source until the next pull: this is the state
+                # before global batch gb + 1. A failure is a source error, seen by all ranks.
+                self._beat("saving the data source's state")
+                self._state_after = self.state_fn()
         except Exception as e:                       # reported to peers via the record
             status, err = SOURCE_ERROR, e
         if status == OK:

@@ -22,7 +22,20 @@ behind batch ``b``'s last micro-step (one global batch may be pulled from the
 source and never delivered when training stops). With a callable the thread
 starts a batch only when the consumer asks for it, since the value may change
 right before that (Megatron updates it at the top of each iteration), so that
-batch's all-gather, solve and first exchange are exposed.
+batch's all-gather, solve and first exchange are exposed, unless a
+``predict_microbatches`` callable is also given: the thread then free-runs on
+its predictions, and the consumer checks each against the real value when the
+batch starts (a mismatch is an error naming the batch and both counts).
+
+Checkpointable sources (a ``save_state()`` method, as energon's loaders have)
+prefetch the same way. The source is only ever touched by the thread that
+pulls from it, and that thread calls ``save_state()`` right after pulling each
+global batch: the state before the next one. The state travels with the
+batch's last micro-batch, so :meth:`BalancedDataIterator.save_state` returns,
+at any global-batch boundary, the state that matches exactly the micro-batches
+consumed so far, however far the thread has read ahead; a resumed run restores
+it and continues with the first global batch not trained on. Only the state of
+the last consumed boundary is kept, plus one per batch in flight.
 """
 from __future__ import annotations
 
@@ -60,9 +73,13 @@ class _Worker:
     """The background thread's state. Holds no reference to the iterator, so an
     abandoned iterator can still be garbage-collected (and closed by ``__del__``)."""
 
-    def __init__(self, engine: Engine, fixed_G: int | None):
+    def __init__(self, engine: Engine, fixed_G: int | None, predictor=None):
         self.engine = engine
         self.fixed_G = fixed_G
+        self.predictor = predictor          # free-running on predicted counts (checked by the consumer)
+        #: the global batch the consumer has asked for last (written by the consumer only);
+        #: a batch started before the consumer asked for it was prefetched
+        self.requested = -1
         self.requests: queue.Queue = queue.Queue()
         self.items: queue.Queue = queue.Queue(maxsize=_QUEUE_DEPTH)
         self.stop = threading.Event()
@@ -94,16 +111,24 @@ class _Worker:
             while True:
                 if self.fixed_G is not None:        # free-running: the next batch needs no request
                     gb, G = gb + 1, self.fixed_G
+                elif self.predictor is not None:
+                    gb, G = gb + 1, self.predictor()
+                    if not _is_count(G):
+                        raise ValueError(f"predict_microbatches returned {G!r} for global batch {gb}; "
+                                         f"expected a positive int")
                 else:
                     req = self._next_request()
                     if req is None:
                         return
                     gb, G = req
+                prefetched = self.requested < gb
                 plan = eng.start_batch(gb, G)
+                plan.stats["prefetched"] = prefetched
                 for k in range(G):
                     item = eng.step(plan, k)
+                    item.num_microbatches = G
                     if k == G - 1:
-                        item.stats = plan.stats
+                        item.stats, item.state_after = plan.stats, plan.state_after
                     if not self._put(item):
                         return
         except BaseException as e:          # surfaces on the consumer's next next()
@@ -138,19 +163,42 @@ class BalancedDataIterator:
             framework should pre-create them with :func:`new_exchange_groups`).
         config: a :class:`~.config.BalancerConfig` (sync, overlap, timeout,
             device, enabled, balance_tolerance, shadow, stats_history).
+        state_fn: zero-argument callable returning the source's checkpoint state
+            (default: ``source.save_state`` when the source has one). Called once
+            here and then by whichever thread pulls, right after each global
+            batch; :meth:`save_state` returns the state paired with the last
+            consumed batch.
+        predict_microbatches: with a callable ``num_microbatches`` and
+            ``overlap=True``: zero-argument callable giving the counts of the
+            global batches in order, ahead of time (Megatron's ramp-up schedule
+            run on a private calculator), so the thread can prefetch across
+            batches; each prediction is checked against ``num_microbatches()``
+            when the batch starts.
         **settings: the same fields as keywords, a convenience that builds the
             config (``sync="step", overlap=False``); not together with ``config``.
     """
 
     def __init__(self, source, *, num_microbatches, group=None, cost_fn=None, exchange_group=None,
-                 config: BalancerConfig | None = None, **settings):
+                 config: BalancerConfig | None = None, state_fn=None, predict_microbatches=None,
+                 **settings):
         if not (callable(num_microbatches) or _is_count(num_microbatches)):
             raise ValueError(f"num_microbatches must be a positive int or a callable, got {num_microbatches!r}")
+        if predict_microbatches is not None and not (callable(predict_microbatches)
+                                                     and callable(num_microbatches)):
+            raise ValueError("predict_microbatches must be a callable, given with a callable "
+                             "num_microbatches")
         if config is None:
             config = BalancerConfig(**settings)
         elif settings:
             raise TypeError(f"pass either config or settings keywords, not both: {sorted(settings)}")
         self.config = config
+        if state_fn is None:
+            state_fn = getattr(source, "save_state", None)
+            state_fn = state_fn if callable(state_fn) else None
+        elif not callable(state_fn):
+            raise TypeError(f"state_fn must be callable, got {state_fn!r}")
+        self._state_fn = state_fn
+        self._state = None                  # the state matching what was consumed so far
         self._source = iter(source)
         self.device = None
         self._num_mb = num_microbatches
@@ -173,6 +221,8 @@ class BalancedDataIterator:
             return
 
         self.device = resolve_device(config.device)
+        if state_fn is not None:            # before batch 0; no thread touches the source yet
+            self._state = state_fn()
         cost_fn = default_cost_fn if cost_fn is None else cost_fn
         if dist.is_available() and dist.is_initialized():
             ranks = group_ranks(group)
@@ -200,10 +250,10 @@ class BalancedDataIterator:
                               cost_identity=cost_fn_identity(cost_fn), sync=config.sync,
                               balance_tolerance=config.balance_tolerance, device=self.device,
                               timeout=self.timeout, board=board, shadow=config.shadow,
-                              ranks_per_node=config.ranks_per_node)
+                              ranks_per_node=config.ranks_per_node, state_fn=state_fn)
         if self.overlap:
             fixed = None if callable(self._num_mb) else int(self._num_mb)
-            self._worker = _Worker(self._engine, fixed)
+            self._worker = _Worker(self._engine, fixed, predict_microbatches)
             self._worker.thread.start()
         _LIVE.add(self)
 
@@ -229,6 +279,11 @@ class BalancedDataIterator:
         self._wait_ms += waited
         if self._k == 0:
             self._wait_first_ms = waited
+        if self._k == 0 and self._worker is not None and item.num_microbatches != self._G:
+            self._fail(BalancerError(
+                f"num_microbatches() is {self._G} at global batch {self._gb} but the exchange thread "
+                f"prefetched it with {item.num_microbatches} micro-batches (predict_microbatches "
+                f"disagrees with the training loop's schedule)", global_batch=self._gb))
         if item.event is not None:
             self._engine.cuda_mover.ready(item.event, item.buffers)
         self._k += 1
@@ -243,7 +298,8 @@ class BalancedDataIterator:
         self._gb += 1
         self._G, self._k, self._wait_ms = int(G), 0, 0.0
         if self._worker is not None:
-            if self._worker.fixed_G is None:
+            self._worker.requested = self._gb
+            if self._worker.fixed_G is None and self._worker.predictor is None:
                 self._worker.requests.put((self._gb, self._G))
         else:
             try:
@@ -258,7 +314,8 @@ class BalancedDataIterator:
             except BaseException as e:
                 self._fail(e)
             if item.last:
-                item.stats = self._plan.stats
+                item.stats, item.state_after = self._plan.stats, self._plan.state_after
+                item.stats["prefetched"] = False
                 self._plan = None
             return item
         w = self._worker
@@ -300,6 +357,37 @@ class BalancedDataIterator:
         st["consumer_wait_ms"] = self._wait_ms
         st["consumer_wait_first_ms"] = self._wait_first_ms
         self.stats.append(st)
+        if self._state_fn is not None:
+            self._state = item.state_after          # the state before the next global batch
+
+    # -- checkpointing ------------------------------------------------------------
+    @property
+    def savable(self) -> bool:
+        """Whether the source has a checkpoint state (``save_state`` or ``state_fn``)."""
+        return self._state_fn is not None
+
+    def save_state(self):
+        """The source's state that matches exactly the micro-batches consumed so far.
+
+        Call between global batches (where Megatron checkpoints): before the first
+        one it is the state before any pull; after global batch ``b`` it is the
+        state the source had right after batch ``b`` was pulled, whatever the
+        exchange thread has read since; after the source ran out, the state
+        before the batch that could not be filled. Restoring it and iterating a
+        fresh iterator continues with the first global batch not consumed.
+        Inside a global batch there is no such state (this rank's micro-batches
+        came from several ranks' sources), so that raises.
+        """
+        if self._state_fn is None:
+            raise TypeError("the data source has no save_state (pass state_fn to BalancedDataIterator)")
+        if not self.enabled:
+            return self._state_fn()                  # the consumer reads the source directly
+        if 0 < self._k < self._G:
+            raise BalancerError(
+                f"save_state() inside global batch {self._gb}, after micro-step {self._k - 1} of "
+                f"0..{self._G - 1}: no source state matches a partly consumed global batch; "
+                f"save between global batches", global_batch=self._gb)
+        return self._state
 
     # -- introspection ------------------------------------------------------------
     @property

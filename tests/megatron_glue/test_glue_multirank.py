@@ -65,7 +65,12 @@ def explicit_layout_worker(rank, world):
     assert all(isinstance(o, RerunDataIterator) for o in out)
     chunks = [_consume(o) for o in out]
     bals = balancers(out)
+    import time
+    deadline = time.monotonic() + 20           # the exchange thread reads ahead at once
+    while loaders[0].n <= STEPS * G and time.monotonic() < deadline:
+        time.sleep(0.01)
     res = {"chunks": chunks, "state": out[0].iterable.save_state(), "sampler": sampler_run,
+           "loader_read": loaders[0].n, "prefetched": [s.get("prefetched") for s in bals[0].stats],
            "moved": sum(s.get("packs_moved", 0) for s in bals[0].stats),
            "steps_logged": len(bals[0].stats), "groups": exchange_group_ranks()}
     for b in bals:
@@ -126,7 +131,9 @@ def test_explicit_layout_lists_none_and_identical_chunk_placements():
     for r in (r0, r1):
         assert r["chunks"][0] == r["chunks"][1]          # chunks agree: same costs, same solver
         assert all(len(step) == G for step in r["chunks"][0])
-        assert r["state"] == {"read": STEPS * G}         # the loader's own save_state, not ahead
+        # The thread read ahead into the next global batch; the state is the consumed one.
+        assert r["loader_read"] > STEPS * G and all(r["prefetched"][1:]), r["prefetched"]
+        assert r["state"] == {"read": STEPS * G}
         assert r["steps_logged"] == STEPS
     for s in range(STEPS):
         got = sorted(r0["chunks"][0][s] + r1["chunks"][0][s])
@@ -170,3 +177,59 @@ def test_megatron_layout_balances_tensor_rank_zero_only():
     for s in range(STEPS):
         assert sorted(r0[s] + r2[s]) == sorted(list(range(s * G, (s + 1) * G)) +
                                                [2000 + k for k in range(s * G, (s + 1) * G)])
+
+
+RAMP_STEPS = 8
+
+
+def rampup_worker(rank, world, consumed0):
+    """Megatron's ramp-up driven as its training loop does (update_num_microbatches with the
+    consumed samples, then get_num_microbatches() micro-batches), through the glue's default
+    schedule: the thread prefetches on its private prediction, the loop's count is checked."""
+    import time
+    from megatron.core import num_microbatches_calculator as nmc
+    from megatron.core.rerun_state_machine import RerunDataIterator
+    from megatron_mm_balance.megatron.iterator import balancers, wrap_train_data_iterator
+
+    ramp = [4, 4, 40]
+    nmc.init_num_microbatches_calculator(rank, ramp, 16, 1, 2)
+    args = _args(rampup_batch_size=ramp, global_batch_size=16, data_parallel_size=2,
+                 consumed_train_samples=consumed0)
+    loader = Loader(rank)
+    out = wrap_train_data_iterator(RerunDataIterator(loader), args,
+                                   layout={"holds_data": True, "dp_ranks": [0, 1]})
+    [bal] = balancers(out)
+    consumed, steps, counts = consumed0, [], []
+    for _ in range(RAMP_STEPS):
+        nmc.update_num_microbatches(consumed, True)
+        G = nmc.get_num_microbatches()
+        counts.append(G)
+        steps.append([int(next(out)["id"]) for _ in range(G)])
+        consumed += G * 1 * 2
+    deadline = time.monotonic() + 20
+    while loader.n <= sum(counts) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    res = {"steps": steps, "counts": counts, "state": out.iterable.save_state(), "loader_read": loader.n,
+           "prefetched": [s.get("prefetched") for s in bal.stats],
+           "moved": sum(s.get("packs_moved", 0) for s in bal.stats)}
+    bal.close()
+    return res
+
+
+@pytest.mark.parametrize("consumed0", [0, 12])
+def test_rampup_prefetches_on_the_predicted_schedule(consumed0):
+    """Fresh (0 samples consumed) and resumed mid-ramp (12): every global batch has the
+    training loop's count, holds each rank's next packs exactly once, was prefetched, and
+    save_state is the consumed position although the loader was read ahead."""
+    r0, r1 = launch(rampup_worker, 2, (consumed0,), timeout=180)
+    counts = r0["counts"]
+    assert r1["counts"] == counts and len(set(counts)) > 1, counts
+    start = 0
+    for s, G in enumerate(counts):
+        got = sorted(r0["steps"][s] + r1["steps"][s])
+        assert got == sorted(list(range(start, start + G)) + [1000 + k for k in range(start, start + G)])
+        start += G
+    for r in (r0, r1):
+        assert all(r["prefetched"][1:]), r["prefetched"]
+        assert r["loader_read"] > sum(counts) and r["state"] == {"read": sum(counts)}
+    assert r0["moved"] > 0

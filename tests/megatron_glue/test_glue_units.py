@@ -136,6 +136,119 @@ def test_save_state_is_the_loaders_and_absent_when_it_has_none():
     assert not hasattr(BalancedTrainIterable(FakeBalancer(plain), plain), "save_state")
 
 
+class SavableLoader:
+    """An energon-like loader: ``__next__``, ``__iter__`` (a generator, as EnergonDataloader's
+    cyclic iterator) and ``save_state``."""
+
+    def __init__(self):
+        self.n = 0
+
+    def _gen(self):
+        while True:
+            self.n += 1
+            yield {"image_tokens": torch.tensor([self.n % 5])}
+
+    def __iter__(self):
+        self._it = getattr(self, "_it", None) or self._gen()
+        return self._it
+
+    def __next__(self):
+        return next(iter(self))
+
+    def save_state(self):
+        return {"read": self.n}
+
+
+def test_save_state_is_the_balancers_paired_state_while_the_thread_reads_ahead():
+    """A savable loader gets the free-running thread; ``save_state`` is the consumed position."""
+    import time
+    from megatron_mm_balance.runtime import BalancedDataIterator
+    loader = SavableLoader()
+    bal = BalancedDataIterator(iter(loader), num_microbatches=3, timeout=10,
+                               state_fn=loader.save_state)
+    it = BalancedTrainIterable(bal, loader)
+    try:
+        assert it.save_state() == {"read": 0}
+        for _ in range(6):
+            next(it)
+        deadline = time.monotonic() + 10
+        while loader.n <= 6 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert loader.n > 6                                   # read ahead into the next batch
+        assert it.save_state() == {"read": 6}                 # but the state is the consumed one
+        assert all(s["prefetched"] for s in list(bal.stats)[1:])
+        next(it)
+        with pytest.raises(RuntimeError, match=r"inside global batch 2, after micro-step 0"):
+            it.save_state()
+    finally:
+        bal.close()
+
+
+def test_schedule_is_an_int_for_a_fixed_batch_size_even_with_save_state():
+    """Fixed batch size: an int (free-running prefetch; energon stays exact through the
+    balancer's paired state); ramp-up: the callable; explicit values pass through."""
+    from megatron.core import num_microbatches_calculator as nmc
+    from megatron_mm_balance.megatron.iterator import _schedule_for
+    nmc.destroy_num_microbatches_calculator()
+    nmc.init_num_microbatches_calculator(0, None, 12, 1, 4)
+    try:
+        got = _schedule_for(argparse.Namespace(rampup_batch_size=None), None)
+        assert got == 3 and type(got) is int
+        ramp = _schedule_for(argparse.Namespace(rampup_batch_size=[4, 4, 40]), None)
+        assert isinstance(ramp, MicrobatchSchedule) and ramp() == 3
+    finally:
+        nmc.destroy_num_microbatches_calculator()
+    assert _schedule_for(argparse.Namespace(), 5) == 5
+    fn = lambda: 2  # noqa: E731
+    assert _schedule_for(argparse.Namespace(), fn) is fn
+
+
+def test_ramp_up_gets_a_predicting_schedule_for_the_thread():
+    """Ramp-up: the thread runs ahead on Megatron's calculator run privately from the consumed
+    samples at wrap time (a resumed run predicts from there); fixed or explicit counts: none."""
+    import inspect
+    from megatron.core.num_microbatches_calculator import _build_num_microbatches_calculator as build
+    from megatron_mm_balance.megatron.iterator import _predictor_for
+    base = dict(global_batch_size=16, micro_batch_size=1, data_parallel_size=2,
+                decrease_batch_size_if_needed=False)
+    if "rampup_batch_size" in inspect.signature(build).parameters:
+        var = dict(rampup_batch_size=[4, 4, 40])
+    else:
+        var = dict(step_batch_size_schedule="0:4 8:8 24:12 60:16", seq_length=None)
+    pred = _predictor_for(argparse.Namespace(**base, **var, consumed_train_samples=12), None)
+    calc = build(rank=1, **base, **var)
+    consumed, want = 12, []
+    for _ in range(6):
+        calc.update(consumed, False)
+        want.append(calc.get())
+        consumed += calc.get_current_global_batch_size()
+    assert [pred() for _ in range(6)] == want
+    assert _predictor_for(argparse.Namespace(**base, rampup_batch_size=None), None) is None
+    assert _predictor_for(argparse.Namespace(**base, **var), 4) is None
+
+
+def test_the_glue_hands_the_loaders_save_state_to_the_balancer():
+    """ExchangeCoordinator.wrap: the loader's save_state becomes the balancer's state_fn and
+    ``iterable.save_state`` is the paired one."""
+    from megatron_mm_balance.megatron.iterator import ExchangeCoordinator, balancers
+    from megatron_mm_balance.megatron.arguments import add_mm_balance_args
+    from megatron_mm_balance.megatron.checks import checked_config
+    args = add_mm_balance_args(argparse.ArgumentParser()).parse_args(["--mm-balance"])
+    args.__dict__.update(micro_batch_size=1, tensorboard_dir=None, rampup_batch_size=None)
+    loader = SavableLoader()
+    coord = ExchangeCoordinator(checked_config(args), args, cost_fn=lambda p: int(p["image_tokens"]),
+                                num_microbatches=2)
+    wrapped = coord.wrap(loader, None, 0)
+    [bal] = balancers(wrapped)
+    try:
+        assert bal.savable and wrapped.iterable.save_state == bal.save_state
+        for _ in range(4):
+            next(wrapped)
+        assert wrapped.iterable.save_state() == {"read": 4}
+    finally:
+        bal.close()
+
+
 def test_wrap_is_identity_when_flag_off():
     marker = object()
     args = argparse.Namespace(mm_balance=False)

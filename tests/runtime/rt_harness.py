@@ -162,6 +162,148 @@ def scenario_exactly_once(rank, world, configs, batches, extra=1, ranks_per_node
     return {"configs": res}
 
 
+class SourceState:
+    """A savable source's checkpoint: the index of the next pack (weak-referenceable, so a
+    test can count how many states are still alive)."""
+
+    def __init__(self, next_index: int):
+        self.next = next_index
+
+
+class SavableSource:
+    """Deterministic packs ``make_pack(rank, i, seed)`` for ``i`` in ``[start, n)``, with
+    ``save_state()``; ``SavableSource(rank, n, seed, start=state.next)`` resumes exactly."""
+
+    def __init__(self, rank: int, n: int, seed: int = 0, start: int = 0, live=None):
+        self.rank, self.n, self.seed, self.i = rank, n, seed, start
+        self.pulls = 0
+        self.live = live            # a WeakSet that collects every state handed out
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.i >= self.n:
+            raise StopIteration
+        p = make_pack(self.rank, self.i, self.seed)
+        self.i += 1
+        self.pulls += 1
+        return p
+
+    def save_state(self) -> SourceState:
+        st = SourceState(self.i)
+        if self.live is not None:
+            self.live.add(st)
+        return st
+
+
+def scenario_save_state(rank, world, configs, before=3, total=6, soak=30):
+    """Per (G, overlap, callable): an uninterrupted run of ``total`` global batches; a run
+    stopped after ``before`` (state saved at the boundary while the thread has read ahead,
+    then one micro-batch more to hit the mid-batch error); a fresh source and iterator
+    resumed from the saved state for the rest. Then a soak counting live states."""
+    import gc
+    import weakref
+    from megatron_mm_balance.runtime import BalancedDataIterator
+
+    def make(src, G, overlap, as_callable):
+        return BalancedDataIterator(src, num_microbatches=(lambda: G) if as_callable else G,
+                                    overlap=overlap, timeout=60)
+
+    def consume(it, G, batches, out):
+        for gb in range(batches):
+            for k in range(G):
+                p = next(it)
+                out.append([gb, k, p["id"], checksum(p)])
+
+    res = []
+    for ci, (G, overlap, as_callable) in enumerate(configs):
+        n = total * G
+        r = {"G": G, "overlap": overlap, "callable": as_callable}
+        full = []
+        with make(SavableSource(rank, n, seed=ci), G, overlap, as_callable) as it:
+            r["state_initial"] = it.save_state().next
+            consume(it, G, total, full)
+            try:
+                next(it)
+                r["after_end"] = "no StopIteration"
+            except StopIteration:
+                r["after_end"] = "StopIteration"
+            r["state_exhausted"] = it.save_state().next
+            r["moved"] = sum(s.get("packs_moved", 0) for s in it.stats if not s.get("exhausted"))
+        src = SavableSource(rank, n, seed=ci)
+        first = []
+        with make(src, G, overlap, as_callable) as it:
+            consume(it, G, before, first)
+            deadline = time.monotonic() + 10.0   # let the thread read ahead (it does at once)
+            while overlap and not as_callable and src.pulls <= before * G and time.monotonic() < deadline:
+                time.sleep(0.01)
+            r["pulled_at_save"] = src.pulls
+            state = it.save_state()
+            r["state_saved"] = state.next
+            r["prefetched"] = [bool(s.get("prefetched")) for s in it.stats]
+            next(it)
+            try:
+                it.save_state()
+                r["mid_batch"] = "no error"
+            except Exception as e:
+                r["mid_batch"] = f"{type(e).__name__}: {e}"
+        resumed = []
+        with make(SavableSource(rank, n, seed=ci, start=state.next), G, overlap, as_callable) as it:
+            consume(it, G, total - before, resumed)
+        r.update(full=full, first=first, resumed=resumed)
+        res.append(r)
+
+    # Soak: states of consumed batches are dropped (only a few are ever alive).
+    live = weakref.WeakSet()
+    G = configs[0][0]
+    with make(SavableSource(rank, soak * G + G, live=live), G, True, False) as it:
+        alive = []
+        for b in range(soak):
+            for _ in range(G):
+                next(it)
+            gc.collect()
+            alive.append(len(live))
+        handed = it.save_state().next
+    return {"configs": res, "alive": alive, "handed": handed}
+
+
+def scenario_predict(rank, world, schedule, wrong_at=None):
+    """Ramp-up with ``predict_microbatches``: the thread free-runs on the predicted counts,
+    the consumer's callable gives the real ones (differing at ``wrong_at`` if set)."""
+    from megatron_mm_balance.runtime import BalancedDataIterator
+    real, pred = iter(schedule), iter(schedule)
+    seen = []
+
+    def num_mb():
+        n = next(real)
+        seen.append(n)
+        return n + (1 if wrong_at is not None and len(seen) - 1 == wrong_at else 0)
+
+    pulled, got, out = [], [], {}
+    src = SavableSource(rank, sum(schedule), seed=3)
+    with BalancedDataIterator(src, num_microbatches=num_mb, predict_microbatches=lambda: next(pred),
+                              timeout=30) as it:
+        try:
+            for gb, G in enumerate(schedule):
+                for k in range(G):
+                    p = next(it)
+                    got.append([gb, k, p["id"], checksum(p)])
+                if gb == 1:
+                    deadline = time.monotonic() + 10.0     # the thread reads ahead at once
+                    while src.pulls <= 3 and time.monotonic() < deadline:
+                        time.sleep(0.01)
+                    out["state_after_1"] = it.save_state().next
+                    out["pulled_after_1"] = src.pulls
+            out["outcome"] = "ok"
+        except Exception as e:
+            out["outcome"] = f"{type(e).__name__}: {e}"
+        out["prefetched"] = [bool(s.get("prefetched")) for s in it.stats]
+        out["per_batch"] = [s.get("num_microbatches") for s in it.stats]
+    out["delivered"] = got
+    return out
+
+
 class PhaseCost:
     """A two-phase cost: (image tokens, 1000 x text length) per pack."""
     components = 2

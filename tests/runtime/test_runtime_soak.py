@@ -27,7 +27,8 @@ def test_disabled_issues_no_collectives():
 
 
 def test_bench_runtime_cli_smoke():
-    """``mm-balance bench-runtime`` end to end, tiny: the table has all four modes."""
+    """``mm-balance bench-runtime`` end to end, tiny: the table has every mode, and the
+    savable-source mode checked its save_state against the consumed position."""
     import subprocess
     import sys
     cmd = [sys.executable, "-m", "megatron_mm_balance.cli", "bench-runtime", "--world", "2",
@@ -36,7 +37,8 @@ def test_bench_runtime_cli_smoke():
            "--hard-timeout", "100"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=150, cwd=harness.ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
-    for mode in ("| off |", "| sync |", "| overlap |", "| overlap-callable |", "| ideal |", "exposed wait"):
+    for mode in ("| off |", "| sync |", "| overlap |", "| overlap-callable |", "| overlap-save-state |",
+                 "| ideal |", "exposed wait", "save_state() equal to the consumed position"):
         assert mode in out.stdout, out.stdout
     bad = subprocess.run(cmd[:4] + ["--world", "1"], capture_output=True, text=True, timeout=60,
                          cwd=harness.ROOT)

@@ -235,8 +235,8 @@ def scenario_save_state(rank, world, configs, before=3, total=6, soak=30):
         first = []
         with make(src, G, overlap, as_callable) as it:
             consume(it, G, before, first)
-            deadline = time.monotonic() + 10.0   # let the thread read ahead (it does at once)
-            while overlap and not as_callable and src.pulls <= before * G and time.monotonic() < deadline:
+            deadline = time.monotonic() + 30.0   # let the thread pull the whole next batch
+            while overlap and not as_callable and src.pulls < (before + 1) * G and time.monotonic() < deadline:
                 time.sleep(0.01)
             r["pulled_at_save"] = src.pulls
             state = it.save_state()

@@ -1,12 +1,9 @@
 """Node-aware moves: same objective and band, far fewer packs crossing nodes."""
-import hashlib
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
+from determinism import placement_digests
 from megatron_mm_balance import mixtures
 from megatron_mm_balance.packing import pack_greedy
 from megatron_mm_balance.placement import (Placement, check_placement, evaluate, microstep_objective,
@@ -254,32 +251,16 @@ def test_chain_shortening_equals_the_dense_reference(seed):
                     assert np.array_equal(out[0][2], out[1][2])
 
 
-STEP_SCRIPT = """
-import hashlib, numpy as np
+NODE_AWARE_PLACEMENTS = """
+import numpy as np
 from megatron_mm_balance.placement import solve_placement
 c = np.random.default_rng(9).integers(0, 12, size=(96, 16)) * 256
-h = hashlib.sha256()
-for sync in ("microstep", "step"):
-    p = solve_placement(c, sync=sync, ranks_per_node=8)
-    h.update(p.src_rank.tobytes()); h.update(p.src_index.tobytes())
-print(h.hexdigest())
+placements = [solve_placement(c, sync=sync, ranks_per_node=8) for sync in ("microstep", "step")]
 """
 
 
 def test_node_aware_identical_across_processes_in_both_sync_modes():
-    digests = set()
-    for seed in ("0", "31337"):
-        env = dict(os.environ, PYTHONHASHSEED=seed)
-        out = subprocess.run([sys.executable, "-c", STEP_SCRIPT], env=env, capture_output=True,
-                             text=True, timeout=120, check=True)
-        digests.add(out.stdout.strip())
-    c = np.random.default_rng(9).integers(0, 12, size=(96, 16)) * 256
-    h = hashlib.sha256()
-    for sync in ("microstep", "step"):
-        p = solve_placement(c, sync=sync, ranks_per_node=8)
-        h.update(p.src_rank.tobytes()); h.update(p.src_index.tobytes())
-    digests.add(h.hexdigest())
-    assert len(digests) == 1
+    assert len(placement_digests(NODE_AWARE_PLACEMENTS, ("0", "31337"))) == 1
 
 
 def test_mates_only_rank_balance_never_crosses_a_node(packs):

@@ -1,14 +1,11 @@
 """Two-phase placement: (vision, language) costs per pack."""
-import hashlib
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 from hypothesis.extra.numpy import arrays
 
+from determinism import placement_digests
 from megatron_mm_balance.placement import (check_placement, microstep_objective, solve_placement,
                                            sorted_grouping_optimum)
 from megatron_mm_balance.rank_balance import cost_grain, rank_limit
@@ -95,24 +92,12 @@ def test_node_aware_two_phase_keeps_the_objective():
         two_phase_objective(c[flat.src_rank, flat.src_index])
 
 
-SCRIPT = """
-import hashlib, numpy as np, sys
-sys.path.insert(0, {tests!r})
+PLACEMENTS = """
 from test_two_phase import anti_correlated
 from megatron_mm_balance.placement import solve_placement
-p = solve_placement(anti_correlated(64, 16, 3), ranks_per_node=8)
-print(hashlib.sha256(p.src_rank.tobytes() + p.src_index.tobytes()).hexdigest())
+placements = [solve_placement(anti_correlated(64, 16, 3), ranks_per_node=8)]
 """
 
 
 def test_identical_across_processes():
-    here = os.path.dirname(os.path.abspath(__file__))
-    digests = set()
-    for seed in ("0", "4242"):
-        env = dict(os.environ, PYTHONHASHSEED=seed)
-        out = subprocess.run([sys.executable, "-c", SCRIPT.format(tests=here)], env=env,
-                             capture_output=True, text=True, timeout=120, check=True)
-        digests.add(out.stdout.strip())
-    p = solve_placement(anti_correlated(64, 16, 3), ranks_per_node=8)
-    digests.add(hashlib.sha256(p.src_rank.tobytes() + p.src_index.tobytes()).hexdigest())
-    assert len(digests) == 1
+    assert len(placement_digests(PLACEMENTS, ("0", "4242"))) == 1

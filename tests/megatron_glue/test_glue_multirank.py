@@ -191,18 +191,11 @@ def rampup_worker(rank, world, consumed0):
     from megatron.core.rerun_state_machine import RerunDataIterator
     from megatron_mm_balance.megatron.iterator import balancers, wrap_train_data_iterator
 
-    import inspect
-    if "step_batch_size_schedule" in inspect.signature(nmc.init_num_microbatches_calculator).parameters:
-        # core_v0.18.2 and later: --step-batch-size-schedule replaced --rampup-batch-size.
-        schedule = "0:4 8:8 24:12 48:16"
-        nmc.init_num_microbatches_calculator(rank, None, 16, 1, 2, step_batch_size_schedule=schedule)
-        args = _args(step_batch_size_schedule=schedule, rampup_batch_size=None, seq_length=None,
-                     global_batch_size=16, data_parallel_size=2, consumed_train_samples=consumed0)
-    else:
-        ramp = [4, 4, 40]
-        nmc.init_num_microbatches_calculator(rank, ramp, 16, 1, 2)
-        args = _args(rampup_batch_size=ramp, global_batch_size=16, data_parallel_size=2,
-                     consumed_train_samples=consumed0)
+    from test_glue_units import RAMP_BASE, ramp_args
+
+    var = ramp_args(nmc.init_num_microbatches_calculator)
+    nmc.init_num_microbatches_calculator(rank, **RAMP_BASE, **var)
+    args = _args(**var, global_batch_size=16, data_parallel_size=2, consumed_train_samples=consumed0)
     loader = Loader(rank)
     out = wrap_train_data_iterator(RerunDataIterator(loader), args,
                                    layout={"holds_data": True, "dp_ranks": [0, 1]})

@@ -68,18 +68,27 @@ def test_model_cost_under_expert_parallel_is_two_phase(tmp_path):
 
 
 # -- micro-batch schedule ---------------------------------------------------------------
+RAMP_BASE = dict(global_batch_size=16, micro_batch_size=1, data_parallel_size=2,
+                 decrease_batch_size_if_needed=False)
+
+
+def ramp_args(fn) -> dict:
+    """The variable-batch-size arguments that ``fn`` (Megatron's calculator builder or
+    ``init_num_microbatches_calculator``) takes in this release, ramping 4 -> 16 samples:
+    ``rampup_batch_size`` up to core_v0.17.1, ``step_batch_size_schedule`` (in samples)
+    from core_v0.18.2. Branches on the parameters, not on a version."""
+    import inspect
+    if "step_batch_size_schedule" in inspect.signature(fn).parameters:
+        return dict(step_batch_size_schedule="0:4 8:8 24:12 60:16", seq_length=None)
+    return dict(rampup_batch_size=[4, 4, 40])
+
+
 def test_predicted_schedule_matches_megatrons_rampup():
     """The sampler's look-ahead count equals Megatron's own calculator step by step, under
     the variable batch size this release has: --rampup-batch-size (up to core_v0.17.1) or
     --step-batch-size-schedule (from core_v0.18.2). Branches on the builder's parameters."""
-    import inspect
     from megatron.core.num_microbatches_calculator import _build_num_microbatches_calculator as build
-    base = dict(global_batch_size=16, micro_batch_size=1, data_parallel_size=2,
-                decrease_batch_size_if_needed=False)
-    if "rampup_batch_size" in inspect.signature(build).parameters:
-        var = dict(rampup_batch_size=[4, 4, 40])
-    else:
-        var = dict(step_batch_size_schedule="0:4 8:8 24:12 60:16", seq_length=None)
+    base, var = RAMP_BASE, ramp_args(build)
     args = argparse.Namespace(**base, **var, consumed_train_samples=0)
     schedule = MicrobatchSchedule(args, predict=True)
     # What the training loop does: update with consumed samples, run a step, add its batch.
@@ -206,15 +215,9 @@ def test_schedule_is_an_int_for_a_fixed_batch_size_even_with_save_state():
 def test_ramp_up_gets_a_predicting_schedule_for_the_thread():
     """Ramp-up: the thread runs ahead on Megatron's calculator run privately from the consumed
     samples at wrap time (a resumed run predicts from there); fixed or explicit counts: none."""
-    import inspect
     from megatron.core.num_microbatches_calculator import _build_num_microbatches_calculator as build
     from megatron_mm_balance.megatron.iterator import _predictor_for
-    base = dict(global_batch_size=16, micro_batch_size=1, data_parallel_size=2,
-                decrease_batch_size_if_needed=False)
-    if "rampup_batch_size" in inspect.signature(build).parameters:
-        var = dict(rampup_batch_size=[4, 4, 40])
-    else:
-        var = dict(step_batch_size_schedule="0:4 8:8 24:12 60:16", seq_length=None)
+    base, var = RAMP_BASE, ramp_args(build)
     pred = _predictor_for(argparse.Namespace(**base, **var, consumed_train_samples=12), None)
     calc = build(rank=1, **base, **var)
     consumed, want = 12, []

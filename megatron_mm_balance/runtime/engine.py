@@ -117,7 +117,6 @@ class Engine:
         #: the source's ``save_state`` (or None): called right after each global batch is
         #: pulled, on the thread that pulls, so the state is exact for that position
         self.state_fn = state_fn
-        self._state_after = None
         self.ranks = list(ranks)
         self.me = rank_index
         self.world = len(self.ranks)
@@ -174,14 +173,8 @@ class Engine:
     def start_batch(self, gb: int, G: int) -> BatchPlan:
         """Pull, agree and solve global batch ``gb``; with a ``state_fn`` the plan also
         carries the source's state right after the pull (before batch ``gb + 1``)."""
-        self._state_after = None
-        plan = self._start_batch(gb, G)
-        plan.state_after, self._state_after = self._state_after, None
-        return plan
-
-    def _start_batch(self, gb: int, G: int) -> BatchPlan:
         self._beat("pulling packs from the data source")
-        packs, costs, status, err = [], [], OK, None
+        packs, costs, status, err, state_after = [], [], OK, None, None
         try:
             for _ in range(G):
                 try:
@@ -193,7 +186,7 @@ class Engine:
                 # Nothing else touches the source until the next pull: this is the state
                 # before global batch gb + 1. A failure is a source error, seen by all ranks.
                 self._beat("saving the data source's state")
-                self._state_after = self.state_fn()
+                state_after = self.state_fn()
         except Exception as e:                       # reported to peers via the record
             status, err = SOURCE_ERROR, e
         if status == OK:
@@ -209,7 +202,7 @@ class Engine:
             if pulled < G:
                 raise SourceExhausted(gb, [pulled])
             return self._plan(gb, G, packs, self._matrix(np.asarray([costs], dtype=np.int64), G),
-                              0.0, 0.0)
+                              0.0, 0.0, state_after=state_after)
 
         me_global = self.ranks[self.me]
         if err is not None and self.board:
@@ -243,14 +236,16 @@ class Engine:
         placement = plan_placement(all_costs, sync=self.sync, balance_tolerance=self.tolerance,
                                    ranks_per_node=None if self.nodes is None else list(self.nodes))
         solve_ms = (time.perf_counter() - t0) * 1e3
-        return self._plan(gb, G, packs, all_costs, gather_ms, solve_ms, placement)
+        return self._plan(gb, G, packs, all_costs, gather_ms, solve_ms, placement,
+                          state_after=state_after)
 
     def _matrix(self, flat: np.ndarray, G: int) -> np.ndarray:
         """``[D, G]`` scalar costs, or ``[D, G, 2]`` (vision, language) ones."""
         D = flat.shape[0]
         return flat.reshape(D, G) if self.components == 1 else flat.reshape(D, G, self.components)
 
-    def _plan(self, gb, G, packs, costs, gather_ms, solve_ms, placement=None) -> BatchPlan:
+    def _plan(self, gb, G, packs, costs, gather_ms, solve_ms, placement=None, *,
+              state_after=None) -> BatchPlan:
         if placement is None:
             placement = Placement.identity(self.world, G)
         if costs.ndim == 3:                          # statistics on the total (vision + language)
@@ -268,7 +263,7 @@ class Engine:
                                            None if self.nodes is None else list(self.nodes)
                                            )["inter_node_packs"],
                   inter_node_bytes_sent=0)
-        return BatchPlan(gb, G, list(packs), placement, st)
+        return BatchPlan(gb, G, list(packs), placement, st, state_after)
 
     def _check_records(self, recs: np.ndarray, gb: int, G: int, err) -> None:
         me = self.ranks[self.me]

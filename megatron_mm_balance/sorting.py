@@ -21,19 +21,20 @@ def lex_argsort(keys) -> np.ndarray:
     if n < 2:
         return np.arange(n, dtype=np.int64)
     span = n
-    lows = []
+    lows, widths = [], []
     for k in keys:
-        lo, hi = int(k.min()), int(k.max())
-        lows.append(lo)
-        span *= hi - lo + 1
+        lo = int(k.min())
+        width = int(k.max()) - lo + 1
+        span *= width
         if span >= _LIMIT:
             return np.lexsort(keys)
-    comp = np.zeros(n, dtype=np.int64)
+        lows.append(lo)
+        widths.append(width)
+    comp = np.arange(n, dtype=np.int64)
     mult = n
-    comp += np.arange(n, dtype=np.int64)
-    for k, lo in zip(keys, lows):
+    for k, lo, width in zip(keys, lows, widths):
         comp += (k.astype(np.int64) - lo) * mult
-        mult *= int(k.max()) - lo + 1
+        mult *= width
     return np.argsort(comp)
 
 

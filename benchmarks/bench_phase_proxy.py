@@ -6,7 +6,7 @@ the packs into G micro-steps of D costs ``sum_m (max V + max L)``; the table giv
 it over the perfectly balanced work ``(sum V + sum L) / D`` for: no balancing (the
 draw order), sorted grouping by vision + language (the scalar time cost), by
 vision alone, the best weighted 1-D sort ``V + w L`` (w on a grid), the solver's
-two-phase grouping (:func:`megatron_mm_balance.two_phase.group_two_phase`), and
+two-phase grouping (:func:`megatron_mm_balance.solver.two_phase.group_two_phase`), and
 the lower bound (each phase at its own sorted-grouping optimum); plus the
 correlation of the packs' vision and language costs. The issue quotes, on its own
 held-out trace at DP=1024, GA=32: 1.656 / 1.129 / 1.086 / 1.086 / - / 1.020,
@@ -24,7 +24,7 @@ from megatron_mm_balance.sim.cli import load_samples
 from megatron_mm_balance.sim.engine import pack_phases
 from megatron_mm_balance.sim.pool import build_pool, draw_indices
 from megatron_mm_balance.sim.timing import load_timing
-from megatron_mm_balance.two_phase import group_two_phase
+from megatron_mm_balance.solver.two_phase import group_two_phase
 
 WEIGHTS = np.round(np.arange(0.0, 2.01, 0.1), 2)
 

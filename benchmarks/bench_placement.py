@@ -38,13 +38,14 @@ import time
 
 import numpy as np
 
-from megatron_mm_balance import mixtures, placement
-from megatron_mm_balance.rank_balance import cost_grain, rank_limit
+from megatron_mm_balance.data import mixtures
+from megatron_mm_balance.solver import placement
+from megatron_mm_balance.solver.rank_balance import cost_grain, rank_limit
 from megatron_mm_balance.sim.engine import pack_phases
 from megatron_mm_balance.sim.pool import build_pool
 from megatron_mm_balance.sim.timing import load_timing
-from megatron_mm_balance.topology import traffic
-from megatron_mm_balance.two_phase import evaluate_two_phase
+from megatron_mm_balance.solver.topology import traffic
+from megatron_mm_balance.solver.two_phase import evaluate_two_phase
 
 TARGETS = {  # (dp, ga): what the core issue and performance v2 ask for
     (512, 16): "optimum ratio <= 1.001 (exact), rank_ratio <= 1.002 (or its floor), moved <= 0.36",

@@ -7,7 +7,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_mm_balance.runtime.bench import main  # noqa: E402
+from megatron_mm_balance.bench.runtime import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

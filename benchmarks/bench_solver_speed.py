@@ -17,8 +17,8 @@ import time
 
 import numpy as np
 
-from megatron_mm_balance import mixtures
-from megatron_mm_balance.placement import plan_placement
+from megatron_mm_balance.data import mixtures
+from megatron_mm_balance.solver.placement import plan_placement
 from megatron_mm_balance.sim.engine import pack_phases
 from megatron_mm_balance.sim.pool import build_pool
 from megatron_mm_balance.sim.timing import load_timing

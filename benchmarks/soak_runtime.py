@@ -14,7 +14,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_mm_balance.runtime.bench import spawn  # noqa: E402
+from megatron_mm_balance.bench.runtime import spawn  # noqa: E402
 
 
 def _rss_mb() -> float:

@@ -16,11 +16,12 @@ import time
 
 import numpy as np
 
-from . import mixtures, packing, placement
-from .traces import DEFAULT_TOKENS_PER_TILE, TraceError, load_trace
+from .data import mixtures, packing
+from .solver import placement
+from .data.traces import DEFAULT_TOKENS_PER_TILE, TraceError, load_trace
 
 # Modules that add subcommands through ``register(subparsers)``.
-EXTENSIONS = ("megatron_mm_balance.sim.cli", "megatron_mm_balance.runtime.bench")
+EXTENSIONS = ("megatron_mm_balance.sim.cli", "megatron_mm_balance.bench.runtime")
 
 
 class CliError(Exception):
@@ -120,7 +121,7 @@ def place_batches(costs: np.ndarray, dp: int, ga: int, sync: str, tolerance: flo
     aggregate the metrics; ``--out`` gets each batch's delivered slots."""
     per = dp * ga
     n_batches = len(costs) // per
-    from .topology import traffic
+    from .solver.topology import traffic
     times, metrics, ms_num, base_ms_num, denom, inter = [], [], 0, 0, 0.0, 0
     for b in range(n_batches):
         c = costs[b * per:(b + 1) * per].reshape(dp, ga)
@@ -230,12 +231,12 @@ def cmd_demo(args) -> int:
 
 
 def _make_dataset_arguments(parser) -> None:
-    from . import make_dataset
+    from .data import make_dataset
     make_dataset.add_arguments(parser)
 
 
 def cmd_make_dataset(args) -> int:
-    from . import make_dataset
+    from .data import make_dataset
     return make_dataset.run(args)
 
 

@@ -49,7 +49,7 @@ def init_single_process_group() -> None:
     if dist.is_initialized():
         return
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    from megatron_mm_balance.runtime.bench import free_port
+    from megatron_mm_balance.bench.runtime import free_port
     os.environ.setdefault("MASTER_PORT", str(free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
 
@@ -189,7 +189,7 @@ def main(argv=None) -> int:
 
     import torch
 
-    from megatron_mm_balance import calibration
+    from megatron_mm_balance.cost import calibration
 
     env = environment()
     on_gpu = env["cuda"] and not args.cpu

@@ -78,7 +78,7 @@ def check_args(args) -> None:
             fail("--mm-balance-cost model needs --mm-balance-cost-file PATH (a calibrated cost file)")
         if not os.path.isfile(cost_file):
             fail(f"--mm-balance-cost-file {cost_file}: no such file")
-        from ..cost import load_cost_file
+        from ..cost.model import load_cost_file
         try:
             load_cost_file(cost_file)
         except ValueError as exc:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Literal, Optional
 
 from ..runtime.config import DEFAULT_TIMEOUT_S, BalancerConfig
-from ..topology import ranks_per_node_from_env
+from ..solver.topology import ranks_per_node_from_env
 
 SYNC_CHOICES = ("auto", "microstep", "step")
 COST_CHOICES = ("image-tokens", "model")

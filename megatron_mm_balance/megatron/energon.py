@@ -9,7 +9,7 @@ Put it first in the bases of the task encoder the training script uses::
 or ``balanced_task_encoder(TaskEncoder)`` to build that class. It changes two things:
 
 * ``select_samples_to_pack`` packs the energon packing buffer with our
-  best-fit-decreasing packer (:func:`megatron_mm_balance.packing.pack_greedy`,
+  best-fit-decreasing packer (:func:`megatron_mm_balance.data.packing.pack_greedy`,
   whole samples, sequence length ``packing_seq_length``) instead of the
   example's ``greedy_knapsack``: fuller sequences, images never split;
 * ``batch``/``encode_batch`` record ``image_tokens`` (one int per pack in the
@@ -37,9 +37,9 @@ from __future__ import annotations
 
 from typing import Callable, List, Optional, Sequence
 
-from ..packing import pack_greedy
-from ..traces import Sample
-from ..runtime.costs import check_tokens_per_tile, flatten_ints as _ints
+from ..data.packing import pack_greedy
+from ..data.traces import Sample
+from ..cost.pack import check_tokens_per_tile, flatten_ints as _ints
 
 
 class BalancedPackingMixin:

@@ -93,7 +93,7 @@ def make_cost_fn(args=None):
     Tokens per tile follow the multimodal flags; without them (not an
     examples/multimodal run) the runtime's default applies.
     """
-    from ..runtime.costs import DEFAULT_TOKENS_PER_TILE, ImageTokenCost, ModelCost
+    from ..cost.pack import DEFAULT_TOKENS_PER_TILE, ImageTokenCost, ModelCost
     tpt = _tokens_per_tile(args)
     tpt = DEFAULT_TOKENS_PER_TILE if tpt is None else tpt
     if getattr(args, "mm_balance_cost", "image-tokens") == "model":

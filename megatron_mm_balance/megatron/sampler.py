@@ -97,7 +97,7 @@ class BalancedPretrainingSampler:
 
     def __iter__(self):
         import numpy as np
-        from ..placement import PlanStats, solve_placement
+        from ..solver.placement import PlanStats, solve_placement
 
         D, mbs = self.data_parallel_size, self.micro_batch_size
         start = self.consumed_samples

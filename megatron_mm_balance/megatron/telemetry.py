@@ -32,7 +32,7 @@ def derive(entry: dict) -> dict:
     micro-steps of the max), ``image_tokens_step_mean`` and
     ``imbalance_*`` (mean over micro-steps of max/mean: 1.0 is perfect balance).
     """
-    from ..placement import step_imbalance
+    from ..solver.placement import step_imbalance
     out = dict(entry)
     mean = entry.get("step_mean_before")
     for when in ("before", "after"):

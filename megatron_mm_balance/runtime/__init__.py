@@ -1,19 +1,19 @@
 """Runtime: the balanced data iterator (knows nothing of Megatron).
 
 See :mod:`.iterator` for the life of a global batch, :mod:`.wire` for the pack
-format, :mod:`.groups` for the exchange's process groups, :mod:`.costs` for the
-cost functions and :mod:`.device` for the CUDA side stream.
+format, :mod:`.groups` for the exchange's process groups and :mod:`.device` for the CUDA
+side stream; the cost functions live in :mod:`megatron_mm_balance.cost.pack`.
 
-Names are resolved lazily: :mod:`.costs` and :mod:`.errors` import without
+Names are resolved lazily: the cost functions and :mod:`.errors` import without
 torch (the energon task encoder and the pure CLI use them), the rest on first use.
 """
 import importlib
 
 _HOME = {
     "BalancedDataIterator": ".iterator", "new_exchange_groups": ".groups",
-    "plan_placement": "..placement", "default_cost_fn": ".costs", "ImageTokenCost": ".costs",
-    "ModelCost": ".costs", "BalancerError": ".errors", "PeerFailure": ".errors",
-    "InconsistentConfig": ".errors", "ExchangeThreadError": ".errors",
+    "plan_placement": "..solver.placement", "default_cost_fn": "..cost.pack",
+    "ImageTokenCost": "..cost.pack", "ModelCost": "..cost.pack", "BalancerError": ".errors",
+    "PeerFailure": ".errors", "InconsistentConfig": ".errors", "ExchangeThreadError": ".errors",
     "SourceExhausted": ".engine",
 }
 

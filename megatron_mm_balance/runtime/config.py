@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal, Optional
 
-from ..placement import SYNC_MODES
+from ..solver.placement import SYNC_MODES
 
 #: seconds any wait on a peer may take before a clear error (the one default)
 DEFAULT_TIMEOUT_S = 300.0

@@ -26,10 +26,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..placement import DEFAULT_BALANCE_TOLERANCE, Placement, PlanStats, plan_placement
-from ..topology import traffic
+from ..solver.placement import DEFAULT_BALANCE_TOLERANCE, Placement, PlanStats, plan_placement
+from ..solver.topology import traffic
 from . import wire
-from .costs import to_int_costs
+from ..cost.pack import to_int_costs
 from .device import CudaMover
 from .errors import InconsistentConfig, PeerFailure
 

@@ -50,7 +50,7 @@ import weakref
 import torch.distributed as dist
 
 from .config import BalancerConfig
-from .costs import cost_fn_identity, default_cost_fn
+from ..cost.pack import cost_fn_identity, default_cost_fn
 from .device import resolve_device
 from .engine import Engine, Item, SourceExhausted
 from .errors import BalancerError, ExchangeThreadError

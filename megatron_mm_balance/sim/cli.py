@@ -4,7 +4,7 @@
         --sync microstep [--timing FILE|NAME] [--batches N] --out DIR
 
 TRACE is a trace file (JSON Lines or OmniBal-style JSON array) or the name of a
-built-in mixture (``megatron_mm_balance.mixtures.MIXTURES``). Writes
+built-in mixture (``megatron_mm_balance.data.mixtures.MIXTURES``). Writes
 ``DIR/report.json`` and PNG plots, prints a table. Bad input exits with status 2
 and a one-line message.
 """
@@ -15,8 +15,8 @@ import os
 import sys
 import time
 
-from ..mixtures import MIXTURES, make_mixture
-from ..traces import TraceError, load_trace, summarize
+from ..data.mixtures import MIXTURES, make_mixture
+from ..data.traces import TraceError, load_trace, summarize
 from .engine import BALANCE_COSTS, SimConfig, simulate_dp
 from .pool import DRAW_MODES, build_pool, pool_stats
 from .progress import Progress

@@ -5,7 +5,7 @@ a trace yields and far more than Python can pack per run. So each strategy packs
 a representative trace *once* (cached per trace, sequence length, budget and
 buffer), and the simulated global batches draw their packs from that pool by
 seeded resampling (:func:`draw_indices`). The packer is the project's own
-(:func:`megatron_mm_balance.packing.pack_greedy`); nothing is re-packed here.
+(:func:`megatron_mm_balance.data.packing.pack_greedy`); nothing is re-packed here.
 
 Per-pack features are flat arrays, with ragged per-image sizes and per-sample
 lengths in CSR form (``*_offsets`` into ``*_sizes``), so the cost of a pack is a
@@ -18,8 +18,8 @@ from typing import Sequence
 
 import numpy as np
 
-from ..packing import pack_greedy
-from ..traces import Sample
+from ..data.packing import pack_greedy
+from ..data.traces import Sample
 
 DRAW_MODES = ("iid", "contiguous")
 

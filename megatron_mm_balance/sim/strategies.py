@@ -9,7 +9,7 @@
   each rank's lightest, so the per-micro-step maxima fall. The rule cannot change
   a rank's total, so it does nothing when ranks meet only at the step's end.
 * ``redistribute-sync`` / ``redistribute-overlap``: the placement the runtime
-  delivers, :func:`megatron_mm_balance.placement.plan_placement` (same placement;
+  delivers, :func:`megatron_mm_balance.solver.placement.plan_placement` (same placement;
   the two differ only in how the exchange is timed, see :mod:`.timeline`).
 
 Each function returns a flat gather index ``[.., D, G]`` into the rank-major
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..placement import plan_placement
+from ..solver.placement import plan_placement
 
 STRATEGIES = ("none", "budget", "local", "redistribute-sync", "redistribute-overlap")
 
@@ -41,7 +41,7 @@ def redistribute_order(costs: np.ndarray, *, sync: str, ranks_per_node=None) -> 
     """The runtime's placement of one batch's ``[D, G]`` integer costs (``[D, G, 2]``:
     two-phase), as a gather index.
 
-    :func:`megatron_mm_balance.placement.plan_placement`: the solver and then the
+    :func:`megatron_mm_balance.solver.placement.plan_placement`: the solver and then the
     runtime's micro-step order (the step that moves the fewest packs first, so the
     one exchange that cannot hide behind compute is the smallest).
     """

@@ -42,7 +42,7 @@ import warnings
 import torch
 from torch.overrides import TorchFunctionMode
 
-from ..runtime.bench import free_port
+from ..bench.runtime import free_port
 
 _CPU = torch.device("cpu")
 _INSTALLED = False

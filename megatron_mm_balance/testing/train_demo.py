@@ -8,8 +8,8 @@ whole fixed-length sequence. The vision encoder sits on the first pipeline
 stage, as in Megatron-LM's multimodal example. Vision compute is therefore
 proportional to the pack's tile count, while the LLM's is constant per pack.
 
-Data: samples from :mod:`megatron_mm_balance.mixtures`, packed with
-:func:`megatron_mm_balance.packing.pack_greedy` at ``pack_seq_len`` tokens;
+Data: samples from :mod:`megatron_mm_balance.data.mixtures`, packed with
+:func:`megatron_mm_balance.data.packing.pack_greedy` at ``pack_seq_len`` tokens;
 every pack becomes one micro-batch (micro-batch size 1) whose tile count is its
 image-token count over ``tokens_per_tile``. Rank ``r`` of ``D`` gets pack
 ``step*D*M + m*D + r`` at micro-step ``m``, the order of Megatron's
@@ -90,8 +90,8 @@ class DemoConfig:
 
 def pack_tiles(cfg: DemoConfig) -> list[int]:
     """Tile count of every pack of the configured mixture, in stream order."""
-    from megatron_mm_balance.mixtures import make_mixture
-    from megatron_mm_balance.packing import pack_greedy
+    from megatron_mm_balance.data.mixtures import make_mixture
+    from megatron_mm_balance.data.packing import pack_greedy
 
     samples = make_mixture(cfg.mixture, n=cfg.mixture_samples, seed=cfg.seed)
     packs = pack_greedy(samples, cfg.pack_seq_len).packs
@@ -454,9 +454,9 @@ def run_layouts(cfg: DemoConfig, layouts: list[str], modes=(False, True), *, int
 # --------------------------------------------------------------------------- analysis
 
 def seen_stats(seen_by_rank: list[list[tuple[int, int]]], dp_ranks: list[int]):
-    """:class:`~megatron_mm_balance.placement.PlanStats` of one step as the ranks computed it
+    """:class:`~megatron_mm_balance.solver.placement.PlanStats` of one step as the ranks computed it
     (rank r's m-th delivered micro-batch's image tokens; one row per data-parallel rank)."""
-    from ..placement import Placement, PlanStats
+    from ..solver.placement import Placement, PlanStats
     by_dp = {}
     for seen, d in zip(seen_by_rank, dp_ranks):
         by_dp.setdefault(d, seen)
@@ -568,7 +568,7 @@ def format_table(rows: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    from megatron_mm_balance.mixtures import MIXTURES
+    from megatron_mm_balance.data.mixtures import MIXTURES
 
     p = argparse.ArgumentParser(prog="mm-balance demo --train",
                                 description="Train a tiny CLIP-ViT + MoE GPT with megatron-core on CPU "

@@ -71,7 +71,7 @@ def test_place_writes_the_delivered_plan(capsys, packs_file, tmp_path):
     import numpy as np
 
     from megatron_mm_balance.cli import read_pack_costs
-    from megatron_mm_balance.placement import plan_placement, solve_placement
+    from megatron_mm_balance.solver.placement import plan_placement, solve_placement
     out = tmp_path / "placement.jsonl"
     code, stdout, _ = run(capsys, "place", str(packs_file), "--dp", "16", "--ga", "8",
                           "--ranks-per-node", "4", "--out", str(out), "--json")

@@ -1,8 +1,8 @@
 import numpy as np
 import pytest
 
-from megatron_mm_balance.cost import CostModel, PackFeatures, load_cost_file
-from megatron_mm_balance.runtime.costs import ImageTokenCost
+from megatron_mm_balance.cost.model import CostModel, PackFeatures, load_cost_file
+from megatron_mm_balance.cost.pack import ImageTokenCost
 
 
 def test_image_token_cost_is_the_sum():

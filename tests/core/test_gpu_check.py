@@ -5,7 +5,7 @@ import os
 import subprocess
 import sys
 
-from megatron_mm_balance.cost import load_cost_file
+from megatron_mm_balance.cost.model import load_cost_file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

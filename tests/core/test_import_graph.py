@@ -71,7 +71,7 @@ def find_cycle(graph: dict):
 def test_walker_sees_the_package_and_finds_a_planted_cycle():
     g = import_graph()
     assert "megatron_mm_balance.megatron.iterator" in g
-    assert "megatron_mm_balance.placement" in g["megatron_mm_balance.runtime.engine"]
+    assert "megatron_mm_balance.solver.placement" in g["megatron_mm_balance.runtime.engine"]
     assert "megatron_mm_balance.runtime" not in g["megatron_mm_balance.runtime.engine"]
     planted = {"a": {"b"}, "b": {"c"}, "c": {"a"}}
     assert find_cycle(planted) == ["a", "b", "c", "a"]
@@ -80,3 +80,44 @@ def test_walker_sees_the_package_and_finds_a_planted_cycle():
 def test_no_import_cycle_in_the_package():
     cycle = find_cycle(import_graph())
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+#: The package's layers, bottom up: a module may import only from its own layer or a lower one.
+LAYERS = {"data": 0, "solver": 0, "cost": 0, "runtime": 1, "sim": 2, "bench": 2, "megatron": 3,
+          "testing": 4, "cli": 5, "__init__": 5}
+
+
+def _layer(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def test_every_module_belongs_to_a_layer():
+    unknown = sorted({_layer(m) for m in import_graph()} - set(LAYERS))
+    assert not unknown, f"modules outside the known layers: {unknown} (add them to LAYERS)"
+
+
+def test_layers_import_only_downward():
+    upward = sorted((a, d) for a, deps in import_graph().items() for d in deps
+                    if LAYERS[_layer(d)] > LAYERS[_layer(a)])
+    assert not upward, "imports from a higher layer: " + ", ".join(f"{a} -> {d}" for a, d in upward)
+
+
+def test_pure_layers_and_runtime_import_no_megatron():
+    """The solver, data and cost layers import neither torch.distributed nor Megatron-LM; the
+    runtime imports torch.distributed but nothing of Megatron-LM (megatron.core,
+    megatron.training; our glue is a higher layer, checked above). megatron-energon, a data
+    loading library, is allowed in the data layer."""
+    offenders = []
+    for name, (path, _) in _modules().items():
+        layer = _layer(name)
+        if LAYERS.get(layer) not in (0, 1):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            mods = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                    [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            for mod in mods:
+                megatron_lm = mod.split(".")[0] == "megatron" and not mod.startswith("megatron.energon")
+                if megatron_lm or (layer != "runtime" and mod.startswith("torch.distributed")):
+                    offenders.append(f"{name} imports {mod}")
+    assert not offenders, "; ".join(offenders)

@@ -3,8 +3,8 @@ from collections import Counter
 
 import pytest
 
-from megatron_mm_balance import mixtures
-from megatron_mm_balance.traces import load_bundled
+from megatron_mm_balance.data import mixtures
+from megatron_mm_balance.data.traces import load_bundled
 
 N = 20_000
 

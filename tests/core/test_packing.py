@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
-from megatron_mm_balance import mixtures
-from megatron_mm_balance.packing import OverlongSampleError, pack_budget, pack_greedy
-from megatron_mm_balance.traces import Sample
+from megatron_mm_balance.data import mixtures
+from megatron_mm_balance.data.packing import OverlongSampleError, pack_budget, pack_greedy
+from megatron_mm_balance.data.traces import Sample
 
 samples_st = st.lists(
     st.builds(lambda t, imgs: Sample(t + sum(imgs), tuple(imgs)),

@@ -4,9 +4,9 @@ from hypothesis import given, strategies as st
 from hypothesis.extra.numpy import arrays
 
 from determinism import placement_digests
-from megatron_mm_balance import mixtures
-from megatron_mm_balance.packing import pack_greedy
-from megatron_mm_balance.placement import (Placement, check_placement, evaluate,
+from megatron_mm_balance.data import mixtures
+from megatron_mm_balance.data.packing import pack_greedy
+from megatron_mm_balance.solver.placement import (Placement, check_placement, evaluate,
                                            microstep_objective, solve_placement,
                                            sorted_grouping_optimum)
 
@@ -130,7 +130,7 @@ def test_tolerance_knob_trades_moves_for_evenness(mixed_costs):
 
 PLACEMENTS = """
 import numpy as np
-from megatron_mm_balance.placement import solve_placement
+from megatron_mm_balance.solver.placement import solve_placement
 c = np.random.default_rng(7).integers(0, 6, size=(64, 16)) * 256
 placements = [solve_placement(c, sync=sync) for sync in ("microstep", "step")]
 """
@@ -141,7 +141,7 @@ def test_identical_across_processes_with_different_hash_seeds():
 
 
 def test_plan_placement_is_the_solver_with_the_fewest_moves_first():
-    from megatron_mm_balance.placement import order_steps, plan_placement
+    from megatron_mm_balance.solver.placement import order_steps, plan_placement
     rng = np.random.default_rng(7)
     for _ in range(20):
         c = rng.integers(0, 5000, size=(6, 5))
@@ -156,7 +156,7 @@ def test_plan_placement_is_the_solver_with_the_fewest_moves_first():
 
 
 def test_plan_stats_carry_the_metrics_once():
-    from megatron_mm_balance.placement import PlanStats, plan_placement
+    from megatron_mm_balance.solver.placement import PlanStats, plan_placement
     c = np.array([[900, 10, 10], [10, 10, 800]])
     pl = plan_placement(c, sync="microstep")
     st = PlanStats.of(c, pl)

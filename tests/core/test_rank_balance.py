@@ -3,12 +3,12 @@ tie-heavy (tile-quantised) costs too, keeping the exact micro-step optimum."""
 import numpy as np
 import pytest
 
-from megatron_mm_balance import mixtures
-from megatron_mm_balance.packing import pack_greedy
-from megatron_mm_balance.placement import (DEFAULT_BALANCE_TOLERANCE, Placement, check_placement,
+from megatron_mm_balance.data import mixtures
+from megatron_mm_balance.data.packing import pack_greedy
+from megatron_mm_balance.solver.placement import (DEFAULT_BALANCE_TOLERANCE, Placement, check_placement,
                                            evaluate, microstep_objective, solve_placement,
                                            sorted_grouping_optimum)
-from megatron_mm_balance.rank_balance import (balance_rank_totals, cost_grain, rank_limit,
+from megatron_mm_balance.solver.rank_balance import (balance_rank_totals, cost_grain, rank_limit,
                                               send_home)
 
 

@@ -3,7 +3,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_mm_balance.sorting import lex_argsort, stable_argsort
+from megatron_mm_balance.solver.sorting import lex_argsort, stable_argsort
 
 
 @settings(max_examples=200, deadline=None)

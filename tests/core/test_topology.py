@@ -4,14 +4,14 @@ import numpy as np
 import pytest
 
 from determinism import placement_digests
-from megatron_mm_balance import mixtures
-from megatron_mm_balance.packing import pack_greedy
-from megatron_mm_balance.placement import (Placement, check_placement, evaluate, microstep_objective,
+from megatron_mm_balance.data import mixtures
+from megatron_mm_balance.data.packing import pack_greedy
+from megatron_mm_balance.solver.placement import (Placement, check_placement, evaluate, microstep_objective,
                                            solve_placement, sorted_grouping_optimum)
-from megatron_mm_balance import rank_balance
-from megatron_mm_balance.rank_balance import (INTER_NODE_WEIGHT, balance_node_totals, cost_grain,
+from megatron_mm_balance.solver import rank_balance
+from megatron_mm_balance.solver.rank_balance import (INTER_NODE_WEIGHT, balance_node_totals, cost_grain,
                                               rank_limit)
-from megatron_mm_balance.topology import (node_ids, pair_within_nodes, ranks_per_node_from_env,
+from megatron_mm_balance.solver.topology import (node_ids, pair_within_nodes, ranks_per_node_from_env,
                                           traffic)
 
 
@@ -253,7 +253,7 @@ def test_chain_shortening_equals_the_dense_reference(seed):
 
 NODE_AWARE_PLACEMENTS = """
 import numpy as np
-from megatron_mm_balance.placement import solve_placement
+from megatron_mm_balance.solver.placement import solve_placement
 c = np.random.default_rng(9).integers(0, 12, size=(96, 16)) * 256
 placements = [solve_placement(c, sync=sync, ranks_per_node=8) for sync in ("microstep", "step")]
 """

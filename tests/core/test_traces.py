@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from megatron_mm_balance.traces import (TraceError, Sample, load_bundled, load_trace,
+from megatron_mm_balance.data.traces import (TraceError, Sample, load_bundled, load_trace,
                                         parse_trace_text, summarize, write_trace)
 
 

@@ -6,10 +6,10 @@ from hypothesis import given, settings, strategies as st
 from hypothesis.extra.numpy import arrays
 
 from determinism import placement_digests
-from megatron_mm_balance.placement import (check_placement, microstep_objective, solve_placement,
+from megatron_mm_balance.solver.placement import (check_placement, microstep_objective, solve_placement,
                                            sorted_grouping_optimum)
-from megatron_mm_balance.rank_balance import cost_grain, rank_limit
-from megatron_mm_balance.two_phase import (as_cost_pairs, evaluate_two_phase, group_two_phase,
+from megatron_mm_balance.solver.rank_balance import cost_grain, rank_limit
+from megatron_mm_balance.solver.two_phase import (as_cost_pairs, evaluate_two_phase, group_two_phase,
                                            two_phase_lower_bound, two_phase_objective)
 
 shapes = st.tuples(st.integers(1, 16), st.integers(1, 8))
@@ -94,7 +94,7 @@ def test_node_aware_two_phase_keeps_the_objective():
 
 PLACEMENTS = """
 from test_two_phase import anti_correlated
-from megatron_mm_balance.placement import solve_placement
+from megatron_mm_balance.solver.placement import solve_placement
 placements = [solve_placement(anti_correlated(64, 16, 3), ranks_per_node=8)]
 """
 

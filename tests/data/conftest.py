@@ -17,7 +17,7 @@ ARCHIVE = ROOT.parent / "shared" / "megatron-lm" / "Megatron-LM-core_v0.16.1.tar
 @pytest.fixture(scope="session")
 def dataset_dir(tmp_path_factory):
     """``make-dataset --samples 96 --seed 7``: the dataset every test here reads."""
-    from megatron_mm_balance.make_dataset import make_dataset
+    from megatron_mm_balance.data.make_dataset import make_dataset
 
     out = tmp_path_factory.mktemp("mkds") / "data"
     make_dataset(out, samples=96, seed=7)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_mm_balance.make_dataset import SHAPES_BY_TILES, make_dataset
+from megatron_mm_balance.data.make_dataset import SHAPES_BY_TILES, make_dataset
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONDONTWRITEBYTECODE": "1"}

@@ -68,7 +68,7 @@ def test_cost_model_needs_a_readable_file(tmp_path):
     bad.write_text("{}")
     assert "--mm-balance-cost-file" in refused(make_args("--mm-balance-cost", "model",
                                                          "--mm-balance-cost-file", str(bad)))
-    from megatron_mm_balance.cost import CostModel
+    from megatron_mm_balance.cost.model import CostModel
     good = tmp_path / "cost.json"
     CostModel(vision_ms_per_token=2e-3).save(str(good))
     check_args(make_args("--mm-balance-cost", "model", "--mm-balance-cost-file", str(good)))

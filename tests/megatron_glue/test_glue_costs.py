@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megatron_mm_balance.megatron.iterator import make_cost_fn
-from megatron_mm_balance.runtime.costs import ImageTokenCost, default_cost_fn
+from megatron_mm_balance.cost.pack import ImageTokenCost, default_cost_fn
 
 from test_glue_energon import Encoder, Sample
 
@@ -58,7 +58,7 @@ def test_tokens_per_tile_must_be_positive():
 
 def test_cost_module_imports_without_torch():
     code = ("import sys; sys.modules['torch'] = None\n"
-            "from megatron_mm_balance.runtime.costs import ImageTokenCost\n"
+            "from megatron_mm_balance.cost.pack import ImageTokenCost\n"
             "import megatron_mm_balance.megatron.energon\n"
             "assert ImageTokenCost(10)({'num_tiles': [[1, 2], [3]]}) == 60\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

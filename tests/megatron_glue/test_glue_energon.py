@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from megatron_mm_balance.megatron.energon import BalancedPackingMixin, balanced_task_encoder
-from megatron_mm_balance.runtime.costs import ImageTokenCost
-from megatron_mm_balance.packing import OverlongSampleError
+from megatron_mm_balance.cost.pack import ImageTokenCost
+from megatron_mm_balance.data.packing import OverlongSampleError
 
 
 @dataclasses.dataclass

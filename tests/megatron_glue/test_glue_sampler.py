@@ -8,7 +8,7 @@ import pytest
 from megatron_mm_balance.megatron import sampler as sampler_mod
 from megatron_mm_balance.megatron.sampler import (
     BalancedPretrainingSampler, maybe_balanced_sampler, sampler_applies)
-from megatron_mm_balance.placement import microstep_objective
+from megatron_mm_balance.solver.placement import microstep_objective
 
 D, MBS, G = 4, 1, 6
 

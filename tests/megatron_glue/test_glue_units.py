@@ -8,7 +8,7 @@ import torch
 from megatron_mm_balance.megatron.groups import data_holding_rank_lists
 from megatron_mm_balance.megatron.iterator import BalancedTrainIterable, wrap_train_data_iterator
 from megatron_mm_balance.megatron.schedule import MicrobatchSchedule
-from megatron_mm_balance.runtime.costs import ImageTokenCost, ModelCost, image_counts
+from megatron_mm_balance.cost.pack import ImageTokenCost, ModelCost, image_counts
 from megatron_mm_balance.megatron.telemetry import Telemetry, format_line, summarize
 
 
@@ -37,7 +37,7 @@ def test_image_counts_rejects_non_dicts():
 
 
 def test_model_cost_uses_images_and_lengths(tmp_path):
-    from megatron_mm_balance.cost import CostModel, PackFeatures
+    from megatron_mm_balance.cost.model import CostModel, PackFeatures
     model = CostModel(vision_ms_per_token=1e-3, vision_ms_per_token_sq=1e-6, llm_ms_per_len_sq=1e-5)
     path = tmp_path / "cost.json"
     model.save(str(path))
@@ -49,7 +49,7 @@ def test_model_cost_uses_images_and_lengths(tmp_path):
 def test_model_cost_under_expert_parallel_is_two_phase(tmp_path):
     """--mm-balance-cost model: (vision, language) microseconds when ranks meet every
     micro-step (the two-phase solver), one total otherwise; the two add up."""
-    from megatron_mm_balance.cost import CostModel, PackFeatures
+    from megatron_mm_balance.cost.model import CostModel, PackFeatures
     from megatron_mm_balance.megatron.iterator import make_cost_fn
     model = CostModel(vision_ms_per_token=1e-3, vision_ms_per_token_sq=1e-6,
                       llm_ms_per_len_sq=1e-5, const_ms=2.0)

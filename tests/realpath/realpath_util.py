@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from megatron_mm_balance.runtime.bench import free_port
+from megatron_mm_balance.bench.runtime import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 TAG = "core_v0.16.1"

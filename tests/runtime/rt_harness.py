@@ -17,7 +17,7 @@ import sys
 import tempfile
 import time
 
-from megatron_mm_balance.runtime.bench import free_port
+from megatron_mm_balance.bench.runtime import free_port
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))

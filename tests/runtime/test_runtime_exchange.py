@@ -87,7 +87,7 @@ def test_node_aware_exchange_delivers_the_node_aware_placement():
     """Ranks per node on the runtime: the placement every rank solves prefers node-mates
     (4 ranks, 2 per node), delivery follows it exactly, and the statistics count the
     packs and bytes that cross nodes."""
-    from megatron_mm_balance.topology import traffic
+    from megatron_mm_balance.solver.topology import traffic
     results = harness.launch(4, "exactly_once", hard_timeout=150, configs=[[7, True, False]],
                              batches=3, ranks_per_node=2)
     for r, res in enumerate(results):
@@ -108,7 +108,7 @@ def test_node_aware_exchange_delivers_the_node_aware_placement():
 def test_two_phase_costs_ride_the_all_gather_and_place_identically(overlap):
     """A cost_fn with ``components = 2`` (vision, language): every rank all-gathers both
     numbers, solves the two-phase placement and delivers exactly what it names."""
-    from megatron_mm_balance.two_phase import two_phase_lower_bound, two_phase_objective
+    from megatron_mm_balance.solver.two_phase import two_phase_lower_bound, two_phase_objective
     G, B = 5, 3
     results = harness.launch(4, "two_phase", hard_timeout=150, G=G, batches=B, overlap=overlap)
     for r, res in enumerate(results):

@@ -49,7 +49,7 @@ def test_shadow_measures_the_plan_and_moves_nothing():
     """Shadow mode on real gloo ranks: each rank gets its own packs in draw order, no bytes
     travel, and the statistics are the plan's (what balancing would have given)."""
     import numpy as np
-    from megatron_mm_balance.placement import PlanStats, plan_placement
+    from megatron_mm_balance.solver.placement import PlanStats, plan_placement
     G, batches, world = 4, 3, 3
     res = harness.launch(world, "shadow", hard_timeout=90, G=G, batches=batches)
     for r, x in enumerate(res):

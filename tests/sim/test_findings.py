@@ -6,8 +6,8 @@ shuffled ``mixed`` trace; the packer's efficiency uses the whole trace).
 """
 import pytest
 
-from megatron_mm_balance.mixtures import mixed
-from megatron_mm_balance.packing import pack_greedy
+from megatron_mm_balance.data.mixtures import mixed
+from megatron_mm_balance.data.packing import pack_greedy
 from megatron_mm_balance.sim.engine import SimConfig, simulate_dp
 from megatron_mm_balance.sim.pool import build_pool, pool_stats
 from megatron_mm_balance.sim.timing import load_timing

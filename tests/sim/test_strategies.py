@@ -1,12 +1,12 @@
 """Strategies as gather orders, exchange accounting, pools and draws."""
 import numpy as np
 
-from megatron_mm_balance.packing import Pack
-from megatron_mm_balance.placement import sorted_grouping_optimum
+from megatron_mm_balance.data.packing import Pack
+from megatron_mm_balance.solver.placement import sorted_grouping_optimum
 from megatron_mm_balance.sim.pool import draw_indices, pool_from_packs
 from megatron_mm_balance.sim.strategies import (exchange_times, identity_order, local_order,
                                                 redistribute_order)
-from megatron_mm_balance.traces import Sample
+from megatron_mm_balance.data.traces import Sample
 
 
 def test_local_order_sorts_each_rank_heaviest_first():
@@ -80,7 +80,7 @@ def test_inter_node_mask_follows_ranks_per_node():
 
 
 def test_simulator_models_the_runtimes_order():
-    from megatron_mm_balance.placement import plan_placement
+    from megatron_mm_balance.solver.placement import plan_placement
     rng = np.random.default_rng(3)
     for sync in ("microstep", "step"):
         c = rng.integers(0, 1000, size=(8, 6))
@@ -91,7 +91,7 @@ def test_simulator_models_the_runtimes_order():
 
 
 def test_prefetch_changes_only_the_overlapped_run():
-    from megatron_mm_balance.mixtures import make_mixture
+    from megatron_mm_balance.data.mixtures import make_mixture
     from megatron_mm_balance.sim.engine import SimConfig, simulate_dp
     from megatron_mm_balance.sim.pool import build_pool
     from megatron_mm_balance.sim.timing import load_timing

@@ -18,7 +18,7 @@ packs. A pack with none of these keys (text only) has no images.
 
 :class:`ImageTokenCost` is the default cost (their sum, as an int);
 :class:`ModelCost` feeds the same counts, and the per-sample lengths, to a
-calibrated :class:`~megatron_mm_balance.cost.CostModel`. Costs are converted to
+calibrated :class:`~megatron_mm_balance.cost.model.CostModel`. Costs are converted to
 non-negative integers so every rank computes the identical placement from the
 all-gathered matrix.
 
@@ -100,12 +100,12 @@ class ImageTokenCost:
 
 
 class ModelCost:
-    """``--mm-balance-cost model``: a calibrated :class:`~megatron_mm_balance.cost.CostModel`
+    """``--mm-balance-cost model``: a calibrated :class:`~megatron_mm_balance.cost.model.CostModel`
     on per-image tokens (:func:`image_counts`) and per-sample lengths (from ``cu_lengths``)."""
 
     def __init__(self, path: str, tokens_per_tile: int = DEFAULT_TOKENS_PER_TILE, *,
                  phases: bool = False):
-        from ..cost import load_cost_file
+        from .model import load_cost_file
         self.model = load_cost_file(path)
         self.tokens_per_tile = check_tokens_per_tile(tokens_per_tile)
         #: True: ``(vision, language)`` microseconds per pack, for the two-phase solver
@@ -118,7 +118,7 @@ class ModelCost:
                 + (", phases)" if self.phases else ")"))
 
     def __call__(self, pack) -> int:
-        from ..cost import PackFeatures
+        from .model import PackFeatures
         if not isinstance(pack, Mapping):
             return 0
         images = tuple(image_counts(pack, self.tokens_per_tile))

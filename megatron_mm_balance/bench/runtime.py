@@ -3,7 +3,7 @@
 Real processes (gloo on 127.0.0.1), real pack payloads (a pixel tensor of
 ``image_tokens x bytes_per_image_token`` bytes, so packs are MB-sized) and
 compute emulated by sleeping, per micro-step, for the time a
-:class:`~megatron_mm_balance.cost.CostModel` gives (vision forward proportional
+:class:`~megatron_mm_balance.cost.model.CostModel` gives (vision forward proportional
 to image tokens, a constant language-model part, backward = 2 x forward).
 Sleeping keeps 8 ranks honest on a 2-core machine. Every micro-step ends in a
 barrier (the MoE expert-parallel case: ranks meet every micro-step) and every
@@ -102,8 +102,8 @@ def spawn(fn, world: int, cfg: dict, hard_timeout: float) -> list[dict]:
 
 def _pack_pool(cfg):
     """The shared, deterministic pack sequence (every rank builds the same one)."""
-    from ..mixtures import make_mixture
-    from ..packing import pack_greedy
+    from ..data.mixtures import make_mixture
+    from ..data.packing import pack_greedy
     packs = pack_greedy(make_mixture("mixed", seed=cfg["seed"]), cfg["seq_len"]).packs
     need = (cfg["warmup"] + cfg["batches"]) * cfg["microbatches"] * cfg["world"]   # per round
     if len(packs) < need:
@@ -116,9 +116,9 @@ def _bench_rank(rank, world, cfg):
     import torch
     import torch.distributed as dist
 
-    from ..cost import CostModel, PackFeatures
-    from ..placement import plan_placement
-    from .iterator import BalancedDataIterator
+    from ..cost.model import CostModel, PackFeatures
+    from ..solver.placement import plan_placement
+    from ..runtime.iterator import BalancedDataIterator
 
     G, W, B = cfg["microbatches"], cfg["warmup"], cfg["batches"]
     pool = _pack_pool(cfg)

@@ -9,7 +9,7 @@ parallelisms are inner).
 The placement uses this to prefer intra-node moves wherever the balance does not
 care (:func:`pair_within_nodes`, the move weights of :mod:`.rank_balance`, and in
 ``step`` mode node totals evened before rank totals:
-:func:`~megatron_mm_balance.rank_balance.balance_node_totals`), and reports
+:func:`~megatron_mm_balance.solver.rank_balance.balance_node_totals`), and reports
 inter-node packs and bytes (:func:`traffic`).
 """
 from __future__ import annotations

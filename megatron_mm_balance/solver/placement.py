@@ -136,7 +136,7 @@ def solve_placement(costs, *, sync: str = "microstep",
 
     ``balance_tolerance``: how far above the mean a rank's total may end, as a
     fraction of the mean rank total (never tighter than integer costs allow, see
-    :func:`~megatron_mm_balance.rank_balance.rank_limit`). Stage 2 lets a rank's
+    :func:`~megatron_mm_balance.solver.rank_balance.rank_limit`). Stage 2 lets a rank's
     running total drift ``STAGE2_BAND_FACTOR`` times as far while it keeps its own
     packs. Larger keeps more packs at home; smaller evens rank totals harder.
 

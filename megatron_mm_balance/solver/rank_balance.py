@@ -1,6 +1,6 @@
 """Even out rank totals of a placement by swaps that keep the micro-step objective.
 
-After stage 2 of :func:`megatron_mm_balance.placement.solve_placement` every pack
+After stage 2 of :func:`megatron_mm_balance.solver.placement.solve_placement` every pack
 sits in a micro-step whose *level* (the sorted-grouping maximum of that step)
 admits it. Any swap of two packs that keeps each pack at or below the level of
 the micro-step it lands in keeps the micro-step objective at the optimum, so this

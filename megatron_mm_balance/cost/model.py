@@ -6,7 +6,7 @@ pack's image tokens, and (b) attention inside the language model, which for
 variable-length packed sequences follows the sum of squared sample lengths.
 
 * the default, the pack's image tokens, is
-  :class:`megatron_mm_balance.runtime.costs.ImageTokenCost`;
+  :class:`megatron_mm_balance.cost.pack.ImageTokenCost`;
 * :class:`CostModel` — vision ``a*sum(n_i) + b*sum(n_i**2)`` over the pack's images
   (the quadratic term is attention inside each image), language model
   ``c*sum(len_j**2)`` over its samples, a constant, and a backward/forward ratio.

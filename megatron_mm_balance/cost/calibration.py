@@ -3,7 +3,7 @@
 A CLIP ViT-L/14-sized encoder (24 layers, hidden 1024, 16 heads, MLP 4096) runs
 forward and backward on packs of images of different sizes and counts; medians of
 repeated timings (CUDA events on a GPU, ``perf_counter`` on CPU) become records
-for :meth:`megatron_mm_balance.cost.CostModel.fit`, and the fitted model is
+for :meth:`megatron_mm_balance.cost.model.CostModel.fit`, and the fitted model is
 written as a cost file that ``--mm-balance-cost model`` accepts.
 
 The encoder is megatron-core's ``CLIPViTModel`` when megatron-core (and, for its
@@ -18,7 +18,7 @@ import statistics
 import time
 from dataclasses import dataclass
 
-from .cost import CostModel
+from .model import CostModel
 
 
 @dataclass(frozen=True)

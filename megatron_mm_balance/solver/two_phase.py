@@ -200,7 +200,7 @@ def group_two_phase(v: np.ndarray, l: np.ndarray, D: int, G: int) -> np.ndarray:
 
 def solve_two_phase(costs, *, balance_tolerance: float, ranks_per_node: int | None = None):
     """Place one global batch of two-phase costs; returns ``(src_rank, src_index)``,
-    each ``[D, G]`` (what :class:`~megatron_mm_balance.placement.Placement` holds)."""
+    each ``[D, G]`` (what :class:`~megatron_mm_balance.solver.placement.Placement` holds)."""
     c = as_cost_pairs(costs)
     D, G, _ = c.shape
     node = node_ids(D, check_ranks_per_node(ranks_per_node))

@@ -1,0 +1,14 @@
+"""What a pack costs, as integers every rank agrees on.
+
+* :mod:`.model` — :class:`~.model.CostModel` (vision and language terms, backward ratio),
+  its least-squares fit and cost files (``--mm-balance-cost model``);
+* :mod:`.pack` — reading a pack's image-token counts and lengths, and the cost
+  functions the runtime calls (:class:`~.pack.ImageTokenCost`, :class:`~.pack.ModelCost`);
+* :mod:`.calibration` — timing a vision encoder to fit a cost model (imports torch
+  inside its functions).
+
+Nothing here imports torch at module level.
+"""
+from .model import COST_FILE_FORMAT, CostModel, PackFeatures, load_cost_file
+
+__all__ = ["COST_FILE_FORMAT", "CostModel", "PackFeatures", "load_cost_file"]

@@ -78,8 +78,8 @@ def run(dp, ga, sync, pool, nbytes, batches, rng, tolerance, ranks_per_node):
         c = pool[pick].reshape(dp, ga, *pool.shape[1:])
         nb = nbytes[pick].reshape(dp, ga)
         t0 = time.process_time()          # CPU time: a busy shared machine does not count
-        pl = placement.solve_placement(c, sync=sync, balance_tolerance=tolerance,
-                                       ranks_per_node=ranks_per_node)
+        pl = placement.plan_placement(c, sync=sync, balance_tolerance=tolerance,
+                                      ranks_per_node=ranks_per_node)
         ms = (time.process_time() - t0) * 1e3
         if c.ndim == 3:
             m = evaluate_two_phase(c, pl)

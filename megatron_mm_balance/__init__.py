@@ -14,7 +14,7 @@ Layers, bottom up (each imports only from the layers above it in this list):
 """
 __version__ = "0.1.0"
 
-__all__ = ["BalancedDataIterator", "solve_placement", "pack_greedy", "__version__"]
+__all__ = ["BalancedDataIterator", "plan_placement", "pack_greedy", "__version__"]
 
 
 def __getattr__(name):
@@ -23,7 +23,10 @@ def __getattr__(name):
     if name == "BalancedDataIterator":
         from .runtime import BalancedDataIterator
         return BalancedDataIterator
-    if name == "solve_placement":
+    if name == "plan_placement":
+        from .solver.placement import plan_placement
+        return plan_placement
+    if name == "solve_placement":          # deprecated alias (warns when called)
         from .solver.placement import solve_placement
         return solve_placement
     if name == "pack_greedy":

@@ -1,4 +1,11 @@
-"""Two-stage placement of one global batch's packs onto (rank, micro-step) slots.
+"""Placement of one global batch's packs onto (rank, micro-step) slots.
+
+The one entry point is :func:`plan_placement` (``costs``, and a
+:class:`SolverOptions` or its keywords): it dispatches to the strategy for the
+cost kind and sync mode (private: micro-step, step, and two-phase in
+:mod:`.two_phase`), orders the micro-steps as the runtime delivers them and
+checks the result. ``solve_placement`` is a deprecated alias of the unordered
+strategy result.
 
 Input: an integer cost matrix ``costs[r, i]``: the cost of the ``i``-th pack that
 data-parallel rank ``r`` drew for this global batch (D ranks x G micro-steps).
@@ -44,17 +51,24 @@ Complexity: O(G * D * G) element operations vectorised over the D x G matrix
 """
 from __future__ import annotations
 
+import numbers
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
 
-from .rank_balance import (balance_node_totals, balance_rank_totals, cost_grain, rank_limit,
-                           send_home)
+from .rank_balance import SwapRules, balance_node_totals, balance_rank_totals, send_home
 from .sorting import lex_argsort, stable_argsort
 from .topology import check_ranks_per_node, node_ids, pair_within_nodes
-from .two_phase import as_cost_pairs, solve_two_phase
+from .two_phase import _two_phase_placement, as_cost_pairs
+
+__all__ = ["DEFAULT_BALANCE_TOLERANCE", "SYNC_MODES", "Placement", "PlanStats", "SolverOptions",
+           "as_cost_matrix", "check_placement", "evaluate", "microstep_objective", "order_steps",
+           "plan_placement", "sorted_grouping_optimum", "step_imbalance"]
 
 SYNC_MODES = ("microstep", "step")
+#: The one default of ``balance_tolerance`` (the runtime, the Megatron flags and the
+#: simulator read it from here).
 DEFAULT_BALANCE_TOLERANCE = 0.002
 # Stage 2 keeps a rank's own packs while its running total stays within this many
 # tolerances of the running mean; the final pass then evens totals to one tolerance
@@ -64,6 +78,46 @@ STAGE2_BAND_FACTOR = 5.0
 STEP_MODE_WINDOW = 2
 # Share of the later micro-steps' correcting power the band may count on.
 DEFAULT_FUTURE_SLACK = 0.5
+
+
+@dataclass(frozen=True)
+class SolverOptions:
+    """How :func:`plan_placement` places a batch; validated once, when built.
+
+    ``sync``: where ranks meet (``microstep``: every micro-step, as under MoE
+    expert parallelism; ``step``: only at the gradient all-reduce).
+    ``balance_tolerance``: how far above the mean a rank's total may end, as a
+    fraction of the mean rank total (never tighter than integer costs allow, see
+    :func:`~megatron_mm_balance.solver.rank_balance.rank_limit`); stage 2 lets a
+    rank's running total drift ``STAGE2_BAND_FACTOR`` times as far while it keeps
+    its own packs. Larger keeps more packs at home; smaller evens rank totals harder.
+    ``ranks_per_node``: ranks ``r // ranks_per_node`` share a node, or a sequence of
+    each rank's node id (None: flat); moves then stay inside a node wherever the
+    balance allows (:mod:`.topology`). ``future_slack``: the share of the later,
+    lighter micro-steps' correcting power stage 2's band may count on.
+    """
+
+    sync: str = "microstep"
+    balance_tolerance: float = DEFAULT_BALANCE_TOLERANCE
+    ranks_per_node: int | tuple[int, ...] | None = None
+    future_slack: float = DEFAULT_FUTURE_SLACK
+
+    def __post_init__(self):
+        if self.sync not in SYNC_MODES:
+            raise ValueError(f"sync must be one of {SYNC_MODES}, got {self.sync!r}")
+        for name in ("balance_tolerance", "future_slack"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value >= 0:
+                raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+        rpn = check_ranks_per_node(self.ranks_per_node)
+        if isinstance(rpn, np.ndarray):
+            rpn = tuple(int(x) for x in rpn)
+        object.__setattr__(self, "ranks_per_node", rpn)
+
+    def nodes(self, num_ranks: int) -> np.ndarray | None:
+        """Each rank's node (dense ids), or None when node awareness is off."""
+        rpn = self.ranks_per_node
+        return node_ids(num_ranks, np.asarray(rpn, dtype=np.int64) if isinstance(rpn, tuple) else rpn)
 
 
 @dataclass(frozen=True)
@@ -128,107 +182,79 @@ def sorted_grouping_optimum(costs) -> int:
     return int(np.sort(c.ravel())[::-1][::D].sum())
 
 
-def solve_placement(costs, *, sync: str = "microstep",
-                    balance_tolerance: float = DEFAULT_BALANCE_TOLERANCE,
-                    future_slack: float = DEFAULT_FUTURE_SLACK,
-                    ranks_per_node: int | None = None) -> Placement:
-    """Place one global batch. See the module docstring for the algorithm.
-
-    ``balance_tolerance``: how far above the mean a rank's total may end, as a
-    fraction of the mean rank total (never tighter than integer costs allow, see
-    :func:`~megatron_mm_balance.solver.rank_balance.rank_limit`). Stage 2 lets a rank's
-    running total drift ``STAGE2_BAND_FACTOR`` times as far while it keeps its own
-    packs. Larger keeps more packs at home; smaller evens rank totals harder.
-
-    ``costs`` may also be ``[D, G, 2]``: (vision, language) per pack; ``microstep``
-    mode then minimises the sum over micro-steps of both phases' maxima
-    (:mod:`.two_phase`), ``step`` mode balances their sum.
-
-    ``ranks_per_node``: ranks ``r // ranks_per_node`` share a node (None: flat).
-    Moves then stay inside a node wherever the balance allows (same objective,
-    same band); see :mod:`.topology`.
-    """
-    if sync not in SYNC_MODES:
-        raise ValueError(f"sync must be one of {SYNC_MODES}, got {sync!r}")
-    if not balance_tolerance >= 0:
-        raise ValueError(f"balance_tolerance must be >= 0, got {balance_tolerance}")
+def _solve(costs, opts: SolverOptions) -> Placement:
+    """Dispatch one global batch to its strategy (before :func:`order_steps`)."""
     if np.ndim(costs) == 3:
-        # (vision, language) per pack: minimise sum over micro-steps of both maxima.
         pairs = as_cost_pairs(costs)
-        if sync != "microstep":
-            costs = pairs.sum(axis=2)                  # only rank totals count
-        elif not pairs[:, :, 1].any() or not pairs[:, :, 0].any():
-            costs = pairs.sum(axis=2)                  # one phase only: the scalar optimum
-        else:
-            return Placement(*solve_two_phase(pairs, balance_tolerance=balance_tolerance,
-                                              ranks_per_node=ranks_per_node))
+        both = bool(pairs[:, :, 0].any() and pairs[:, :, 1].any())
+        if opts.sync == "microstep" and both:
+            D, G, _ = pairs.shape
+            node = opts.nodes(D)
+            if D == 1 or G == 1:
+                return Placement.identity(D, G)
+            return Placement(*_two_phase_placement(pairs, opts.balance_tolerance, node))
+        # step mode counts only rank totals; one phase alone: the scalar optimum
+        costs = pairs.sum(axis=2)
     c = as_cost_matrix(costs)
     D, G = c.shape
-    node = node_ids(D, check_ranks_per_node(ranks_per_node))
+    node = opts.nodes(D)
     if D == 1 or G == 1:
         # One rank: nothing to exchange. One micro-step: the slowest pack sets both
         # objectives whoever computes it, so moving anything only costs bandwidth.
         return Placement.identity(D, G)
-    if sync == "step":
-        # Only rank totals count: keep every pack home and swap pairs between the
-        # heaviest and lightest ranks until the totals are even.
-        pl = Placement.identity(D, G)
-        limit = rank_limit(int(c.sum()), D, balance_tolerance, cost_grain(c))
-        if node is not None:
-            # Nodes first (few large swaps cross the network), then ranks inside
-            # each node (NVLink), then whatever is left over the limit, anywhere.
-            balance_node_totals(c, pl.src_rank, pl.src_index, node=node, limit=limit)
-            balance_rank_totals(c, pl.src_rank, pl.src_index, tolerance=balance_tolerance,
-                                node=node, mates_only=True, step_window=STEP_MODE_WINDOW)
-        balance_rank_totals(c, pl.src_rank, pl.src_index, tolerance=balance_tolerance, node=node,
-                            step_window=STEP_MODE_WINDOW)
-        if node is not None:
-            send_home(c, pl.src_rank, pl.src_index, node=node, max_rounds=4, limit=limit)
-        return pl
+    if opts.sync == "step":
+        return _step_placement(c, opts.balance_tolerance, node)
+    return _microstep_placement(c, opts, node)
 
+
+def _step_placement(c: np.ndarray, tolerance: float, node: np.ndarray | None) -> Placement:
+    """Only rank totals count: keep every pack home and swap pairs between the
+    heaviest and lightest ranks until the totals are even."""
+    D, G = c.shape
+    pl = Placement.identity(D, G)
+    rules = SwapRules(c, node=node)
+    limit = rules.limit(tolerance)
+    if node is not None:
+        # Nodes first (few large swaps cross the network), then ranks inside
+        # each node (NVLink), then whatever is left over the limit, anywhere.
+        balance_node_totals(rules, pl.src_rank, pl.src_index, limit=limit)
+        balance_rank_totals(rules, pl.src_rank, pl.src_index, tolerance=tolerance,
+                            partners="mates-only", step_window=STEP_MODE_WINDOW)
+    balance_rank_totals(rules, pl.src_rank, pl.src_index, tolerance=tolerance,
+                        partners="mates-first", step_window=STEP_MODE_WINDOW)
+    if node is not None:
+        send_home(rules, pl.src_rank, pl.src_index, limit=limit, max_rounds=4)
+    return pl
+
+
+def _microstep_placement(c: np.ndarray, opts: SolverOptions, node: np.ndarray | None) -> Placement:
+    """Stages 1-3 of the module docstring for scalar costs, ``sync="microstep"``."""
+    D, G = c.shape
     # own packs, heaviest first (ties by position): one stable sort of (rank, -cost)
     order = (lex_argsort((-c.ravel(), np.repeat(np.arange(D), G))) % G).reshape(D, G)
     cs = np.take_along_axis(c, order, axis=1)             # [D, G] sorted costs
     levels = np.sort(c.ravel())[::-1][::D]                 # L_k, non-increasing
-    # microstep mode from here on (step mode returned above).
-    # deadline[r, j]: the last micro-step whose level admits the pack.
-    deadline = np.searchsorted(-levels, -cs, side="right") - 1
-    due_unplaced = np.bincount(deadline.ravel(), minlength=G)   # unplaced packs per deadline
+    fill = _Stage2(cs, levels)
     floor = int(levels[-1])
     future = np.append(levels[1:], floor).astype(np.float64) - floor   # correcting power left
-    band0 = STAGE2_BAND_FACTOR * balance_tolerance * float(c.sum()) / D
+    band0 = STAGE2_BAND_FACTOR * opts.balance_tolerance * float(c.sum()) / D
 
     rows = np.arange(D)
     placed = np.zeros((D, G), dtype=bool)
     dst_rank = np.zeros((D, G), dtype=np.int64)            # in sorted coordinates
     dst_step = np.zeros((D, G), dtype=np.int64)
     totals = np.zeros(D, dtype=np.int64)
-    flat_rank = np.repeat(rows, G).reshape(D, G)
-    flat_pos = np.tile(np.arange(G), D).reshape(D, G)
 
     for k in range(G):
         unplaced = ~placed
-        chosen = np.zeros((D, G), dtype=bool)
-        first = np.argmax(unplaced, axis=1)                 # 0 when a row has none left
-        has = unplaced[rows, first]
-        chosen[rows[has], first[has]] = True                # proposals
-        forced = unplaced & (deadline <= k)
-        chosen |= forced
-        n = int(np.count_nonzero(chosen))
-        if n > D:
-            _drop(chosen, forced, deadline, cs, flat_rank, n - D)
-        elif n < D:
-            _fill(chosen, unplaced, cs, flat_rank, flat_pos, D - n, G - k)
-        if k + 1 < G:
-            _repair(chosen, forced, unplaced, deadline, cs, flat_rank, flat_pos, k, D, G,
-                    due_unplaced)
+        chosen = fill.choose(unplaced, k)
 
         # Phase B: which chosen packs stay at home, and where the others go.
         fl = np.flatnonzero(chosen)                          # row-major: origin order
-        r_idx, p_idx = np.divmod(fl, G)
+        r_idx = fl // G
         cost = cs.ravel()[fl]
         mean_after = (totals.sum() + cost.sum()) / D
-        band = band0 + future_slack * future[k]
+        band = band0 + opts.future_slack * future[k]
         # Each rank's stay candidate: its heaviest chosen pack (first in row order).
         is_first = np.ones(len(r_idx), dtype=bool)
         is_first[1:] = r_idx[1:] != r_idx[:-1]
@@ -254,68 +280,115 @@ def solve_placement(costs, *, sync: str = "microstep",
         dst_step.ravel()[fl] = k
         totals[dest] += cost                                 # dest: every rank once
         placed |= chosen
-        due_unplaced -= np.bincount(deadline.ravel()[fl], minlength=G)
+        fill.placed(fl)
 
     src_rank = np.empty((D, G), dtype=np.int64)
     src_index = np.empty((D, G), dtype=np.int64)
-    src_rank[dst_rank, dst_step] = flat_rank
+    src_rank[dst_rank, dst_step] = np.repeat(rows, G).reshape(D, G)
     src_index[dst_rank, dst_step] = order
-    balance_rank_totals(c, src_rank, src_index, tolerance=balance_tolerance, levels=levels,
-                        node=node, mates_first=False)
-    send_home(c, src_rank, src_index, levels=levels, node=node,
-              limit=rank_limit(int(c.sum()), D, balance_tolerance, cost_grain(c)))
+    rules = SwapRules(c, levels=levels, node=node)
+    balance_rank_totals(rules, src_rank, src_index, tolerance=opts.balance_tolerance)
+    send_home(rules, src_rank, src_index, limit=rules.limit(opts.balance_tolerance))
     return Placement(src_rank, src_index)
 
 
-def _key_heaviest_first(cs, flat_rank, flat_pos, mask):
-    """Indices (flat) of ``mask`` ordered heaviest first, ties by rank then position."""
-    idx = np.flatnonzero(mask)                   # row-major: by rank, then position
-    return idx[stable_argsort(-cs.ravel()[idx])]
+class _Stage2:
+    """Stage 2's choice of the D packs of each micro-step (heaviest level first).
 
+    Holds, in sorted coordinates (each rank's packs heaviest first), the costs
+    ``cs``, each pack's ``deadline`` (the last micro-step whose level admits it)
+    and the unplaced packs per deadline, kept across micro-steps so that the
+    feasibility repair counts only the D chosen packs."""
 
-def _least_urgent_first(chosen, forced, deadline, cs, flat_rank):
-    """Indices (flat) of the chosen, non-forced packs: latest deadline, then lightest,
-    then highest rank first: the ones a micro-step can give up at least cost."""
-    idx = np.flatnonzero(chosen & ~forced)
-    return idx[lex_argsort((-flat_rank.ravel()[idx], cs.ravel()[idx], -deadline.ravel()[idx]))]
+    def __init__(self, cs: np.ndarray, levels: np.ndarray):
+        self.cs = cs
+        self.D, self.G = cs.shape
+        self.deadline = np.searchsorted(-levels, -cs, side="right") - 1
+        self.rank = np.repeat(np.arange(self.D), self.G).reshape(self.D, self.G)
+        self.due_unplaced = np.bincount(self.deadline.ravel(), minlength=self.G)
 
+    def choose(self, unplaced: np.ndarray, k: int) -> np.ndarray:
+        """The D packs of micro-step ``k``: every rank proposes its heaviest unplaced
+        pack, packs due now are forced in, then drop / fill / repair."""
+        D, G = self.D, self.G
+        rows = np.arange(D)
+        chosen = np.zeros((D, G), dtype=bool)
+        first = np.argmax(unplaced, axis=1)                 # 0 when a row has none left
+        has = unplaced[rows, first]
+        chosen[rows[has], first[has]] = True                # proposals
+        forced = unplaced & (self.deadline <= k)
+        chosen |= forced
+        n = int(np.count_nonzero(chosen))
+        if n > D:
+            self._drop(chosen, forced, n - D)
+        elif n < D:
+            self._fill(chosen, unplaced, D - n, G - k)
+        if k + 1 < G:
+            self._repair(chosen, forced, unplaced, k)
+        return chosen
 
-def _drop(chosen, forced, deadline, cs, flat_rank, count):
-    """Drop the ``count`` least urgent non-forced chosen packs."""
-    chosen.ravel()[_least_urgent_first(chosen, forced, deadline, cs, flat_rank)[:count]] = False
+    def placed(self, flat: np.ndarray) -> None:
+        """Packs ``flat`` (flat indices) were placed."""
+        self.due_unplaced -= np.bincount(self.deadline.ravel()[flat], minlength=self.G)
 
+    def _heaviest_first(self, mask: np.ndarray) -> np.ndarray:
+        """Indices (flat) of ``mask`` ordered heaviest first, ties by rank then position."""
+        idx = np.flatnonzero(mask)                   # row-major: by rank, then position
+        return idx[stable_argsort(-self.cs.ravel()[idx])]
 
-def _fill(chosen, unplaced, cs, flat_rank, flat_pos, count, slots_left):
-    """Pull in ``count`` unplaced packs not yet chosen: first from ranks holding more
-    packs than they have slots left (they must export anyway), then the heaviest
-    (earliest deadline). Each such rank offers only as many packs as its surplus."""
-    rest = unplaced & ~chosen
-    surplus = unplaced.sum(axis=1) - slots_left
-    exportable = rest & (np.cumsum(rest, axis=1) <= surplus[:, None])
-    idx = _key_heaviest_first(cs, flat_rank, flat_pos, exportable)[:count]
-    if len(idx) < count:
-        more = _key_heaviest_first(cs, flat_rank, flat_pos, rest & ~exportable)
-        idx = np.concatenate([idx, more[: count - len(idx)]])
-    chosen.ravel()[idx] = True
+    def _least_urgent_first(self, chosen: np.ndarray, forced: np.ndarray) -> np.ndarray:
+        """Indices (flat) of the chosen, non-forced packs: latest deadline, then lightest,
+        then highest rank first: the ones a micro-step can give up at least cost."""
+        idx = np.flatnonzero(chosen & ~forced)
+        return idx[lex_argsort((-self.rank.ravel()[idx], self.cs.ravel()[idx],
+                                -self.deadline.ravel()[idx]))]
 
+    def _drop(self, chosen, forced, count: int) -> None:
+        """Drop the ``count`` least urgent non-forced chosen packs."""
+        chosen.ravel()[self._least_urgent_first(chosen, forced)[:count]] = False
 
-def _repair(chosen, forced, unplaced, deadline, cs, flat_rank, flat_pos, k, D, G, due_unplaced):
-    """Keep later micro-steps feasible: no more packs due by step k' than slots left.
-    ``due_unplaced``: the unplaced packs per deadline (so only the D chosen ones are
-    counted here, not the whole matrix)."""
-    while True:
-        due_chosen = np.bincount(deadline.ravel()[np.flatnonzero(chosen)], minlength=G)
-        due = np.cumsum(due_unplaced - due_chosen)[k + 1:]
-        excess = int((due - D * np.arange(1, G - k)).max())
-        if excess <= 0:
-            return
+    def _fill(self, chosen, unplaced, count: int, slots_left: int) -> None:
+        """Pull in ``count`` unplaced packs not yet chosen: first from ranks holding more
+        packs than they have slots left (they must export anyway), then the heaviest
+        (earliest deadline). Each such rank offers only as many packs as its surplus."""
         rest = unplaced & ~chosen
-        out = _least_urgent_first(chosen, forced, deadline, cs, flat_rank)
-        if len(out) < excess:   # cannot happen: stage-1 levels guarantee feasibility
-            raise AssertionError("placement infeasible: inconsistent levels")
-        inn = _key_heaviest_first(cs, flat_rank, flat_pos, rest)[:excess]
-        chosen.ravel()[out[:excess]] = False
-        chosen.ravel()[inn] = True
+        surplus = unplaced.sum(axis=1) - slots_left
+        exportable = rest & (np.cumsum(rest, axis=1) <= surplus[:, None])
+        idx = self._heaviest_first(exportable)[:count]
+        if len(idx) < count:
+            more = self._heaviest_first(rest & ~exportable)
+            idx = np.concatenate([idx, more[: count - len(idx)]])
+        chosen.ravel()[idx] = True
+
+    def _repair(self, chosen, forced, unplaced, k: int) -> None:
+        """Keep later micro-steps feasible: no more packs due by step k' than slots left."""
+        D, G = self.D, self.G
+        while True:
+            due_chosen = np.bincount(self.deadline.ravel()[np.flatnonzero(chosen)], minlength=G)
+            due = np.cumsum(self.due_unplaced - due_chosen)[k + 1:]
+            excess = int((due - D * np.arange(1, G - k)).max())
+            if excess <= 0:
+                return
+            rest = unplaced & ~chosen
+            out = self._least_urgent_first(chosen, forced)
+            if len(out) < excess:   # cannot happen: stage-1 levels guarantee feasibility
+                raise AssertionError("placement infeasible: inconsistent levels")
+            inn = self._heaviest_first(rest)[:excess]
+            chosen.ravel()[out[:excess]] = False
+            chosen.ravel()[inn] = True
+
+
+def solve_placement(costs, *, sync: str = "microstep",
+                    balance_tolerance: float = DEFAULT_BALANCE_TOLERANCE,
+                    future_slack: float = DEFAULT_FUTURE_SLACK,
+                    ranks_per_node=None) -> Placement:
+    """Deprecated: use :func:`plan_placement`. The solver's placement without the
+    runtime's micro-step order (:func:`order_steps`) and check; kept for callers that
+    have not moved yet (the same placement as before)."""
+    warnings.warn("solve_placement is deprecated; use plan_placement (the delivered plan)",
+                  DeprecationWarning, stacklevel=2)
+    return _solve(costs, SolverOptions(sync=sync, balance_tolerance=balance_tolerance,
+                                       ranks_per_node=ranks_per_node, future_slack=future_slack))
 
 
 def evaluate(costs, placement: Placement) -> dict:
@@ -351,23 +424,32 @@ def order_steps(placement: Placement) -> Placement:
     return Placement(placement.src_rank[:, cols], placement.src_index[:, cols])
 
 
-def plan_placement(costs, *, sync: str = "microstep", balance_tolerance=None,
-                   ranks_per_node: int | None = None) -> Placement:
-    """The placement the runtime delivers for an all-gathered cost matrix.
+def plan_placement(costs, options: SolverOptions | None = None, *, sync: str | None = None,
+                   balance_tolerance: float | None = None, ranks_per_node=None) -> Placement:
+    """Place one global batch: the placement the runtime delivers for an all-gathered
+    cost matrix, and the solver's one public entry.
 
-    :func:`solve_placement`, then :func:`order_steps`; the result is checked
-    (:func:`check_placement`, O(D*G log(D*G))) before it is returned, so a solver
-    bug surfaces here, the same on every rank, instead of as a lost pack.
-    ``balance_tolerance=None``: the solver's default. ``costs`` may be ``[D, G, 2]``
-    (vision, language): see :mod:`.two_phase`.
+    ``costs``: ``[D, G]`` non-negative integers (rank ``r``'s ``i``-th pack), or
+    ``[D, G, 2]`` (vision, language) per pack: ``microstep`` mode then minimises the
+    sum over micro-steps of both phases' maxima (:mod:`.two_phase`), ``step`` mode
+    balances their sum. ``options``: a :class:`SolverOptions`; or the keywords
+    ``sync`` (default ``microstep``), ``balance_tolerance`` (None: the default) and
+    ``ranks_per_node``, not both. The strategy for the costs and sync mode, then
+    :func:`order_steps`; the result is checked (:func:`check_placement`,
+    O(D*G log(D*G))) before it is returned, so a solver bug surfaces here, the
+    same on every rank, instead of as a lost pack.
     """
-    tol = DEFAULT_BALANCE_TOLERANCE if balance_tolerance is None else balance_tolerance
-    if np.ndim(costs) == 3:
-        c = as_cost_pairs(costs)
-    else:
-        c = as_cost_matrix(costs)
-    placement = order_steps(solve_placement(c, sync=sync, balance_tolerance=tol,
-                                            ranks_per_node=ranks_per_node))
+    if options is None:
+        options = SolverOptions(
+            sync="microstep" if sync is None else sync,
+            balance_tolerance=DEFAULT_BALANCE_TOLERANCE if balance_tolerance is None
+            else balance_tolerance,
+            ranks_per_node=ranks_per_node)
+    elif sync is not None or balance_tolerance is not None or ranks_per_node is not None:
+        raise ValueError("plan_placement takes options or the keywords sync, balance_tolerance, "
+                         "ranks_per_node, not both")
+    c = as_cost_pairs(costs) if np.ndim(costs) == 3 else as_cost_matrix(costs)
+    placement = order_steps(_solve(c, options))
     check_placement(placement, *c.shape[:2])
     return placement
 

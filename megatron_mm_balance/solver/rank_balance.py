@@ -1,6 +1,6 @@
 """Even out rank totals of a placement by swaps that keep the micro-step objective.
 
-After stage 2 of :func:`megatron_mm_balance.solver.placement.solve_placement` every pack
+After stage 2 of :func:`megatron_mm_balance.solver.placement.plan_placement` every pack
 sits in a micro-step whose *level* (the sorted-grouping maximum of that step)
 admits it. Any swap of two packs that keeps each pack at or below the level of
 the micro-step it lands in keeps the micro-step objective at the optimum, so this
@@ -22,17 +22,23 @@ next light rank in the following round. The sum of squared totals falls with
 every applied swap, so the pass ends; it stops when no rank is above ``U``, no
 pair improves, or after ``max_rounds``.
 
+What every pass of one solve must respect (the costs checked against the levels,
+the scalar whose rank totals are evened, the levels, the nodes) travels as one
+:class:`SwapRules`; the placement being improved as its two ``[D, G]`` arrays
+``src_rank``, ``src_index``, changed in place.
+
 Deterministic: integer costs, stable orderings, ties broken by rank and slot.
 Cost per round: O(P * G^2) vectorised for P heavy ranks.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
 from .sorting import lex_argsort, stable_argsort
 from .topology import INTER_NODE_WEIGHT
 
-DEFAULT_RANK_TOLERANCE = 0.002
 # Chain shortening across nodes looks this many micro-steps away (two in step mode;
 # with two-phase boxes only the same micro-step, which needs no box check).
 NODE_STEP_WINDOW = 1
@@ -56,29 +62,55 @@ def cost_grain(values: np.ndarray) -> int:
     return g if g > 0 else 1
 
 
-def balance_rank_totals(c: np.ndarray, src_rank: np.ndarray, src_index: np.ndarray, *,
-                        tolerance: float = DEFAULT_RANK_TOLERANCE,
-                        levels: np.ndarray | None = None, max_rounds: int = 256,
-                        weights: np.ndarray | None = None,
-                        node: np.ndarray | None = None, mates_first: bool = True,
-                        mates_only: bool = False, step_window: int | None = 2) -> int:
+@dataclass(frozen=True)
+class SwapRules:
+    """What every swap of one solve respects, the same through all its passes.
+
+    ``costs`` ``[D, G]`` (or ``[D, G, 2]``: vision, language) are checked against
+    ``levels``: ``levels[k]`` (``microstep`` mode) is the most a pack in micro-step
+    ``k`` may cost, with two-phase costs a box ``(vision, language)`` a pack must fit
+    in both; None (``step`` mode): any two packs may swap. ``weights`` ``[D, G]``:
+    the scalar whose rank totals are evened, if not ``costs`` itself. ``node``
+    ``[D]``: each rank's node (None: flat); a pack crossing nodes then counts
+    ``1 + INTER_NODE_WEIGHT`` moves when swaps of equal balance are compared.
+    """
+
+    costs: np.ndarray
+    weights: np.ndarray | None = None
+    levels: np.ndarray | None = None
+    node: np.ndarray | None = None
+
+    @property
+    def balanced(self) -> np.ndarray:
+        """The ``[D, G]`` scalar whose rank totals are evened."""
+        return self.costs if self.weights is None else self.weights
+
+    def limit(self, tolerance: float) -> int:
+        """:func:`rank_limit` of the balanced scalar at ``tolerance``."""
+        bal = self.balanced
+        return rank_limit(int(bal.sum()), bal.shape[0], tolerance, cost_grain(bal))
+
+
+PARTNERS = ("any", "mates-first", "mates-only")
+
+
+def balance_rank_totals(rules: SwapRules, src_rank: np.ndarray, src_index: np.ndarray, *,
+                        tolerance: float, partners: str = "any", step_window: int | None = 2,
+                        max_rounds: int = 256) -> int:
     """Swap packs in place (``src_rank``/``src_index`` ``[D, G]``) until no rank total
-    exceeds :func:`rank_limit`. ``levels[k]`` (``microstep`` mode): the most a pack
-    in micro-step ``k`` may cost; with two-phase costs (``c`` ``[D, G, 2]``),
-    ``levels[k]`` is a box ``(vision, language)`` and a pack must fit both.
+    exceeds :func:`rank_limit` at ``tolerance``, every swap within ``rules``.
     Returns the number of swaps applied.
 
-    ``weights`` (optional, ``[D, G]`` like ``c``): the scalar that is balanced, if not
-    ``c`` itself; levels always apply to ``c``. ``node`` (optional, ``[D]``): the
-    node of each rank; a pack crossing nodes then counts ``1 + INTER_NODE_WEIGHT``
-    moves when swaps of equal balance are compared, and with ``mates_first`` a heavy
-    rank tries its node-mates as partners before the global walk; with ``mates_only``
-    it tries only them (no pack crosses a node). ``step_window``:
-    a pack swaps only with packs at most this many micro-steps away (None: any),
-    which keeps a round at O(P * G * (2W + 1)).
+    ``partners`` (with nodes): ``any``, the global walk; ``mates-first``, a heavy rank
+    tries its node-mates before the global walk; ``mates-only``, only them (no pack
+    crosses a node). ``step_window``: a pack swaps only with packs at most this many
+    micro-steps away (None: any), which keeps a round at O(P * G * (2W + 1)).
     """
+    if partners not in PARTNERS:
+        raise ValueError(f"partners must be one of {PARTNERS}, got {partners!r}")
+    c, levels, node = rules.costs, rules.levels, rules.node
+    bal = rules.balanced
     D, G = c.shape[:2]
-    bal = c if weights is None else weights
     home = np.arange(D)
     a = bal[src_rank, src_index]                       # balanced quantity at each slot
     lv = c[src_rank, src_index]                        # level-checked cost at each slot
@@ -94,8 +126,8 @@ def balance_rank_totals(c: np.ndarray, src_rank: np.ndarray, src_index: np.ndarr
     jj = np.arange(G)[:, None] + off[None, :]
     jok = (jj >= 0) & (jj < G)
     jj = np.clip(jj, 0, G - 1)
-    mates_only = mates_only and node is not None
-    mates_first = (mates_first or mates_only) and node is not None
+    mates_only = partners == "mates-only" and node is not None
+    mates_first = partners != "any" and node is not None
     if mates_first:
         members = _members(node)
     for _ in range(max_rounds):
@@ -180,11 +212,11 @@ def balance_rank_totals(c: np.ndarray, src_rank: np.ndarray, src_index: np.ndarr
     return applied
 
 
-def balance_node_totals(c: np.ndarray, src_rank: np.ndarray, src_index: np.ndarray, *,
-                        node: np.ndarray, limit: int, max_rounds: int = 64,
-                        weights: np.ndarray | None = None) -> int:
+def balance_node_totals(rules: SwapRules, src_rank: np.ndarray, src_index: np.ndarray, *,
+                        limit: int, max_rounds: int = 64) -> int:
     """Even the nodes' totals first, with few large swaps across nodes (``step`` mode,
-    where no level binds a pack to a micro-step). Returns the swaps applied.
+    where no level binds a pack to a micro-step: ``rules.levels`` is ignored; ``rules.node``
+    must be set). Returns the swaps applied.
 
     Only a node's surplus has to cross the network; evening the ranks of one node is
     then NVLink traffic (:func:`balance_rank_totals` with ``mates_only``). Each round
@@ -197,8 +229,11 @@ def balance_node_totals(c: np.ndarray, src_rank: np.ndarray, src_index: np.ndarr
     half of its ranks' headroom ``size * (limit - mean) / 2``, so the ranks inside can
     still end under ``limit``. Integer arithmetic (means scaled by the number of ranks),
     ties by slot order: deterministic. O(pairs x G^2) per round."""
-    D, G = c.shape[:2]
-    bal = c if weights is None else weights
+    node = rules.node
+    if node is None:
+        raise ValueError("balance_node_totals needs the ranks' nodes (rules.node)")
+    bal = rules.balanced
+    D, G = bal.shape[:2]
     a = bal[src_rank, src_index]
     totals = a.sum(axis=1)
     num = int(node.max()) + 1
@@ -270,9 +305,8 @@ def move_weight(origin, location, node: np.ndarray | None) -> np.ndarray:
     return w
 
 
-def send_home(c: np.ndarray, src_rank: np.ndarray, src_index: np.ndarray, *,
-              limit: int, levels: np.ndarray | None = None, max_rounds: int = 2,
-              weights: np.ndarray | None = None, node: np.ndarray | None = None) -> int:
+def send_home(rules: SwapRules, src_rank: np.ndarray, src_index: np.ndarray, *,
+              limit: int, max_rounds: int = 2) -> int:
     """Shorten move chains in place: swap a pack ``x`` sitting away from its home
     rank ``h`` with a foreign pack ``y`` sitting on ``h``. ``x`` goes home (one move
     less; two if ``y``'s home is where ``x`` sat) and no rank total rises above
@@ -290,7 +324,8 @@ def send_home(c: np.ndarray, src_rank: np.ndarray, src_index: np.ndarray, *,
     round, no dense scan of the unit's ranks.
     Per round, each slot takes part in one swap; a swap that changes totals also
     claims its two ranks, so the limit holds however many swaps run in parallel."""
-    D = c.shape[0]
+    levels, node = rules.levels, rules.node
+    D = rules.costs.shape[0]
     saved = 0
     # (group, rounds, micro-step window): across nodes first, one round also between
     # neighbouring micro-steps (scalar levels only: boxes would need checks too), then
@@ -305,14 +340,13 @@ def send_home(c: np.ndarray, src_rank: np.ndarray, src_index: np.ndarray, *,
             passes.append((node, max_rounds - (levels.ndim == 1), 0))
     passes.append((np.arange(D), max_rounds, 2 if levels is None else 0))
     for group, rounds, window in passes:
-        saved += _shorten(c, src_rank, src_index, limit=limit, levels=levels,
-                          max_rounds=rounds, weights=weights, node=node, group=group,
-                          step_window=window)
+        saved += _shorten(rules, src_rank, src_index, limit=limit, group=group,
+                          step_window=window, max_rounds=rounds)
     return saved
 
 
-def _shorten(c, src_rank, src_index, *, limit, levels, max_rounds, weights, node, group,
-             step_window=2):
+def _shorten(rules: SwapRules, src_rank, src_index, *, limit: int, group: np.ndarray,
+             step_window: int, max_rounds: int) -> int:
     """One level of :func:`send_home`: ``group[r]`` is rank r's home unit (rank or
     node). A pack ``x`` away from its home unit may swap with a pack ``y`` that sits
     on a rank of x's home unit, at most ``step_window`` micro-steps from x (0: the
@@ -326,8 +360,9 @@ def _shorten(c, src_rank, src_index, *, limit, levels, max_rounds, weights, node
     ``x`` takes its best partner: largest gain, then smallest total change, then
     the lowest (rank position in its unit, micro-step offset), as a dense scan of
     the unit's ranks in order would."""
+    c, levels, node = rules.costs, rules.levels, rules.node
+    bal = rules.balanced
     D, G = c.shape[:2]
-    bal = c if weights is None else weights
     a = bal[src_rank, src_index]
     lv = c[src_rank, src_index]
     totals = a.sum(axis=1)

@@ -41,8 +41,8 @@ from __future__ import annotations
 import numpy as np
 
 from .sorting import lex_argsort, stable_argsort
-from .rank_balance import balance_rank_totals, cost_grain, rank_limit, send_home
-from .topology import check_ranks_per_node, node_ids, pair_within_nodes
+from .rank_balance import SwapRules, balance_rank_totals, send_home
+from .topology import pair_within_nodes
 
 
 def as_cost_pairs(costs) -> np.ndarray:
@@ -198,15 +198,11 @@ def group_two_phase(v: np.ndarray, l: np.ndarray, D: int, G: int) -> np.ndarray:
     return group
 
 
-def solve_two_phase(costs, *, balance_tolerance: float, ranks_per_node: int | None = None):
-    """Place one global batch of two-phase costs; returns ``(src_rank, src_index)``,
-    each ``[D, G]`` (what :class:`~megatron_mm_balance.solver.placement.Placement` holds)."""
-    c = as_cost_pairs(costs)
+def _two_phase_placement(c: np.ndarray, tolerance: float, node: np.ndarray | None):
+    """The two-phase strategy of :func:`~megatron_mm_balance.solver.placement.plan_placement`
+    (``microstep`` mode, both phases present, D and G above 1): validated ``[D, G, 2]``
+    costs in, ``(src_rank, src_index)`` out, each ``[D, G]``."""
     D, G, _ = c.shape
-    node = node_ids(D, check_ranks_per_node(ranks_per_node))
-    if D == 1 or G == 1:
-        r, m = np.meshgrid(np.arange(D), np.arange(G), indexing="ij")
-        return r.astype(np.int64), m.astype(np.int64)
     v, l = c[:, :, 0].ravel(), c[:, :, 1].ravel()
     w = (v + l).reshape(D, G)                                # rank totals: vision + language
     group = group_two_phase(v, l, D, G).reshape(D, G)
@@ -252,10 +248,9 @@ def solve_two_phase(costs, *, balance_tolerance: float, ranks_per_node: int | No
         src_index[dest, m] = i[movers]
         np.add.at(totals, np.arange(D), w[src_rank[:, m], src_index[:, m]])
 
-    limit = rank_limit(int(w.sum()), D, balance_tolerance, cost_grain(w))
-    balance_rank_totals(c, src_rank, src_index, tolerance=balance_tolerance, levels=boxes,
-                        weights=w, node=node, mates_first=False)
-    send_home(c, src_rank, src_index, limit=limit, levels=boxes, weights=w, node=node)
+    rules = SwapRules(c, weights=w, levels=boxes, node=node)
+    balance_rank_totals(rules, src_rank, src_index, tolerance=tolerance)
+    send_home(rules, src_rank, src_index, limit=rules.limit(tolerance))
     return src_rank, src_index
 
 

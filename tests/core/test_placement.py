@@ -7,7 +7,7 @@ from determinism import placement_digests
 from megatron_mm_balance.data import mixtures
 from megatron_mm_balance.data.packing import pack_greedy
 from megatron_mm_balance.solver.placement import (Placement, check_placement, evaluate,
-                                           microstep_objective, solve_placement,
+                                           microstep_objective, plan_placement,
                                            sorted_grouping_optimum)
 
 shapes = st.tuples(st.integers(1, 24), st.integers(1, 12))
@@ -22,15 +22,15 @@ def cost_matrices(draw):
 
 @given(cost_matrices(), st.sampled_from(["microstep", "step"]))
 def test_total_and_deterministic(c, sync):
-    p = solve_placement(c, sync=sync)
+    p = plan_placement(c, sync=sync)
     check_placement(p, *c.shape)
-    q = solve_placement(c.copy(), sync=sync)
+    q = plan_placement(c.copy(), sync=sync)
     assert np.array_equal(p.src_rank, q.src_rank) and np.array_equal(p.src_index, q.src_index)
 
 
 @given(cost_matrices())
 def test_microstep_objective_is_optimal(c):
-    p = solve_placement(c, sync="microstep")
+    p = plan_placement(c, sync="microstep")
     assert microstep_objective(p.apply(c)) == sorted_grouping_optimum(c)
 
 
@@ -54,7 +54,7 @@ def test_sorted_grouping_matches_exhaustive_search(seed):
 
 @given(cost_matrices())
 def test_step_mode_never_worsens_rank_totals(c):
-    p = solve_placement(c, sync="step")
+    p = plan_placement(c, sync="step")
     assert p.apply(c).sum(axis=1).max() <= c.sum(axis=1).max()
 
 
@@ -62,20 +62,20 @@ def test_step_mode_never_worsens_rank_totals(c):
 def test_single_rank_or_single_step_moves_nothing(shape):
     c = np.arange(np.prod(shape)).reshape(shape) * 100
     for sync in ("microstep", "step"):
-        assert not solve_placement(c, sync=sync).moved().any()
+        assert not plan_placement(c, sync=sync).moved().any()
 
 
 @pytest.mark.parametrize("value", [0, 7])
 def test_uniform_costs_move_nothing(value):
     c = np.full((16, 8), value)
     for sync in ("microstep", "step"):
-        assert not solve_placement(c, sync=sync).moved().any()
+        assert not plan_placement(c, sync=sync).moved().any()
 
 
 def test_already_balanced_batch_stays_home():
     # every rank holds the same multiset of costs: nothing needs to move
     c = np.tile(np.array([900, 500, 300, 100]), (8, 1))
-    p = solve_placement(c, sync="microstep")
+    p = plan_placement(c, sync="microstep")
     assert not p.moved().any()
     assert microstep_objective(p.apply(c)) == sorted_grouping_optimum(c)
 
@@ -83,22 +83,53 @@ def test_already_balanced_batch_stays_home():
 def test_heavy_rank_is_relieved():
     c = np.zeros((4, 4), dtype=np.int64)
     c[0] = 1000          # rank 0 drew four image-heavy packs
-    p = solve_placement(c, sync="microstep")
+    p = plan_placement(c, sync="microstep")
     after = p.apply(c)
     assert (after.max(axis=0) == 1000).sum() == 1      # one micro-step pays the heavy packs
     assert after.sum(axis=1).tolist() == [1000] * 4      # each rank computes one
     assert p.moved().sum() == 6                           # three heavy out, three light in
 
 
+def test_solver_options_are_validated_once_and_equal_the_keywords():
+    from megatron_mm_balance.solver.placement import SolverOptions
+    c = np.random.default_rng(3).integers(0, 40, size=(16, 6)) * 64
+    for sync in ("microstep", "step"):
+        for rpn in (None, 4, [0, 0, 1, 1] * 4):
+            a = plan_placement(c, sync=sync, balance_tolerance=0.01, ranks_per_node=rpn)
+            opts = SolverOptions(sync=sync, balance_tolerance=0.01, ranks_per_node=rpn)
+            b = plan_placement(c, opts)
+            assert np.array_equal(a.src_rank, b.src_rank) and np.array_equal(a.src_index, b.src_index)
+    assert SolverOptions(ranks_per_node=np.array([0, 1])).ranks_per_node == (0, 1)
+    for bad, needle in [({"sync": "always"}, "sync"), ({"balance_tolerance": -0.1}, "balance_tolerance"),
+                        ({"balance_tolerance": float("nan")}, "balance_tolerance"),
+                        ({"balance_tolerance": True}, "balance_tolerance"),
+                        ({"future_slack": -1}, "future_slack"), ({"ranks_per_node": 0}, "ranks_per_node")]:
+        with pytest.raises(ValueError, match=needle):
+            SolverOptions(**bad)
+    with pytest.raises(ValueError, match="not both"):
+        plan_placement(c, SolverOptions(), sync="step")
+
+
+def test_solve_placement_is_a_deprecated_alias_of_the_unordered_plan():
+    import megatron_mm_balance
+    from megatron_mm_balance.solver.placement import SolverOptions, _solve, solve_placement
+    c = np.random.default_rng(4).integers(0, 9, size=(8, 4)) * 256
+    with pytest.warns(DeprecationWarning, match="plan_placement"):
+        old = megatron_mm_balance.solve_placement(c, ranks_per_node=4)
+    assert megatron_mm_balance.solve_placement is solve_placement
+    assert np.array_equal(old.src_rank, _solve(c, SolverOptions(ranks_per_node=4)).src_rank)
+    assert megatron_mm_balance.plan_placement is plan_placement
+
+
 def test_invalid_inputs():
     with pytest.raises(ValueError, match="sync"):
-        solve_placement(np.ones((2, 2)), sync="always")
+        plan_placement(np.ones((2, 2)), sync="always")
     with pytest.raises(ValueError, match=">= 0"):
-        solve_placement(-np.ones((2, 2)))
+        plan_placement(-np.ones((2, 2)))
     with pytest.raises(ValueError, match="integers"):
-        solve_placement(np.full((2, 2), 0.5))
+        plan_placement(np.full((2, 2), 0.5))
     with pytest.raises(ValueError, match="matrix"):
-        solve_placement(np.ones(4))
+        plan_placement(np.ones(4))
     with pytest.raises(ValueError, match="permutation"):
         bad = Placement.identity(2, 2)
         bad.src_index[0, 0] = 1
@@ -113,7 +144,7 @@ def mixed_costs():
 
 def test_targets_on_the_mixed_trace_dp512_ga16(mixed_costs):
     c = mixed_costs[: 512 * 16].reshape(512, 16)
-    m = evaluate(c, solve_placement(c, sync="microstep"))
+    m = evaluate(c, plan_placement(c, sync="microstep"))
     assert m["microstep_vs_optimum"] <= 1.001
     assert m["rank_ratio"] <= 1.01
     assert m["moved_fraction"] <= 0.45
@@ -122,17 +153,17 @@ def test_targets_on_the_mixed_trace_dp512_ga16(mixed_costs):
 
 def test_tolerance_knob_trades_moves_for_evenness(mixed_costs):
     c = mixed_costs[: 256 * 16].reshape(256, 16)
-    tight = evaluate(c, solve_placement(c, balance_tolerance=0.001))
-    loose = evaluate(c, solve_placement(c, balance_tolerance=0.05))
+    tight = evaluate(c, plan_placement(c, balance_tolerance=0.001))
+    loose = evaluate(c, plan_placement(c, balance_tolerance=0.05))
     assert loose["moved_fraction"] < tight["moved_fraction"]
     assert tight["rank_ratio"] <= loose["rank_ratio"]
 
 
 PLACEMENTS = """
 import numpy as np
-from megatron_mm_balance.solver.placement import solve_placement
+from megatron_mm_balance.solver.placement import plan_placement
 c = np.random.default_rng(7).integers(0, 6, size=(64, 16)) * 256
-placements = [solve_placement(c, sync=sync) for sync in ("microstep", "step")]
+placements = [plan_placement(c, sync=sync) for sync in ("microstep", "step")]
 """
 
 
@@ -141,11 +172,11 @@ def test_identical_across_processes_with_different_hash_seeds():
 
 
 def test_plan_placement_is_the_solver_with_the_fewest_moves_first():
-    from megatron_mm_balance.solver.placement import order_steps, plan_placement
+    from megatron_mm_balance.solver.placement import SolverOptions, _solve, order_steps
     rng = np.random.default_rng(7)
     for _ in range(20):
         c = rng.integers(0, 5000, size=(6, 5))
-        solved = solve_placement(c)
+        solved = _solve(c, SolverOptions())
         plan = plan_placement(c)
         check_placement(plan, *c.shape)
         moved = plan.moved().sum(axis=0)

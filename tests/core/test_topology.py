@@ -7,9 +7,9 @@ from determinism import placement_digests
 from megatron_mm_balance.data import mixtures
 from megatron_mm_balance.data.packing import pack_greedy
 from megatron_mm_balance.solver.placement import (Placement, check_placement, evaluate, microstep_objective,
-                                           solve_placement, sorted_grouping_optimum)
+                                           plan_placement, sorted_grouping_optimum)
 from megatron_mm_balance.solver import rank_balance
-from megatron_mm_balance.solver.rank_balance import (INTER_NODE_WEIGHT, balance_node_totals, cost_grain,
+from megatron_mm_balance.solver.rank_balance import (INTER_NODE_WEIGHT, SwapRules, balance_node_totals, cost_grain,
                                               rank_limit)
 from megatron_mm_balance.solver.topology import (node_ids, pair_within_nodes, ranks_per_node_from_env,
                                           traffic)
@@ -56,7 +56,7 @@ def test_ranks_per_node_from_env(monkeypatch):
 
 def test_invalid_ranks_per_node():
     with pytest.raises(ValueError, match="ranks_per_node"):
-        solve_placement(np.ones((4, 2), dtype=np.int64), ranks_per_node=0)
+        plan_placement(np.ones((4, 2), dtype=np.int64), ranks_per_node=0)
 
 
 @pytest.fixture(scope="module")
@@ -81,8 +81,8 @@ def test_node_aware_cuts_inter_node_traffic_at_the_same_objective_and_band(reque
     D, G = 256, 16
     for _ in range(2):
         c = rng.choice(packs, size=D * G).reshape(D, G)
-        flat = solve_placement(c, sync=sync)
-        aware = solve_placement(c, sync=sync, ranks_per_node=8)
+        flat = plan_placement(c, sync=sync)
+        aware = plan_placement(c, sync=sync, ranks_per_node=8)
         check_placement(aware, D, G)
         nbytes = c[aware.src_rank, aware.src_index]
         t_flat = traffic(flat.src_rank, 8, c[flat.src_rank, flat.src_index])
@@ -100,8 +100,8 @@ def test_node_aware_cuts_inter_node_traffic_at_the_same_objective_and_band(reque
 
 def test_node_aware_is_deterministic(packs):
     c = np.random.default_rng(2).choice(packs, size=64 * 8).reshape(64, 8)
-    p = solve_placement(c, ranks_per_node=8)
-    q = solve_placement(c.copy(), ranks_per_node=8)
+    p = plan_placement(c, ranks_per_node=8)
+    q = plan_placement(c.copy(), ranks_per_node=8)
     assert np.array_equal(p.src_rank, q.src_rank) and np.array_equal(p.src_index, q.src_index)
 
 
@@ -109,12 +109,12 @@ def test_node_ids_as_a_sequence():
     # data-parallel ranks of a TP=2 job on 8-GPU nodes: global ranks 0,2,..,14 -> nodes 0,0,0,0,1,1,1,1
     ids = [r // 8 for r in range(0, 16, 2)]
     c = np.random.default_rng(4).integers(0, 20, size=(8, 4)) * 256
-    by_ids = solve_placement(c, ranks_per_node=ids)
-    by_int = solve_placement(c, ranks_per_node=4)
+    by_ids = plan_placement(c, ranks_per_node=ids)
+    by_int = plan_placement(c, ranks_per_node=4)
     assert np.array_equal(by_ids.src_rank, by_int.src_rank)
     assert traffic(by_ids.src_rank, ids) == traffic(by_int.src_rank, 4)
     with pytest.raises(ValueError, match="node ids"):
-        solve_placement(c, ranks_per_node=[0, 1])
+        plan_placement(c, ranks_per_node=[0, 1])
 
 
 def test_step_mode_prefers_node_mates_at_equal_balance():
@@ -124,8 +124,8 @@ def test_step_mode_prefers_node_mates_at_equal_balance():
     # swaps cross nodes; node-aware: none does, at the same rank totals.
     c = np.array([[10, 10], [5, 5], [5, 5], [10, 10]], dtype=np.int64)
     ids = [0, 1, 0, 1]
-    flat = solve_placement(c, sync="step", balance_tolerance=0.0)
-    aware = solve_placement(c, sync="step", balance_tolerance=0.0, ranks_per_node=ids)
+    flat = plan_placement(c, sync="step", balance_tolerance=0.0)
+    aware = plan_placement(c, sync="step", balance_tolerance=0.0, ranks_per_node=ids)
     assert flat.apply(c).sum(axis=1).tolist() == [15] * 4
     assert aware.apply(c).sum(axis=1).tolist() == [15] * 4
     assert traffic(flat.src_rank, ids)["inter_node_packs"] == 4
@@ -141,7 +141,7 @@ def test_balance_node_totals_brings_nodes_under_their_limit_with_few_swaps(packs
         c = rng.choice(packs, size=D * G).reshape(D, G)
         pl = Placement.identity(D, G)
         limit = rank_limit(int(c.sum()), D, 0.002, cost_grain(c))
-        swaps = balance_node_totals(c, pl.src_rank, pl.src_index, node=node, limit=limit)
+        swaps = balance_node_totals(SwapRules(c, node=node), pl.src_rank, pl.src_index, limit=limit)
         check_placement(pl, D, G)
         nt = np.bincount(node, weights=pl.apply(c).sum(axis=1))
         before = np.bincount(node, weights=c.sum(axis=1))
@@ -241,10 +241,15 @@ def test_chain_shortening_equals_the_dense_reference(seed):
             for window in (0, 1, 2):
                 for n in (node, None):
                     out = []
-                    for fn in (rank_balance._shorten, _shorten_dense):
+                    for fast in (True, False):
                         sr, si = (perm // G).reshape(D, G).copy(), (perm % G).reshape(D, G).copy()
-                        saved = fn(c, sr, si, limit=limit, levels=lv, max_rounds=3, weights=w,
-                                   node=n, group=group, step_window=window)
+                        if fast:
+                            saved = rank_balance._shorten(
+                                SwapRules(c, weights=w, levels=lv, node=n), sr, si, limit=limit,
+                                group=group, step_window=window, max_rounds=3)
+                        else:
+                            saved = _shorten_dense(c, sr, si, limit=limit, levels=lv, max_rounds=3,
+                                                   weights=w, node=n, group=group, step_window=window)
                         out.append((saved, sr, si))
                     assert out[0][0] == out[1][0]
                     assert np.array_equal(out[0][1], out[1][1])
@@ -253,9 +258,9 @@ def test_chain_shortening_equals_the_dense_reference(seed):
 
 NODE_AWARE_PLACEMENTS = """
 import numpy as np
-from megatron_mm_balance.solver.placement import solve_placement
+from megatron_mm_balance.solver.placement import plan_placement
 c = np.random.default_rng(9).integers(0, 12, size=(96, 16)) * 256
-placements = [solve_placement(c, sync=sync, ranks_per_node=8) for sync in ("microstep", "step")]
+placements = [plan_placement(c, sync=sync, ranks_per_node=8) for sync in ("microstep", "step")]
 """
 
 
@@ -270,8 +275,8 @@ def test_mates_only_rank_balance_never_crosses_a_node(packs):
     c = rng.choice(packs, size=D * G).reshape(D, G)
     pl = Placement.identity(D, G)
     spread0 = np.ptp(c.sum(axis=1).reshape(-1, R), axis=1)
-    swaps = rank_balance.balance_rank_totals(c, pl.src_rank, pl.src_index, node=node,
-                                             mates_only=True)
+    swaps = rank_balance.balance_rank_totals(SwapRules(c, node=node), pl.src_rank, pl.src_index,
+                                             tolerance=0.002, partners="mates-only")
     check_placement(pl, D, G)
     assert swaps > 0
     t = traffic(pl.src_rank, R)

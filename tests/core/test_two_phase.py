@@ -6,7 +6,7 @@ from hypothesis import given, settings, strategies as st
 from hypothesis.extra.numpy import arrays
 
 from determinism import placement_digests
-from megatron_mm_balance.solver.placement import (check_placement, microstep_objective, solve_placement,
+from megatron_mm_balance.solver.placement import (check_placement, microstep_objective, plan_placement,
                                            sorted_grouping_optimum)
 from megatron_mm_balance.solver.rank_balance import cost_grain, rank_limit
 from megatron_mm_balance.solver.two_phase import (as_cost_pairs, evaluate_two_phase, group_two_phase,
@@ -25,9 +25,9 @@ def pair_costs(draw):
 @given(pair_costs())
 @settings(deadline=None)
 def test_valid_deterministic_and_above_the_lower_bound(c):
-    p = solve_placement(c)
+    p = plan_placement(c)
     check_placement(p, *c.shape[:2])
-    q = solve_placement(c.copy())
+    q = plan_placement(c.copy())
     assert np.array_equal(p.src_rank, q.src_rank) and np.array_equal(p.src_index, q.src_index)
     assert two_phase_objective(c[p.src_rank, p.src_index]) >= two_phase_lower_bound(c)
 
@@ -37,7 +37,7 @@ def test_valid_deterministic_and_above_the_lower_bound(c):
 def test_one_phase_only_is_the_exact_scalar_optimum(c, zero):
     c = c.copy()
     c[:, :, zero] = 0
-    p = solve_placement(c)
+    p = plan_placement(c)
     other = c[:, :, 1 - zero]
     assert microstep_objective(p.apply(other)) == sorted_grouping_optimum(other)
     assert two_phase_objective(c[p.src_rank, p.src_index]) == two_phase_lower_bound(c)
@@ -47,9 +47,9 @@ def test_bad_shapes_and_values():
     with pytest.raises(ValueError, match="2\\] array"):
         as_cost_pairs(np.zeros((2, 2, 3)))
     with pytest.raises(ValueError, match=">= 0"):
-        solve_placement(-np.ones((2, 2, 2)))
+        plan_placement(-np.ones((2, 2, 2)))
     with pytest.raises(ValueError, match="integers"):
-        solve_placement(np.full((2, 2, 2), 0.5))
+        plan_placement(np.full((2, 2, 2), 0.5))
 
 
 def anti_correlated(D, G, seed):
@@ -64,11 +64,11 @@ def anti_correlated(D, G, seed):
 def test_two_phase_beats_every_scalar_key_and_keeps_the_band():
     D, G = 256, 16
     c = anti_correlated(D, G, 0)
-    p = solve_placement(c)
+    p = plan_placement(c)
     obj = two_phase_objective(c[p.src_rank, p.src_index])
     v, l = c[:, :, 0].ravel(), c[:, :, 1].ravel()
     for scalar in (c[:, :, 0], c[:, :, 1], c.sum(axis=2)):
-        s = solve_placement(scalar)
+        s = plan_placement(scalar)
         assert obj < two_phase_objective(c[s.src_rank, s.src_index])
     m = evaluate_two_phase(c, p)
     assert m["gap"] < 1.05 and m["baseline_gap"] > 1.2
@@ -85,8 +85,8 @@ def test_two_phase_beats_every_scalar_key_and_keeps_the_band():
 
 def test_node_aware_two_phase_keeps_the_objective():
     c = anti_correlated(128, 8, 1)
-    flat = solve_placement(c)
-    aware = solve_placement(c, ranks_per_node=8)
+    flat = plan_placement(c)
+    aware = plan_placement(c, ranks_per_node=8)
     check_placement(aware, 128, 8)
     assert two_phase_objective(c[aware.src_rank, aware.src_index]) == \
         two_phase_objective(c[flat.src_rank, flat.src_index])
@@ -94,8 +94,8 @@ def test_node_aware_two_phase_keeps_the_objective():
 
 PLACEMENTS = """
 from test_two_phase import anti_correlated
-from megatron_mm_balance.solver.placement import solve_placement
-placements = [solve_placement(anti_correlated(64, 16, 3), ranks_per_node=8)]
+from megatron_mm_balance.solver.placement import plan_placement
+placements = [plan_placement(anti_correlated(64, 16, 3), ranks_per_node=8)]
 """
 
 

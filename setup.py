@@ -26,6 +26,7 @@ setup(
         "gpu": ["transformer-engine", "apex"],
         "sim": ["matplotlib>=3.7"],
         "test": ["pytest>=8", "hypothesis>=6.100", "pytest-benchmark>=4", "pytest-timeout>=2.3",
+                 "scipy>=1.10",   # the exact two-phase reference (solver/exact.py)
                  "matplotlib>=3.7", "pyyaml>=6"],
     },
     entry_points={"console_scripts": ["mm-balance=megatron_mm_balance.cli:main"]},

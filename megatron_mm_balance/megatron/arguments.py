@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 from typing import Callable, Optional
 
+from ..solver.placement import DEFAULT_BALANCE_TOLERANCE
 from .config import COST_CHOICES, MODE_CHOICES, SYNC_CHOICES, MMBalanceConfig
 
 _DEFAULTS = MMBalanceConfig()
@@ -57,7 +58,7 @@ def add_mm_balance_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                             "(default: --log-interval).")
     group.add_argument("--mm-balance-tolerance", type=float, default=None,
                        help="How far above the mean (fraction) a rank's total may end; larger keeps more "
-                            "packs home (solver default 0.002 if unset).")
+                            f"packs home (solver default {DEFAULT_BALANCE_TOLERANCE} if unset).")
     group.add_argument("--mm-balance-ranks-per-node", type=int, default=None,
                        help="GPUs per node (global rank r on node r // N): packs move between "
                             "node-mates where balance allows (default: the launcher's "

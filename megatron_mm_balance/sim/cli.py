@@ -21,7 +21,7 @@ from .engine import BALANCE_COSTS, SimConfig, simulate_dp
 from .pool import DRAW_MODES, build_pool, pool_stats
 from .progress import Progress
 from .report import format_table, write_report
-from .strategies import STRATEGIES
+from .strategies import DEFAULT_STRATEGIES, STRATEGIES
 from .timing import TimingError, load_timing
 
 PROG = "mm-balance simulate"
@@ -55,7 +55,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budgets", default=None,
                    help="image-token budgets for the 2D packer, comma separated "
                         "(default 1/4, 3/8, 1/2, 3/4 of the sequence length)")
-    p.add_argument("--strategies", default=",".join(STRATEGIES),
+    p.add_argument("--strategies", default=",".join(DEFAULT_STRATEGIES),
                    help="strategies to run, comma separated (default: all)")
     p.add_argument("--balance-cost", default="auto",
                    help="cost the placement balances: two-phase (vision and language time "

@@ -31,10 +31,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .pool import PackPool, draw_indices
-from .strategies import (STRATEGIES, exchange_times, inter_node_mask, local_order,
+from .strategies import (DEFAULT_STRATEGIES, exchange_times, inter_node_mask, local_order,
                          redistribute_order)
 from .timeline import simulate_timeline
 from .timing import TimingModel
+from .vision_balance import all_to_all_ms, balanced_vision, simulate_images_timeline
 
 BALANCE_COSTS = ("auto", "two-phase", "time", "image-tokens")
 # Work per chunk of batches: keeps the [B, D, G] arrays near 8 MB each.
@@ -50,7 +51,7 @@ class SimConfig:
     pp: int = 1
     batches: int = 10
     seed: int = 0
-    strategies: tuple[str, ...] = STRATEGIES
+    strategies: tuple[str, ...] = DEFAULT_STRATEGIES
     balance_cost: str = "auto"
     draw: str = "iid"
     heatmap_ranks: int = 64
@@ -179,7 +180,8 @@ def simulate_dp(cfg: SimConfig, D: int, timing: TimingModel, pool: PackPool,
     if ov <= 0 and not (ph.vf.any() or ph.lm.any()):
         raise ValueError(f"timing model {timing.name!r} gives every pack zero time")
     idx_all = draw_indices(len(pool), B, D, G, seed=cfg.seed, mode=cfg.draw)
-    acc = {s: _Acc() for s in ("none", "local", "redistribute-sync", "redistribute-overlap")}
+    acc = {s: _Acc() for s in ("none", "local", "redistribute-sync", "redistribute-overlap",
+                               "redistribute-images")}
     heat = {} if keep_heatmap else None
     chunk = max(1, CHUNK_ELEMENTS // (D * G))
     need_redist = bool(want & {"redistribute-sync", "redistribute-overlap"})
@@ -227,6 +229,8 @@ def simulate_dp(cfg: SimConfig, D: int, timing: TimingModel, pool: PackPool,
                 heat["redistribute"] = (rvf + rlm + rvb)[0]
         elif progress is not None:
             progress.update(nb)
+        if "redistribute-images" in want:
+            _images_run(acc["redistribute-images"], cfg, timing, pool, ph, idx, tok, ov)
 
     base = acc["none"].summary()
     common = {"dp": D, "ga": G, "seq_len": cfg.seq_len, "sync": cfg.sync, "pp": cfg.pp,
@@ -258,10 +262,37 @@ def simulate_dp(cfg: SimConfig, D: int, timing: TimingModel, pool: PackPool,
                 a.add(simulate_timeline(vf, lm, vb, sync=sync, bubble=bph.bubble, overhead=ov),
                       bph.tokens[idx], D, ov)
             emit("budget", a, bpool, base["tokens_per_s"])
-    for name in ("local", "redistribute-sync", "redistribute-overlap"):
+    for name in ("local", "redistribute-sync", "redistribute-overlap", "redistribute-images"):
         if name in want:
             a = acc[name]
             if name == "redistribute-sync":
                 a.solver_ms = acc["redistribute-overlap"].solver_ms
             emit(name, a, pool, base["tokens_per_s"])
     return runs, heat
+
+
+def _images_run(a: _Acc, cfg: SimConfig, timing: TimingModel, pool: PackPool, ph: PackPhases,
+                idx: np.ndarray, tok: np.ndarray, ov: float) -> None:
+    """``redistribute-images`` on one chunk of batches (:mod:`.vision_balance`): packs
+    placed on their language-phase cost, images balanced per micro-step."""
+    nb, D, G = idx.shape
+    lang = np.rint(ph.lm * 1000.0).astype(np.int64)          # integer microseconds
+    order = np.empty((nb, D, G), dtype=np.int64)
+    for i in range(nb):
+        t0 = time.perf_counter()
+        order[i] = redistribute_order(lang[idx[i]], sync=cfg.sync, ranks_per_node=cfg.ranks_per_node)
+        a.solver_ms.append((time.perf_counter() - t0) * 1e3)
+    placed = np.take_along_axis(idx.reshape(nb, -1), order.reshape(nb, -1), axis=1).reshape(nb, D, G)
+    vf, img_out, img_in = balanced_vision(pool, timing, placed)
+    lm = ph.lm[placed]
+    vb = vf * timing.vision_bwd_fwd_ratio
+    x, b_in = exchange_times(order, ph.nbytes[idx].reshape(nb, -1), link_gbps=timing.link_gbps,
+                             latency_ms=timing.latency_ms)
+    x = x + np.maximum(img_in, img_out) * timing.bytes_per_image_token / (timing.link_gbps * 1e6)
+    a2a = all_to_all_ms(img_in, img_out, timing.bytes_per_embedding_token, timing)
+    res = simulate_images_timeline(vf, lm, vb, x=x, a2a_fwd=a2a, a2a_bwd=a2a, sync=cfg.sync,
+                                   bubble=ph.bubble, overhead=ov)
+    inter = inter_node_mask(order, cfg.ranks_per_node)
+    img_bytes = float(img_in.sum()) * timing.bytes_per_image_token
+    a.add(res, tok, D, ov, b_in.sum() + img_bytes, int((b_in > 0).sum()),
+          float(b_in[inter].sum()), int(inter.sum()))

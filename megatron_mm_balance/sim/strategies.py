@@ -11,6 +11,9 @@
 * ``redistribute-sync`` / ``redistribute-overlap``: the placement the runtime
   delivers, :func:`megatron_mm_balance.solver.placement.plan_placement` (same placement;
   the two differ only in how the exchange is timed, see :mod:`.timeline`).
+* ``redistribute-images``: packs placed for the language phase only, then every
+  micro-step's images spread over the ranks for the encoder and the embeddings
+  sent back (:mod:`.vision_balance`), overlapped pack exchange.
 
 Each function returns a flat gather index ``[.., D, G]`` into the rank-major
 ``D * G`` packs of a global batch (``src_rank * G + src_index``).
@@ -21,7 +24,11 @@ import numpy as np
 
 from ..solver.placement import plan_placement
 
-STRATEGIES = ("none", "budget", "local", "redistribute-sync", "redistribute-overlap")
+STRATEGIES = ("none", "budget", "local", "redistribute-sync", "redistribute-overlap",
+              "redistribute-images")
+# What ``--strategies`` runs when not given: image balancing is opt-in (it is a
+# what-if for a runtime path that does not exist yet; see :mod:`.vision_balance`).
+DEFAULT_STRATEGIES = STRATEGIES[:-1]
 
 
 def identity_order(B: int, D: int, G: int) -> np.ndarray:

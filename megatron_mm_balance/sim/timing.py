@@ -13,7 +13,10 @@ A pack's phases, in the order a rank runs them:
 
 Moving a pack costs ``bytes_per_image_token * image_tokens + bytes_per_text_token
 * text_tokens`` bytes over a link of ``link_gbps`` GB/s, plus ``latency_ms`` per
-micro-step in which a rank sends or receives anything.
+micro-step in which a rank sends or receives anything. Image-level vision
+balancing (:mod:`.vision_balance`) also sends each moved image token's embedding,
+``bytes_per_embedding_token`` (default: 2 bytes x ``llm.hidden``), back after the
+encoder and its gradient after the language backward, over the same link.
 
 Files are YAML (or JSON) with the sections ``vision``, ``llm``, ``exchange`` and
 optional ``gpu`` and ``step``; see ``configs/timing_*.yaml``. Coefficients may be
@@ -59,6 +62,7 @@ class TimingModel:
     step_overhead_ms: float = 0.0           # optimizer + exposed all-reduce, per global batch
     bytes_per_image_token: float = 0.0
     bytes_per_text_token: float = 0.0
+    bytes_per_embedding_token: float = 0.0  # an image token's LLM embedding (image balancing)
     link_gbps: float = 1.0                  # GB/s per rank for the pack exchange
     latency_ms: float = 0.0                 # per micro-step with any traffic
 
@@ -156,6 +160,9 @@ def model_from_dict(cfg: dict, *, name: str = "timing") -> TimingModel:
         step_overhead_ms=_num(step, "overhead_ms", "step", default=0.0),
         bytes_per_image_token=_num(x, "bytes_per_image_token", "exchange"),
         bytes_per_text_token=_num(x, "bytes_per_text_token", "exchange", default=0.0),
+        # BF16 embedding of one image token at the LLM's width, unless given.
+        bytes_per_embedding_token=_num(x, "bytes_per_embedding_token", "exchange",
+                                       default=2.0 * float(l.get("hidden", 0) or 0)),
         link_gbps=_num(x, "link_gbps", "exchange", minimum=1e-9),
         latency_ms=_num(x, "latency_ms", "exchange", default=0.0),
     )
@@ -209,7 +216,7 @@ BUILTIN_DEFAULT = {
             "bwd_fwd_ratio": 2.0, "compute_padding": True},
     "step": {"overhead_ms": 0},
     "exchange": {"bytes_per_image_token": 4704, "bytes_per_text_token": 16,
-                 "link_gbps": 25, "latency_ms": 1.0},
+                 "bytes_per_embedding_token": 8192, "link_gbps": 25, "latency_ms": 1.0},
 }
 
 

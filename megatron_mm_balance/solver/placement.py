@@ -69,11 +69,14 @@ __all__ = ["DEFAULT_BALANCE_TOLERANCE", "SYNC_MODES", "Placement", "PlanStats", 
 SYNC_MODES = ("microstep", "step")
 #: The one default of ``balance_tolerance`` (the runtime, the Megatron flags and the
 #: simulator read it from here).
-DEFAULT_BALANCE_TOLERANCE = 0.002
+DEFAULT_BALANCE_TOLERANCE = 0.001
 # Stage 2 keeps a rank's own packs while its running total stays within this many
-# tolerances of the running mean; the final pass then evens totals to one tolerance
-# with swaps that mostly re-route packs already moving (see rank_balance).
+# tolerances of the running mean, and never less than STAGE2_MIN_BAND of the mean
+# rank total; the final pass then evens totals to one tolerance with swaps that
+# mostly re-route packs already moving (see rank_balance). The floor keeps tight
+# tolerances from costing moves in stage 2 (the frontier in docs/placement.md).
 STAGE2_BAND_FACTOR = 5.0
+STAGE2_MIN_BAND = 0.03
 # step mode: stage-3 swaps between packs at most this many micro-steps apart.
 STEP_MODE_WINDOW = 2
 # Share of the later micro-steps' correcting power the band may count on.
@@ -237,7 +240,7 @@ def _microstep_placement(c: np.ndarray, opts: SolverOptions, node: np.ndarray | 
     fill = _Stage2(cs, levels)
     floor = int(levels[-1])
     future = np.append(levels[1:], floor).astype(np.float64) - floor   # correcting power left
-    band0 = STAGE2_BAND_FACTOR * opts.balance_tolerance * float(c.sum()) / D
+    band0 = _stage2_band(opts.balance_tolerance) * float(c.sum()) / D
 
     rows = np.arange(D)
     placed = np.zeros((D, G), dtype=bool)
@@ -290,6 +293,11 @@ def _microstep_placement(c: np.ndarray, opts: SolverOptions, node: np.ndarray | 
     balance_rank_totals(rules, src_rank, src_index, tolerance=opts.balance_tolerance)
     send_home(rules, src_rank, src_index, limit=rules.limit(opts.balance_tolerance))
     return Placement(src_rank, src_index)
+
+
+def _stage2_band(tolerance: float) -> float:
+    """Stage 2's band around the running mean, as a fraction of the mean rank total."""
+    return max(STAGE2_BAND_FACTOR * tolerance, STAGE2_MIN_BAND)
 
 
 class _Stage2:

@@ -1,0 +1,164 @@
+"""Image-level vision balancing on top of pack placement (the ``redistribute-images`` strategy).
+
+Per-image encoders (CLIP/SigLIP/InternViT tiles, Qwen-VL images) compute every
+image on its own, so the images of one micro-step may be encoded on any
+data-parallel rank and the embeddings sent back to the rank that computes the
+pack: the result is the same. The packs are placed for the language phase only
+(:func:`megatron_mm_balance.solver.placement.plan_placement` on the language-model
+cost, so the micro-step's language maxima sit at their sorted-grouping optimum),
+and every micro-step's images are then spread over the ranks for the encoder.
+
+**Image assignment**, per micro-step (deterministic, what a runtime would run on
+the gathered image sizes): the target load is ``T = max(mean rank vision time,
+heaviest image)``; every rank keeps its own images, heaviest first, while its load
+stays within ``T``; the rest (the *surplus*), heaviest first, go one by one to the
+rank with the lightest load at that moment (longest processing time first; ties
+by rank). A rank's vision time is
+``a * n + b * n^2`` summed over the images it encodes, plus ``f`` (the per-pack
+constant of the timing model) if it encodes any.
+
+**Traffic** (the timing model's ``exchange`` section; one link per rank):
+
+* images to the encoder rank: ``bytes_per_image_token`` per token, sent from the
+  pack's source rank with the pack exchange of that micro-step, so it hides behind
+  the previous micro-step exactly as the pack exchange does (overlapped timeline);
+* embeddings back to the pack's rank after the encoder forward, and their
+  gradients to the encoder rank after the language backward:
+  ``bytes_per_embedding_token`` per token each way. Both are all-to-alls between
+  two phases that need their result: nothing hides them. The forward one starts
+  when the slowest rank has encoded (every receiver waits for every encoder) and
+  takes the slowest rank's ``latency + max(bytes in, bytes out) / link``; the
+  backward one likewise after the slowest language backward. The images
+  themselves need no gradient, and the encoder keeps its activations, so backward
+  sends nothing else.
+
+**Timeline**: as :func:`megatron_mm_balance.sim.timeline.simulate_timeline` with the
+overlapped exchange, plus the two all-to-alls. They are meetings, so under
+``sync="step"`` (pure data parallelism) balancing images adds two meetings per
+micro-step that the unbalanced run does not have.
+"""
+from __future__ import annotations
+
+import heapq
+
+import numpy as np
+
+from .pool import PackPool
+from .timing import TimingModel
+
+
+def image_costs(pool: PackPool, t: TimingModel) -> np.ndarray:
+    """Vision forward ms of every image of the pool (``pool.image_sizes`` order)."""
+    n = pool.image_sizes.astype(np.float64)
+    return t.vision_ms_per_token * n + t.vision_ms_per_token_sq * n * n
+
+
+def balance_images(owner: np.ndarray, cost: np.ndarray, D: int) -> np.ndarray:
+    """Encoder rank of each image of one micro-step (see the module docstring).
+
+    ``owner[i]``: the rank that computes image ``i``'s pack; ``cost[i]``: its vision
+    time. Deterministic: stable orders, ties by image index."""
+    n = len(cost)
+    enc = owner.copy()
+    if n == 0 or D == 1:
+        return enc
+    load = np.bincount(owner, weights=cost, minlength=D)
+    target = max(load.sum() / D, float(cost.max()))
+    # each rank's own images heaviest first; keep the prefix that fits the target
+    order = np.lexsort((np.arange(n), -cost, owner))
+    csum = np.cumsum(cost[order])
+    start = np.searchsorted(owner[order], np.arange(D))
+    base = np.concatenate([[0.0], csum])[start][owner[order]]
+    keep = (csum - base) <= target + 1e-9
+    surplus = order[~keep]
+    if len(surplus) == 0:
+        return enc
+    load = np.bincount(owner[order[keep]], weights=cost[order[keep]], minlength=D)
+    surplus = surplus[np.lexsort((surplus, -cost[surplus]))]
+    heap = [(float(x), r) for r, x in enumerate(load)]
+    heapq.heapify(heap)
+    for i in surplus.tolist():                   # heaviest first to the lightest rank (LPT)
+        x, r = heapq.heappop(heap)
+        enc[i] = r
+        heapq.heappush(heap, (x + float(cost[i]), r))
+    return enc
+
+
+def micro_step_images(pool: PackPool, packs: np.ndarray):
+    """Images of the packs ``packs[r]`` (pool indices, one per rank): (owner rank,
+    image index into ``pool.image_sizes``) for each image."""
+    off = pool.image_offsets
+    counts = off[packs + 1] - off[packs]
+    owner = np.repeat(np.arange(len(packs)), counts)
+    first = np.repeat(off[packs] - np.concatenate([[0], np.cumsum(counts)])[:-1], counts)
+    return owner, first + np.arange(int(counts.sum()))
+
+
+def balanced_vision(pool: PackPool, t: TimingModel, placed: np.ndarray):
+    """For packs ``placed[b, r, m]`` (pool indices in compute order): per-rank vision
+    forward ms after image balancing ``[B, D, G]`` and the tokens each rank sends and
+    receives: images (encoder-bound) and embeddings (pack-bound), ``[B, D, G]`` each.
+    """
+    B, D, G = placed.shape
+    icost = image_costs(pool, t)
+    vf = np.zeros((B, D, G))
+    img_out, img_in = np.zeros((B, D, G)), np.zeros((B, D, G))
+    for b in range(B):
+        for m in range(G):
+            owner, img = micro_step_images(pool, placed[b, :, m])
+            if len(img) == 0:
+                continue
+            cost = icost[img]
+            enc = balance_images(owner, cost, D)
+            vf[b, :, m] = np.bincount(enc, weights=cost, minlength=D)
+            if t.vision_ms_per_pack:
+                vf[b, :, m] += t.vision_ms_per_pack * (np.bincount(enc, minlength=D) > 0)
+            away = enc != owner
+            tok = pool.image_sizes[img[away]].astype(np.float64)
+            img_out[b, :, m] = np.bincount(owner[away], weights=tok, minlength=D)
+            img_in[b, :, m] = np.bincount(enc[away], weights=tok, minlength=D)
+    return vf, img_out, img_in
+
+
+def all_to_all_ms(tok_a: np.ndarray, tok_b: np.ndarray, bytes_per_token: float,
+                  t: TimingModel) -> np.ndarray:
+    """``[B, G]``: one all-to-all per micro-step, rank r sending ``tok_a`` and
+    receiving ``tok_b`` tokens of ``bytes_per_token``: the slowest rank's time."""
+    busiest = np.maximum(tok_a, tok_b) * bytes_per_token
+    x = np.where(busiest > 0, t.latency_ms + busiest / (t.link_gbps * 1e6), 0.0)
+    return x.max(axis=1)
+
+
+def simulate_images_timeline(vf, lm, vb, *, x, a2a_fwd, a2a_bwd, sync: str = "microstep",
+                             bubble=0.0, overhead: float = 0.0) -> dict:
+    """The overlapped timeline with the two all-to-alls of image balancing.
+
+    ``vf``, ``lm``, ``vb``, ``x`` ``[B, D, G]`` as in :func:`.timeline.simulate_timeline`
+    (``x``: each rank's pack and image exchange, hidden behind the previous
+    micro-step where it can be); ``a2a_fwd``, ``a2a_bwd`` ``[B, G]`` (ms).
+    Same keys as :func:`.timeline.simulate_timeline`."""
+    vf, lm, vb, x = (np.asarray(a, dtype=np.float64) for a in (vf, lm, vb, x))
+    B, D, G = vf.shape
+    bubble = np.broadcast_to(np.asarray(bubble, dtype=np.float64), (B,))
+    prev_start = np.zeros((B, D))
+    prev_end = np.zeros((B, D))
+    exch = np.zeros((B, D))
+    for m in range(G):
+        start = np.maximum(prev_end, prev_start + x[:, :, m])
+        exch += start - prev_end
+        arrive = (start + vf[:, :, m]).max(axis=1, keepdims=True)     # every encoder done
+        lm_start = arrive + a2a_fwd[:, m:m + 1]
+        exch += a2a_fwd[:, m:m + 1]
+        if sync == "microstep":
+            lm_end = lm_start + lm[:, :, m].max(axis=1, keepdims=True)
+        else:
+            lm_end = lm_start + lm[:, :, m]
+        grads = lm_end.max(axis=1, keepdims=True) + a2a_bwd[:, m:m + 1]
+        exch += a2a_bwd[:, m:m + 1]
+        end = grads + vb[:, :, m]
+        prev_start, prev_end = start, end
+    compute_end = prev_end.max(axis=1)
+    busy = (vf + lm + vb).sum(axis=2)
+    wait = compute_end[:, None] - busy - exch
+    return {"time": compute_end + bubble + overhead, "compute_end": compute_end, "busy": busy,
+            "exchange": exch, "wait": np.maximum(wait, 0.0), "bubble": np.array(bubble)}

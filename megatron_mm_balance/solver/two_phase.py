@@ -21,7 +21,10 @@ microseconds of forward + backward), rank ``r``'s ``i``-th pack. Objective:
      multiple of D each) and group each band by sorted vision cost (or sorted
      language cost). Otherwise every vision-sorted micro-step holds some
      long-text pack and pays nearly the global language maximum. The bands come
-     from a dynamic program over boundaries on a grid of ``G / 8`` groups.
+     from a dynamic program over boundaries on a grid of ``G / 8`` groups;
+   * on small batches (at most ``SWAP_DESCENT_MAX_PACKS`` packs), the best of
+     those then descends by swaps of two packs between groups while the
+     objective falls (measured against the exact optimum of :mod:`.exact`).
 
 2. **Slots** (which rank computes which pack). Each group becomes a micro-step;
    a rank keeps its heaviest pack of that group, the others move to the ranks
@@ -182,9 +185,15 @@ def _banded_groups(p, q, D, G, units: int = 8):
     return order, _order_objective(p, q, order, D)
 
 
+# Small batches (at most this many packs) finish with a descent of pack swaps
+# between groups; the exact reference (solver/exact.py) showed the gap it closes.
+SWAP_DESCENT_MAX_PACKS = 256
+
+
 def group_two_phase(v: np.ndarray, l: np.ndarray, D: int, G: int) -> np.ndarray:
     """Group id (micro-step) of each of the ``D * G`` packs; see the module docstring."""
-    if not (v.any() and l.any()):                 # one phase: its sorted grouping is optimal
+    both = bool(v.any() and l.any())
+    if not both:                                  # one phase: its sorted grouping is optimal
         order = _desc_order(v, l) if v.any() else _desc_order(l, v)
     else:
         # The band program includes the single bands [0, G) grouped by vision or by
@@ -195,7 +204,49 @@ def group_two_phase(v: np.ndarray, l: np.ndarray, D: int, G: int) -> np.ndarray:
             order = by_sum
     group = np.empty(len(v), dtype=np.int64)
     group[order] = np.arange(len(v)) // D
+    if both and G > 1 and len(v) <= SWAP_DESCENT_MAX_PACKS:
+        _swap_descent(v.astype(np.int64), l.astype(np.int64), group, G)
     return group
+
+
+def _max_without(x: np.ndarray, group: np.ndarray, G: int) -> np.ndarray:
+    """Per pack: the maximum of ``x`` over the other packs of its group (0 if none)."""
+    top = np.zeros(G, dtype=np.int64)
+    np.maximum.at(top, group, x)
+    is_top = x == top[group]
+    count = np.bincount(group, weights=is_top, minlength=G)
+    second = np.zeros(G, dtype=np.int64)
+    np.maximum.at(second, group, np.where(is_top, 0, x))
+    alone = is_top & (count[group] == 1)
+    return np.where(alone, second[group], top[group])
+
+
+def _swap_descent(v: np.ndarray, l: np.ndarray, group: np.ndarray, G: int,
+                  max_rounds: int = 1024) -> int:
+    """Swap packs between groups in place while a swap lowers the two-phase objective:
+    each round applies the best swap of all pairs (ties: the first in row-major pair
+    order), O(N^2) per round. Returns the objective saved."""
+    N = len(v)
+    saved = 0
+    for _ in range(max_rounds):
+        vm = np.zeros(G, dtype=np.int64)
+        lm = np.zeros(G, dtype=np.int64)
+        np.maximum.at(vm, group, v)
+        np.maximum.at(lm, group, l)
+        wv, wl = _max_without(v, group, G), _max_without(l, group, G)
+        ga, gb = group[:, None], group[None, :]
+        # pack i (row) goes to j's group, pack j (column) to i's
+        after = (np.maximum(wv[:, None], v[None, :]) + np.maximum(wv[None, :], v[:, None])
+                 + np.maximum(wl[:, None], l[None, :]) + np.maximum(wl[None, :], l[:, None]))
+        delta = after - (vm[ga] + vm[gb] + lm[ga] + lm[gb])
+        delta[ga == gb] = 0
+        k = int(np.argmin(delta))
+        if delta.flat[k] >= 0:
+            break
+        i, j = divmod(k, N)
+        group[i], group[j] = group[j], group[i]
+        saved -= int(delta.flat[k])
+    return saved
 
 
 def _two_phase_placement(c: np.ndarray, tolerance: float, node: np.ndarray | None):

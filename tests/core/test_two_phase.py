@@ -101,3 +101,23 @@ placements = [plan_placement(anti_correlated(64, 16, 3), ranks_per_node=8)]
 
 def test_identical_across_processes():
     assert len(placement_digests(PLACEMENTS, ("0", "4242"))) == 1
+
+
+def test_swap_descent_only_lowers_the_objective_and_keeps_group_sizes():
+    from megatron_mm_balance.solver.two_phase import (_grouping_objective, _max_without,
+                                                      _swap_descent)
+    rng = np.random.default_rng(21)
+    for _ in range(10):
+        D, G = int(rng.integers(1, 6)), int(rng.integers(2, 6))
+        v = rng.integers(0, 9, size=D * G) * 100
+        l = rng.integers(0, 9, size=D * G) * 100
+        group = rng.permutation(D * G) % G
+        for x in (v, l):
+            want = [max([x[j] for j in range(D * G) if group[j] == group[i] and j != i], default=0)
+                    for i in range(D * G)]
+            assert _max_without(x, group, G).tolist() == want
+        before = _grouping_objective(v, l, group, G)
+        g = group.copy()
+        saved = _swap_descent(v, l, g, G)
+        assert _grouping_objective(v, l, g, G) == before - saved <= before
+        assert np.bincount(g, minlength=G).tolist() == [D] * G

@@ -8,8 +8,8 @@ pack: the result is the same. The packs are placed for the language phase only
 cost, so the micro-step's language maxima sit at their sorted-grouping optimum),
 and every micro-step's images are then spread over the ranks for the encoder.
 
-**Image assignment**, per micro-step (deterministic, what a runtime would run on
-the gathered image sizes): the target load is ``T = max(mean rank vision time,
+**Image assignment**, per micro-step (:func:`megatron_mm_balance.solver.images.balance_images`
+on integer microseconds, what the runtime runs on the gathered image costs): the target load is ``T = max(mean rank vision time,
 heaviest image)``; every rank keeps its own images, heaviest first, while its load
 stays within ``T``; the rest (the *surplus*), heaviest first, go one by one to the
 rank with the lightest load at that moment (longest processing time first; ties
@@ -39,10 +39,9 @@ micro-step that the unbalanced run does not have.
 """
 from __future__ import annotations
 
-import heapq
-
 import numpy as np
 
+from ..solver.images import balance_images
 from .pool import PackPool
 from .timing import TimingModel
 
@@ -51,37 +50,6 @@ def image_costs(pool: PackPool, t: TimingModel) -> np.ndarray:
     """Vision forward ms of every image of the pool (``pool.image_sizes`` order)."""
     n = pool.image_sizes.astype(np.float64)
     return t.vision_ms_per_token * n + t.vision_ms_per_token_sq * n * n
-
-
-def balance_images(owner: np.ndarray, cost: np.ndarray, D: int) -> np.ndarray:
-    """Encoder rank of each image of one micro-step (see the module docstring).
-
-    ``owner[i]``: the rank that computes image ``i``'s pack; ``cost[i]``: its vision
-    time. Deterministic: stable orders, ties by image index."""
-    n = len(cost)
-    enc = owner.copy()
-    if n == 0 or D == 1:
-        return enc
-    load = np.bincount(owner, weights=cost, minlength=D)
-    target = max(load.sum() / D, float(cost.max()))
-    # each rank's own images heaviest first; keep the prefix that fits the target
-    order = np.lexsort((np.arange(n), -cost, owner))
-    csum = np.cumsum(cost[order])
-    start = np.searchsorted(owner[order], np.arange(D))
-    base = np.concatenate([[0.0], csum])[start][owner[order]]
-    keep = (csum - base) <= target + 1e-9
-    surplus = order[~keep]
-    if len(surplus) == 0:
-        return enc
-    load = np.bincount(owner[order[keep]], weights=cost[order[keep]], minlength=D)
-    surplus = surplus[np.lexsort((surplus, -cost[surplus]))]
-    heap = [(float(x), r) for r, x in enumerate(load)]
-    heapq.heapify(heap)
-    for i in surplus.tolist():                   # heaviest first to the lightest rank (LPT)
-        x, r = heapq.heappop(heap)
-        enc[i] = r
-        heapq.heappush(heap, (x + float(cost[i]), r))
-    return enc
 
 
 def micro_step_images(pool: PackPool, packs: np.ndarray):
@@ -109,7 +77,7 @@ def balanced_vision(pool: PackPool, t: TimingModel, placed: np.ndarray):
             if len(img) == 0:
                 continue
             cost = icost[img]
-            enc = balance_images(owner, cost, D)
+            enc = balance_images(owner, np.rint(cost * 1000.0).astype(np.int64), D)
             vf[b, :, m] = np.bincount(enc, weights=cost, minlength=D)
             if t.vision_ms_per_pack:
                 vf[b, :, m] += t.vision_ms_per_pack * (np.bincount(enc, minlength=D) > 0)

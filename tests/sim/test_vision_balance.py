@@ -8,7 +8,8 @@ import pytest
 
 from megatron_mm_balance.sim.cli import main
 from megatron_mm_balance.sim.report import check_report
-from megatron_mm_balance.sim.vision_balance import (all_to_all_ms, balance_images,
+from megatron_mm_balance.solver.images import balance_images
+from megatron_mm_balance.sim.vision_balance import (all_to_all_ms,
                                                     micro_step_images, simulate_images_timeline)
 from megatron_mm_balance.sim.timing import TimingModel
 
@@ -22,25 +23,32 @@ def test_every_image_lands_on_one_rank_within_the_lpt_bound(seed):
     D = int(rng.choice([2, 5, 16, 64]))
     n = int(rng.integers(1, 6 * D))
     owner = np.sort(rng.integers(0, D, size=n))
-    cost = rng.choice([64.0, 256.0, 576.0, 1024.0], size=n) * rng.random(n)
+    cost = (rng.choice([64, 256, 576, 1024], size=n) * rng.random(n)).astype(np.int64)
     enc = balance_images(owner, cost, D)
     assert enc.shape == owner.shape and enc.min() >= 0 and enc.max() < D
     load = np.bincount(enc, weights=cost, minlength=D)
     assert np.isclose(load.sum(), cost.sum())
     # keep-home prefix within the target, then longest-first: within one image of it
-    target = max(cost.sum() / D, cost.max())
-    assert load.max() <= target + cost.max() + 1e-9
-    assert load.max() <= np.bincount(owner, weights=cost, minlength=D).max() + 1e-9
+    target = max(-(-cost.sum() // D), cost.max())
+    assert load.max() <= target + cost.max()
+    assert load.max() <= np.bincount(owner, weights=cost, minlength=D).max()
     assert np.array_equal(enc, balance_images(owner, cost, D))
 
 
 def test_balanced_images_stay_home():
     owner = np.array([0, 0, 1, 1, 2])
-    cost = np.array([3.0, 2.0, 4.0, 1.0, 5.0])              # every rank at 5: nothing moves
+    cost = np.array([3, 2, 4, 1, 5])              # every rank at 5: nothing moves
     assert balance_images(owner, cost, 3).tolist() == owner.tolist()
     # one rank holds everything: its heaviest image stays, the rest spread out (5 is optimal)
-    enc = balance_images(np.zeros(4, dtype=np.int64), np.array([4.0, 3.0, 3.0, 2.0]), 3)
+    enc = balance_images(np.zeros(4, dtype=np.int64), np.array([4, 3, 3, 2]), 3)
     assert enc[0] == 0 and sorted(np.bincount(enc, weights=[4, 3, 3, 2], minlength=3)) == [3, 4, 5]
+
+
+def test_bad_image_costs_are_one_clear_error():
+    with pytest.raises(ValueError, match="non-negative integers"):
+        balance_images(np.array([0]), np.array([1.5]), 2)
+    with pytest.raises(ValueError, match="owners"):
+        balance_images(np.array([2]), np.array([1]), 2)
 
 
 def test_micro_step_images_follow_the_packs():
@@ -95,10 +103,10 @@ def test_strategy_runs_in_the_simulator(tmp_path):
 IMAGES = """
 import types
 import numpy as np
-from megatron_mm_balance.sim.vision_balance import balance_images
+from megatron_mm_balance.solver.images import balance_images
 rng = np.random.default_rng(3)
 owner = np.sort(rng.integers(0, 256, size=2000))
-cost = rng.choice([64.0, 256.0, 576.0], size=2000)
+cost = rng.choice([64, 256, 576], size=2000)
 enc = balance_images(owner, cost, 256)
 placements = [types.SimpleNamespace(src_rank=enc, src_index=owner)]
 """

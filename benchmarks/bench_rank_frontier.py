@@ -7,7 +7,8 @@ prints the worst rank ratio (heaviest rank total over the mean) next to the wors
 batch's integer floor (the mean rounded up to a multiple of the costs' greatest
 common divisor: no placement does better), the batches above
 ``max(1 + tolerance, floor)``, the moved fraction (worst batch and mean) and the
-solver's CPU time. Every row of a (trace, shape) sees the same batches. The
+solver's CPU time; "inter": the mean fraction of packs that change node at 8 ranks
+per node (with ``--ranks-per-node 1``, the flat placement's). Every row of a (trace, shape) sees the same batches. The
 micro-step objective is checked to stay at its exact optimum in every batch.
 
 ``mixed`` is tile-quantised (every cost a multiple of 256); ``heldout-real`` and
@@ -28,6 +29,7 @@ from megatron_mm_balance.sim.pool import build_pool
 from megatron_mm_balance.solver import placement
 from megatron_mm_balance.solver.placement import DEFAULT_BALANCE_TOLERANCE, PlanStats, plan_placement
 from megatron_mm_balance.solver.rank_balance import cost_grain, rank_limit
+from megatron_mm_balance.solver.topology import traffic
 
 
 def image_token_pool(trace: str, samples: int) -> np.ndarray:
@@ -55,7 +57,7 @@ def main(argv=None) -> None:
           f"{placement.STAGE2_MIN_BAND}; "
           f"cpu affinity {sorted(os.sched_getaffinity(0))}")
     hdr = (f"{'trace':>12} {'DP x GA':>8} {'tol':>7} | {'rank max':>8} {'floor':>7} {'>band':>5} | "
-           f"{'moved max':>9} {'mean':>6} | {'p50 ms':>7}")
+           f"{'moved max':>9} {'mean':>6} {'inter':>6} | {'p50 ms':>7}")
     print(hdr)
     print("-" * len(hdr))
     for trace in a.traces.split(","):
@@ -65,7 +67,7 @@ def main(argv=None) -> None:
             rng = np.random.default_rng([D, G])
             batches = [pool[rng.integers(0, len(pool), size=(D, G))] for _ in range(a.batches)]
             for tol in tols:
-                ratio, floor, over, moved, ms = [], [], 0, [], []
+                ratio, floor, over, moved, inter, ms = [], [], 0, [], [], []
                 for c in batches:
                     t0 = time.process_time()
                     pl = plan_placement(c, balance_tolerance=tol, ranks_per_node=rpn)
@@ -78,8 +80,9 @@ def main(argv=None) -> None:
                     over += st.rank_total_max_after > rank_limit(total, D, tol, cost_grain(c))
                     ratio.append(st.rank_ratio)
                     moved.append(st.moved_fraction)
+                    inter.append(traffic(pl.src_rank, 8)["inter_node_packs"] / c.size)
                 print(f"{trace:>12} {shape:>8} {tol:>7g} | {max(ratio):>8.5f} {max(floor):>7.5f} "
-                      f"{over:>5} | {max(moved):>9.3f} {np.mean(moved):>6.3f} | "
+                      f"{over:>5} | {max(moved):>9.3f} {np.mean(moved):>6.3f} {np.mean(inter):>6.3f} | "
                       f"{np.median(ms):>7.1f}", flush=True)
 
 

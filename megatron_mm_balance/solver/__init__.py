@@ -1,9 +1,13 @@
 """The placement solver: pure algorithms on integer cost matrices (no torch, no torch.distributed).
 
-* :mod:`.placement` — :func:`~.placement.plan_placement`, the placement of one global
+* :mod:`.placement` — :func:`~.placement.plan_placement` (the one entry point, with
+  :class:`~.placement.SolverOptions`), the placement of one global
   batch's packs onto (rank, micro-step) slots, and :class:`~.placement.PlanStats`;
 * :mod:`.two_phase` — the two-phase (vision, language) micro-step objective;
 * :mod:`.rank_balance` — evening rank (and node) totals with level-preserving swaps;
 * :mod:`.topology` — node-aware moves (ranks per node, inter-node traffic);
-* :mod:`.sorting` — fast stable integer sorts the solver relies on for determinism.
+* :mod:`.sorting` — fast stable integer sorts the solver relies on for determinism;
+* :mod:`.images` — which rank encodes which image (image-level vision balancing);
+* :mod:`.exact` — the exact two-phase grouping (MILP, scipy) for small instances:
+  a benchmark and test reference, not a runtime path.
 """

@@ -30,8 +30,8 @@ whose last eligible micro-step this is are forced in; proposals are dropped or
 filler packs pulled in (earliest deadline first) so that later micro-steps stay
 feasible. A proposal is then accepted only if the rank's running total stays
 within a band around the running mean: ``STAGE2_BAND_FACTOR`` times
-``balance_tolerance`` (the knob) of the final mean rank total, widened by how much
-the later, lighter micro-steps can still correct. Packs not accepted move,
+``balance_tolerance`` (the knob), at least ``STAGE2_MIN_BAND``, of the final mean
+rank total, widened by how much the later, lighter micro-steps can still correct. Packs not accepted move,
 heaviest to the lightest free rank. Changing a pack's micro-step on its own rank
 is free; only a change of rank is a move.
 
@@ -93,7 +93,8 @@ class SolverOptions:
     fraction of the mean rank total (never tighter than integer costs allow, see
     :func:`~megatron_mm_balance.solver.rank_balance.rank_limit`); stage 2 lets a
     rank's running total drift ``STAGE2_BAND_FACTOR`` times as far while it keeps
-    its own packs. Larger keeps more packs at home; smaller evens rank totals harder.
+    its own packs (never less than ``STAGE2_MIN_BAND``). Larger keeps more packs at
+    home; smaller evens rank totals harder.
     ``ranks_per_node``: ranks ``r // ranks_per_node`` share a node, or a sequence of
     each rank's node id (None: flat); moves then stay inside a node wherever the
     balance allows (:mod:`.topology`). ``future_slack``: the share of the later,

@@ -95,7 +95,8 @@ def test_node_aware_two_phase_keeps_the_objective():
 PLACEMENTS = """
 from test_two_phase import anti_correlated
 from megatron_mm_balance.solver.placement import plan_placement
-placements = [plan_placement(anti_correlated(64, 16, 3), ranks_per_node=8)]
+placements = [plan_placement(anti_correlated(64, 16, 3), ranks_per_node=8),
+              plan_placement(anti_correlated(16, 8, 5), ranks_per_node=4)]   # swap descent
 """
 
 

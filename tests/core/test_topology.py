@@ -82,8 +82,8 @@ def test_node_aware_cuts_inter_node_traffic_at_the_same_objective_and_band(reque
     for _ in range(2):
         c = rng.choice(packs, size=D * G).reshape(D, G)
         # The node-aware target was set at tolerance 0.002; the tighter default (0.001)
-        # evens ranks with more swaps, some across nodes: the cut is then 0.46-0.51
-        # (docs/placement.md, "Rank-balance frontier").
+        # evens ranks with more swaps, some across nodes, and these batches cut to
+        # 0.46-0.51 there (docs/placement.md, "Performance v3").
         flat = plan_placement(c, sync=sync, balance_tolerance=0.002)
         aware = plan_placement(c, sync=sync, ranks_per_node=8, balance_tolerance=0.002)
         check_placement(aware, D, G)

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from megatron_trees import ROOT, RELEASES
-from test_glue_launch import CONFIGS, config_vars, dry_run
+from test_glue_launch import CONFIGS, check_upstream_balancer_lines, config_vars, dry_run, upstream_balancer_specs
 from test_glue_patches import SUPPORTED_MSG, run_script
 
 NEWER = [t for t in RELEASES if t != "core_v0.16.1"]
@@ -105,13 +105,16 @@ def test_patched_release_imports_and_validates_every_config(py312, mlm_trees, tm
         v = config_vars(cfg)
         specs.append((cfg, f, v, v["NNODES"] * v["GPUS_PER_NODE"]))
     r = subprocess.run([py312, str(HERE / "release_check.py"), str(d), str(ROOT),
-                        *[f"{f}:{world}" for _, f, _, world in specs]],
+                        *[f"{f}:{world}" for _, f, _, world in specs],
+                        *upstream_balancer_specs(d, py312, tmp_path)],
                        capture_output=True, text=True, timeout=900, cwd=str(tmp_path))
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
     assert f"IMPORTED {d}" in r.stdout
     for cfg, f, v, world in specs:
         dp = world // (v["TP"] * v["PP"] * v["CP"])
         assert f"VALID {f} {world} {dp} {v['EP']} True" in r.stdout, cfg.stem
+    # Megatron's own hybrid context parallel with --mm-balance: refused by our check at start-up.
+    check_upstream_balancer_lines(r.stdout, tmp_path)
 
 
 GLUE_TESTS = {tag: ["test_glue_units.py", "test_glue_multirank.py"] for tag in NEWER}

@@ -12,8 +12,8 @@ data is written, as the loop receives it (after balancing), as one JSON line to
 iteration the job loaded (0: a fresh job; a resumed job appends to the same file),
 ``keys`` the micro-batch's ``__key__`` (energon's sample keys; a packed sample's keys
 joined by commas; null when the loader gives none) and ``digest`` a BLAKE2b digest of
-every value in the micro-batch (tensors by dtype, shape and bytes), so that the same
-key with different content is seen too.
+the micro-batch's content (every tensor by dtype, shape and bytes; energon's ``__*``
+bookkeeping entries left out), so that the same key with different content is seen too.
 
 It reads the micro-batch and changes nothing; with the flag unset nothing of this module
 runs. Used by the resume tests (tests/realpath) to compare the samples a resumed job
@@ -36,12 +36,16 @@ def batch_keys(item) -> Optional[list]:
 
 
 def batch_digest(item) -> str:
-    """A digest of every value in the micro-batch (dicts by sorted key, tensors by bytes)."""
+    """A digest of the micro-batch's content: every value (dicts by sorted key, tensors by
+    dtype, shape and bytes) except energon's bookkeeping entries (``__key__``, recorded
+    apart, ``__restore_key__``, ...: keys starting with ``__``)."""
     h = hashlib.blake2b(digest_size=16)
 
     def visit(value: Any) -> None:
         if isinstance(value, dict):
             for k in sorted(value, key=str):
+                if str(k).startswith("__"):
+                    continue
                 h.update(f"<{k}>".encode())
                 visit(value[k])
         elif isinstance(value, (list, tuple)):

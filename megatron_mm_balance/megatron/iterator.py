@@ -19,6 +19,10 @@ Megatron's contracts, and how the wrapper keeps them:
 
 Only ranks that read data are wrapped: first/last pipeline stage, tensor rank 0
 (see :mod:`.groups`); other ranks' iterators are returned unchanged.
+
+With ``--mm-balance-record-samples DIR`` every micro-batch the loop takes is also written
+to a per-rank record (:mod:`.samples`), balancing on (after the exchange) or off (then the
+wrapper only records: no groups, no balancer).
 """
 from __future__ import annotations
 

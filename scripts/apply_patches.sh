@@ -40,6 +40,7 @@ if [ "${1:-}" = --supported ]; then echo "$SUPPORTED_LIST"; exit 0; fi    # for 
 [ $# -ge 1 ] && [ $# -le 3 ] || usage
 DIR=$1; shift
 MODE=apply FORCE=0
+HOW="" VERSION=""            # how the Megatron-LM release was matched (exact, line, forced)
 for a in "$@"; do
   case "$a" in
     --check|--revert) [ $MODE = apply ] || usage; MODE=$a ;;
@@ -74,7 +75,7 @@ line_tag() {                       # the supported tag of a minor line (empty if
   local t
   for t in "${SUPPORTED_TAGS[@]}"; do [ "$(minor_line "${t#core_v}")" != "$1" ] || echo "$t"; done
 }
-RELEASE="" VERSION="" HOW="" FOUND="" VERSIONS=()
+RELEASE="" FOUND="" VERSIONS=()
 if [ $IS_GIT = 1 ] && desc=$(git -C "$DIR" describe --tags --match 'core_v*' HEAD 2>/dev/null); then
   tag=$(git -C "$DIR" describe --tags --match 'core_v*' --abbrev=0 HEAD)
   FOUND="git describe: $desc"

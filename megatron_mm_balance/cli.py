@@ -1,4 +1,4 @@
-"""``mm-balance``: pack traces, place global batches, simulate, benchmark, demo.
+"""``mm-balance``: pack traces, place global batches, simulate, benchmark, demo, compare logs.
 
 Every bad input ends in one line on stderr (``mm-balance: error: ...``) and a
 non-zero exit, never a traceback.
@@ -241,6 +241,33 @@ def cmd_make_dataset(args) -> int:
 
 
 # ---------------------------------------------------------------------------
+# compare-logs
+
+def cmd_compare_logs(args) -> int:
+    from .megatron import logs
+    if not args.rtol >= 0:
+        raise CliError(f"--rtol must be >= 0, got {args.rtol}")
+    columns = [c.strip() for c in args.columns.split(",") if c.strip()] if args.columns else None
+    a = logs.read_log_files(args.a.split(","))
+    b = logs.read_log_files(args.b.split(","))
+    if columns:
+        unknown = [c for c in columns if c not in a.columns() and c not in b.columns()]
+        if unknown:
+            raise CliError(f"--columns: neither log has {', '.join(map(repr, unknown))} "
+                           f"(columns: {', '.join(a.columns())})")
+    cmp = logs.compare(a, b, columns, rtol=args.rtol)
+    if args.json:
+        print(json.dumps({"equal": cmp.equal, "max_relative_difference": cmp.max_rel, "rtol": cmp.rtol,
+                          "columns": cmp.columns, "compared": [label for label, _ in cmp.rows],
+                          "only_a": cmp.only_a, "only_b": cmp.only_b,
+                          "recomputed": {"a": [s.label for s in a.spans if s.recomputed],
+                                         "b": [s.label for s in b.spans if s.recomputed]}}))
+    else:
+        print(logs.report(args.a, a, args.b, b, cmp))
+    return 0 if cmp.equal else 1
+
+
+# ---------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="mm-balance", description="Image-token load balancing for Megatron-LM VLM pretraining: "
@@ -285,6 +312,18 @@ def build_parser() -> argparse.ArgumentParser:
                         "for Megatron-LM's examples/multimodal")
     _make_dataset_arguments(md)
     md.set_defaults(func=cmd_make_dataset)
+
+    cl = sub.add_parser("compare-logs", help="compare two Megatron-LM training logs iteration by "
+                        "iteration (a job's first-iteration averaging undone); exit 0 if equal")
+    cl.add_argument("a", metavar="A.log", help="the reference run's log (FILE[,FILE...]: one per job, in order)")
+    cl.add_argument("b", metavar="B.log", help="the other run's log (FILE[,FILE...], e.g. a stopped and a "
+                    "resumed job)")
+    cl.add_argument("--rtol", type=float, default=1e-5, help="largest relative difference called equal "
+                    "(default 1e-5)")
+    cl.add_argument("--columns", default=None, help="comma-separated columns to compare (default: every "
+                    "loss column both logs print), e.g. 'lm loss,grad norm'")
+    cl.add_argument("--json", action="store_true", help="print one JSON object")
+    cl.set_defaults(func=cmd_compare_logs)
 
     for name in EXTENSIONS:
         try:

@@ -4,11 +4,15 @@
 #   scripts/apply_patches.sh MEGATRON_LM_DIR            apply (idempotent: applied files are skipped)
 #   scripts/apply_patches.sh MEGATRON_LM_DIR --check    dry run: print each file pending/applied/conflict
 #   scripts/apply_patches.sh MEGATRON_LM_DIR --revert   undo the applied patches, byte for byte (idempotent)
+#   scripts/apply_patches.sh MEGATRON_LM_DIR --force    (with any mode) a release of a newer minor line
+#                                                       than any patch set: try the newest set
 #   scripts/apply_patches.sh --supported                print the supported releases
 #
-# Supported releases and their patch sets: patches/<tag>/*.patch (see SUPPORTED below).
+# Supported releases and their patch sets: patches/<tag>/*.patch (see SUPPORTED_TAGS below).
 # The release is detected from git (`git describe --tags`, nearest core_v* tag) when the
 # directory is the root of a git checkout, else from megatron/core/package_info.py. A
+# patch release of a supported minor line (core_v0.19.2, core_v0.18.0, ...) gets that
+# line's patch set, applied as for a branch (below) and said so in the first line. A
 # checkout at another commit of a supported release (a branch with local commits) or a
 # plain source tree is accepted when every hunk applies:
 #   1. plain `git apply`;
@@ -27,47 +31,97 @@ declare -A INFO_VERSION=([core_v0.16.1]=0.16.1 [core_v0.17.1]=0.17.1 [core_v0.18
 HERE=$(cd "$(dirname "$0")/.." && pwd)
 PATCH_ROOT=${MM_BALANCE_PATCH_DIR:-$HERE/patches}
 SUPPORTED_LIST=$(IFS=,; echo "${SUPPORTED_TAGS[*]}" | sed 's/,/, /g')
+NEWEST_TAG=${SUPPORTED_TAGS[${#SUPPORTED_TAGS[@]}-1]}
 
-usage() { echo "usage: $0 MEGATRON_LM_DIR [--check|--revert]" >&2; exit 2; }
+usage() { echo "usage: $0 MEGATRON_LM_DIR [--check|--revert] [--force]" >&2; exit 2; }
 die() { echo "apply_patches: $*" >&2; exit 1; }
 
 if [ "${1:-}" = --supported ]; then echo "$SUPPORTED_LIST"; exit 0; fi    # for other scripts' messages
-[ $# -ge 1 ] && [ $# -le 2 ] || usage
-DIR=$1
-MODE=${2:-apply}
-case "$MODE" in apply|--check|--revert) ;; *) usage ;; esac
+[ $# -ge 1 ] && [ $# -le 3 ] || usage
+DIR=$1; shift
+MODE=apply FORCE=0
+HOW="" VERSION=""            # how the Megatron-LM release was matched (exact, line, forced)
+for a in "$@"; do
+  case "$a" in
+    --check|--revert) [ $MODE = apply ] || usage; MODE=$a ;;
+    --force) FORCE=1 ;;
+    *) usage ;;
+  esac
+done
 command -v git >/dev/null || die "git is needed (git apply); install git"
 [ -d "$DIR" ] || die "$DIR: no such directory (give the root of a Megatron-LM checkout)"
 DIR=$(cd "$DIR" && pwd)
 [ -f "$DIR/megatron/training/training.py" ] || die "$DIR is not a Megatron-LM checkout (no megatron/training/training.py)"
 
 # --- which release -------------------------------------------------------------------
+# A version's candidates, in order: the nearest core_v* tag (git checkout), then
+# megatron/core/package_info.py. Each is matched exactly against a supported release
+# first, then by its minor line: a patch release (0.19.2, 0.18.0, ...) of a supported
+# line gets that line's patch set, applied like any branch (3-way where a hunk's context
+# moved; all or nothing). A release of a newer line (0.20) is refused unless --force,
+# which tries the newest patch set, still all or nothing.
 IS_GIT=0
 if top=$(git -C "$DIR" rev-parse --show-toplevel 2>/dev/null) && [ "$(cd "$top" && pwd)" = "$DIR" ]; then
   IS_GIT=1
 fi
 info_version() {
-  sed -n 's/^\(MAJOR\|MINOR\|PATCH\) *= *\([0-9]*\).*/\2/p' "$DIR/megatron/core/package_info.py" 2>/dev/null | paste -sd. -
+  local f=$DIR/megatron/core/package_info.py v pre
+  v=$(sed -n 's/^\(MAJOR\|MINOR\|PATCH\) *= *\([0-9]*\).*/\2/p' "$f" 2>/dev/null | paste -sd. -)
+  pre=$(sed -n "s/^PRE_RELEASE *= *[\"']\([^\"']*\)[\"'].*/\1/p" "$f" 2>/dev/null | head -1)
+  echo "$v$pre"
 }
-RELEASE="" FOUND=""
+minor_line() { sed -n 's/^\([0-9][0-9]*\.[0-9][0-9]*\)\..*/\1/p' <<<"$1"; }   # 0.19.2 -> 0.19
+line_tag() {                       # the supported tag of a minor line (empty if none)
+  local t
+  for t in "${SUPPORTED_TAGS[@]}"; do [ "$(minor_line "${t#core_v}")" != "$1" ] || echo "$t"; done
+}
+RELEASE="" FOUND="" VERSIONS=()
 if [ $IS_GIT = 1 ] && desc=$(git -C "$DIR" describe --tags --match 'core_v*' HEAD 2>/dev/null); then
   tag=$(git -C "$DIR" describe --tags --match 'core_v*' --abbrev=0 HEAD)
   FOUND="git describe: $desc"
-  [ -n "${INFO_VERSION[$tag]:-}" ] && RELEASE=$tag
+  if [ -n "${INFO_VERSION[$tag]:-}" ]; then RELEASE=$tag VERSION=${tag#core_v} HOW=exact; fi
+  VERSIONS+=("${tag#core_v}")
 fi
 if [ -z "$RELEASE" ]; then
   have=$(info_version)
   FOUND="${FOUND:+$FOUND; }megatron/core/package_info.py: ${have:-no version}"
   for t in "${SUPPORTED_TAGS[@]}"; do
-    [ "${INFO_VERSION[$t]}" = "$have" ] && RELEASE=$t
+    if [ "${INFO_VERSION[$t]}" = "$have" ]; then RELEASE=$t VERSION=${t#core_v} HOW=exact; fi
+  done
+  [ -z "$have" ] || VERSIONS+=("$have")
+fi
+if [ -z "$RELEASE" ]; then
+  for v in "${VERSIONS[@]}"; do
+    t=$(line_tag "$(minor_line "$v")")
+    if [ -n "$t" ]; then RELEASE=$t VERSION=$v HOW=line; break; fi
   done
 fi
-[ -n "$RELEASE" ] || die "$DIR is not a supported Megatron-LM release ($FOUND); supported releases: $SUPPORTED_LIST. Nothing was changed."
+if [ -z "$RELEASE" ]; then
+  v=${VERSIONS[0]:-} newest=$(minor_line "${NEWEST_TAG#core_v}")
+  newer=0
+  if l=$(minor_line "$v") && [ -n "$l" ] && [ "$l" != "$newest" ] \
+     && [ "$(printf '%s\n%s\n' "$newest" "$l" | sort -V | tail -1)" = "$l" ]; then newer=1; fi
+  if [ $FORCE = 1 ] && [ $newer = 1 ]; then
+    RELEASE=$NEWEST_TAG VERSION=$v HOW=forced
+  elif [ $FORCE = 1 ]; then
+    die "$DIR is not a supported Megatron-LM release ($FOUND); supported releases: $SUPPORTED_LIST and their patch releases; --force only tries the newest patch set ($NEWEST_TAG) on a release of a newer line. Nothing was changed."
+  elif [ $newer = 1 ]; then
+    die "$DIR is not a supported Megatron-LM release ($FOUND): the $l line is newer than every patch set; supported releases: $SUPPORTED_LIST and their patch releases; --force tries the newest patch set ($NEWEST_TAG), all or nothing. Nothing was changed."
+  else
+    die "$DIR is not a supported Megatron-LM release ($FOUND); supported releases: $SUPPORTED_LIST and their patch releases. Nothing was changed."
+  fi
+fi
 PATCH_DIR=$PATCH_ROOT/$RELEASE
 shopt -s nullglob
 PATCHES=("$PATCH_DIR"/*.patch)
 [ ${#PATCHES[@]} -gt 0 ] || die "no patches in $PATCH_DIR"
-echo "Megatron-LM $RELEASE ($FOUND)"
+case $HOW in
+  exact) echo "Megatron-LM $RELEASE ($FOUND)" ;;
+  line)
+    quirk=""; [ "${INFO_VERSION[$RELEASE]}" = "${RELEASE#core_v}" ] || quirk=", whose package_info.py says ${INFO_VERSION[$RELEASE]}"
+    echo "Megatron-LM core_v$VERSION ($FOUND): a patch release (or another commit) of the $(minor_line "$VERSION") line, not itself tested (the tested one is $RELEASE$quirk); using that line's patch set patches/$RELEASE/ (3-way where a hunk's context moved, all or nothing)" ;;
+  forced) echo "Megatron-LM core_v$VERSION ($FOUND): not a supported release; --force: trying the newest patch set patches/$RELEASE/, all or nothing" ;;
+esac
 
 # --- helpers -----------------------------------------------------------------------------
 # Outside a git checkout, git apply must not discover an enclosing repository (it would
@@ -123,7 +177,12 @@ for i in "${!PATCHES[@]}"; do
 done
 if [ ${#bad[@]} -gt 0 ]; then
   list=$(IFS=,; echo "${bad[*]}" | sed 's/,/, /g')
-  die "$list: the $RELEASE patch neither applies (plain or 3-way) nor is applied to $DIR: local changes where the hook goes; supported releases: $SUPPORTED_LIST. Nothing was changed."
+  case $HOW in
+    forced) why="--force: the newest patch set ($RELEASE) does not fit core_v$VERSION there" ;;
+    line) why="changes of core_v$VERSION (or local ones) where the hook goes" ;;
+    *) why="local changes where the hook goes" ;;
+  esac
+  die "$list: the $RELEASE patch neither applies (plain or 3-way) nor is applied to $DIR: $why; supported releases: $SUPPORTED_LIST. Nothing was changed."
 fi
 
 case "$MODE" in

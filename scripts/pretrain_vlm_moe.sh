@@ -7,8 +7,10 @@
 #
 # Environment:
 #   MEGATRON_LM_DIR  Megatron-LM checkout of a supported release (core_v0.16.1, core_v0.17.1,
-#                    core_v0.18.2, core_v0.19.0; the last three need Python >= 3.12) with our
-#                    patches applied (scripts/apply_patches.sh MEGATRON_LM_DIR); required
+#                    core_v0.18.2, core_v0.19.0, or a patch release of their lines; the 0.17
+#                    line and later need Python >= 3.12) with our patches applied
+#                    (scripts/apply_patches.sh MEGATRON_LM_DIR); required
+#   FORCE_RELEASE=1  accept a checkout of a newer line that apply_patches.sh --force patched
 #   DATA_PATH        energon dataset (directory or blend .yaml); required unless DRY_RUN=1
 #   TOKENIZER_MODEL  HuggingFace tokenizer (name or local directory); default from the config
 #   OUTPUT_DIR       checkpoints, dataloader state and TensorBoard (default
@@ -55,13 +57,16 @@ else
   [ -n "${MEGATRON_LM_DIR:-}" ] || die "set MEGATRON_LM_DIR to a Megatron-LM checkout of a supported release ($(bash "$HERE/scripts/apply_patches.sh" --supported))"
   [ -f "$MEGATRON_LM_DIR/examples/multimodal/train.py" ] || die "$MEGATRON_LM_DIR has no examples/multimodal/train.py"
   # The checkout's release (apply_patches.sh detects it and refuses unsupported ones).
-  state=$(bash "$HERE/scripts/apply_patches.sh" "$MEGATRON_LM_DIR" --check 2>&1) || { echo "$state" >&2; exit 1; }
+  # A patch release of a supported line is accepted as apply_patches.sh accepts it;
+  # FORCE_RELEASE=1 accepts a newer line patched with apply_patches.sh --force.
+  FORCE=(); [ "${FORCE_RELEASE:-0}" != 1 ] || FORCE=(--force)
+  state=$(bash "$HERE/scripts/apply_patches.sh" "$MEGATRON_LM_DIR" --check "${FORCE[@]}" 2>&1) || { echo "$state" >&2; exit 1; }
   if grep -q ": pending" <<<"$state"; then
-    die "patches are not applied to $MEGATRON_LM_DIR: run scripts/apply_patches.sh $MEGATRON_LM_DIR"
+    die "patches are not applied to $MEGATRON_LM_DIR: run scripts/apply_patches.sh $MEGATRON_LM_DIR${FORCE:+ --force}"
   fi
-  RELEASE=$(sed -n '1s/^Megatron-LM \(core_v[0-9.]*\) .*/\1/p' <<<"$state")
-  # core_v0.17.1 and later use typing.override (Python >= 3.12) in megatron/training.
-  if [ "$RELEASE" != core_v0.16.1 ] && ! "$PY" -c "import typing; typing.override" 2>/dev/null; then
+  RELEASE=$(sed -n '1s/^Megatron-LM \(core_v[0-9A-Za-z.]*\) .*/\1/p' <<<"$state")
+  # The 0.17 line and later use typing.override (Python >= 3.12) in megatron/training.
+  if [ "${RELEASE%.*}" != core_v0.16 ] && ! "$PY" -c "import typing; typing.override" 2>/dev/null; then
     die "Megatron-LM $RELEASE needs Python >= 3.12 (typing.override); $PY is $("$PY" -V 2>&1): set PYTHON (scripts/setup_env_py312.sh builds one)"
   fi
 fi

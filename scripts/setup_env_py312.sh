@@ -10,8 +10,18 @@
 # megatron-mm-balance itself is not installed into it: tests run it from the source tree
 # (PYTHONPATH=<repo>), and a Megatron-LM checkout supplies megatron/core (put it first
 # on PYTHONPATH). torch 2.13.0 from the registry for Python 3.12 is a CUDA build (about
-# 4.7 GB); it runs on the CPU. Prints the venv's python path on success.
+# 4.7 GB); it runs on the CPU. The venv never sees the system's site-packages (checked).
+# pydantic (megatron.rl) and tensorboard (--tensorboard-dir) as in scripts/setup_env.sh;
+# every install after torch is constrained to the torch pair installed, so no requirement
+# replaces it.
+#
+#   MEGATRON_LM_DIR=/path/to/Megatron-LM scripts/setup_env_py312.sh
+#       also check that the checkout's training entry points import in the venv
+#       (scripts/check_training_imports.py, with the checkout and this repository on the path)
+#
+# Prints the venv's python path on success (last line).
 set -euo pipefail
+if [ -n "${MEGATRON_LM_DIR:-}" ]; then MEGATRON_LM_DIR=$(cd "$MEGATRON_LM_DIR" && pwd); fi
 cd "$(dirname "$0")/.."
 VENV=${MM_BALANCE_PY312_VENV:-$PWD/.venv-py312}
 TORCH_VERSION=${MM_BALANCE_PY312_TORCH_VERSION:-2.13.0}
@@ -32,6 +42,8 @@ if [ ! -x "$PY" ]; then
     || { echo "setup_env_py312: no Python 3.12 found (set PYTHON312=/path/to/python3.12)" >&2; exit 1; }
   "$BASE" -m venv "$VENV"
 fi
+grep -q "^include-system-site-packages = false" "$VENV/pyvenv.cfg" 2>/dev/null \
+  || { echo "setup_env_py312: $VENV sees the system's site-packages (pyvenv.cfg); remove it and run again" >&2; exit 1; }
 
 pipq() { "$PY" -m pip install -q --disable-pip-version-check "$@" 2>&1 | grep -v -E "^(WARNING: (Running pip as|Location .* is ignored)|\[notice\])" || true; }
 # Presence check without importing (importing the CUDA build of torch takes seconds).
@@ -41,12 +53,19 @@ if ! have torch torchvision; then
   pipq "torch==${TORCH_VERSION}" "torchvision==${TORCHVISION_VERSION}"; installed=1
 fi
 REQS=("megatron-energon==7.4.1" "transformers>=4.40,<5" "pybind11" "numpy" "einops" "packaging"
+      "pydantic>=2,<3" "tensorboard>=2.14"
       "pytest>=8" "pytest-timeout>=2.3" "hypothesis>=6.100" "pyyaml>=6")
-if ! have megatron.energon transformers pybind11 numpy einops packaging pytest pytest_timeout hypothesis yaml; then
-  pipq "${REQS[@]}"; installed=1
+if ! have megatron.energon transformers pybind11 numpy einops packaging pydantic tensorboard pytest pytest_timeout hypothesis yaml; then
+  KEEP=$(mktemp)
+  "$PY" -c "import importlib.metadata as m; print(f\"torch=={m.version('torch')}\"); print(f\"torchvision=={m.version('torchvision')}\")" > "$KEEP"
+  pipq -c "$KEEP" "${REQS[@]}"; installed=1
+  rm -f "$KEEP"
 fi
 if [ $installed = 1 ]; then
-  "$PY" -c "import torch, torchvision, megatron.energon, transformers, pybind11, numpy, einops, pytest" \
+  "$PY" -c "import torch, torchvision, megatron.energon, transformers, pybind11, numpy, einops, pydantic, tensorboard, pytest" \
     || { echo "setup_env_py312: install into $VENV failed" >&2; exit 1; }
+fi
+if [ -n "${MEGATRON_LM_DIR:-}" ]; then
+  "$PY" scripts/check_training_imports.py "$MEGATRON_LM_DIR"
 fi
 echo "$PY"

@@ -24,7 +24,8 @@ HERE=${MM_BALANCE_HOME:-${SLURM_SUBMIT_DIR:-$(cd "$(dirname "$0")/.." && pwd)}}
 # Refuse an unsupported or unpatched Megatron-LM checkout here, before N nodes start.
 if [ "${DRY_RUN:-0}" != 1 ]; then
   [ -n "${MEGATRON_LM_DIR:-}" ] || { echo "slurm_pretrain_vlm_moe: set MEGATRON_LM_DIR to a Megatron-LM checkout of a supported release ($(bash "$HERE/scripts/apply_patches.sh" --supported))" >&2; exit 1; }
-  state=$(bash "$HERE/scripts/apply_patches.sh" "$MEGATRON_LM_DIR" --check 2>&1) || { echo "$state" >&2; exit 1; }
+  FORCE=(); [ "${FORCE_RELEASE:-0}" != 1 ] || FORCE=(--force)    # as scripts/pretrain_vlm_moe.sh
+  state=$(bash "$HERE/scripts/apply_patches.sh" "$MEGATRON_LM_DIR" --check "${FORCE[@]}" 2>&1) || { echo "$state" >&2; exit 1; }
   if grep -q ": pending" <<<"$state"; then
     echo "slurm_pretrain_vlm_moe: patches are not applied to $MEGATRON_LM_DIR: run scripts/apply_patches.sh $MEGATRON_LM_DIR" >&2; exit 1
   fi

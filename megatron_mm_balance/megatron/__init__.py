@@ -15,5 +15,8 @@ transformer-engine or apex (those are imported inside functions):
   datasets that report a sample's image tokens by index;
 * :mod:`.energon` — a megatron-energon ``TaskEncoder`` mixin that packs with our
   best-fit packer and records per-pack ``image_tokens``;
-* :mod:`.telemetry` — balance statistics to the log and TensorBoard/W&B.
+* :mod:`.telemetry` — balance statistics to the log and TensorBoard/W&B;
+* :mod:`.samples` — ``--mm-balance-record-samples``: what each rank consumed, per iteration;
+* :mod:`.logs` — Megatron's training log read back (a job's first-iteration averaging
+  undone) and two runs compared: ``mm-balance compare-logs``.
 """

@@ -65,6 +65,11 @@ def add_mm_balance_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                             "LOCAL_WORLD_SIZE; unset: every rank its own node).")
     group.add_argument("--mm-balance-timeout", type=float, default=_DEFAULTS.timeout,
                        help="Seconds the exchange waits on its collectives before failing.")
+    group.add_argument("--mm-balance-record-samples", type=str, default=None, metavar="DIR",
+                       help="Write, per rank, the sample keys and a content digest of every "
+                            "micro-batch the training loop consumes, per iteration, to "
+                            "DIR/samples-rank<R>.jsonl (balancing on or off; for checking resumed "
+                            "and balanced runs against a reference). Off by default.")
     group.add_argument("--mm-balance-task-encoder", action="store_true",
                        help="examples/multimodal: build the example's TaskEncoder with "
                             "BalancedPackingMixin (per-pack image tokens in the batch; with "

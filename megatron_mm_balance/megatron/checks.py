@@ -111,13 +111,45 @@ def check_args(args) -> None:
              "the packs of all data-parallel ranks per micro-step, so moving packs changes "
              "the loss; use aux_loss or seq_aux_loss")
 
-    if getattr(args, "hybrid_context_parallel", False):
-        fail("--mm-balance does not support --hybrid-context-parallel (it builds its own "
-             "variable micro-batches)")
+    check_upstream_balancers(args)
     dl_type = getattr(args, "dataloader_type", None)
     if mode == "sampler" and dl_type not in (None, "single"):
         fail(f"--mm-balance-mode sampler needs --dataloader-type single (got {dl_type}); "
              "use --mm-balance-mode exchange")
+
+
+#: Megatron-LM's own data rebalancing, by the argument that turns it on: (flag, what it does).
+#: core_v0.16.1 to core_v0.19.0 (and the Megatron-LM that Megatron-Bridge v0.6.0 pins) have
+#: hybrid context parallel; the dynamic context parallel and sequence-packing schedulers that
+#: replace it came after core_v0.19.0 (a newer line, apply_patches.sh --force).
+UPSTREAM_BALANCERS = (
+    ("hybrid_context_parallel", "--hybrid-context-parallel",
+     "HybridCPDataLoaderWrapper splits every global batch's packs into sub-samples and reroutes "
+     "them over the data- and context-parallel ranks by sequence length"),
+    ("dynamic_context_parallel", "--dynamic-context-parallel",
+     "it regroups every global batch's sequences over the data- and context-parallel ranks by "
+     "sequence length"),
+    ("sequence_packing_scheduler", "--sequence-packing-scheduler",
+     "its scheduler re-packs and reroutes every global batch's sequences between data-parallel "
+     "ranks by sequence length"),
+)
+
+
+def check_upstream_balancers(args) -> None:
+    """Refuse Megatron-LM's own data rebalancing together with ``--mm-balance``.
+
+    Both would place the same global batch: Megatron's schedulers run on the iterator our
+    wrapper returns, take the balanced micro-batches apart and reroute their sequences by
+    text length, so the image-token placement is undone after its exchange was paid for,
+    and the micro-batch counts per rank become theirs. One balancer per run."""
+    for dest, flag, what in UPSTREAM_BALANCERS:
+        value = getattr(args, dest, None)
+        if value in (None, False):
+            continue
+        shown = flag if value is True else f"{flag} {value}"
+        raise MMBalanceConfigError(
+            f"--mm-balance cannot be combined with {shown}: {what}, which undoes the image-token "
+            "placement (two balancers for one global batch); use one of them")
 
 
 def checked_config(args) -> MMBalanceConfig:

@@ -50,6 +50,9 @@ class MMBalanceConfig:
     timeout: float = DEFAULT_TIMEOUT_S
     #: ``--mm-balance-ranks-per-node``, resolved (default ``LOCAL_WORLD_SIZE``, else None).
     ranks_per_node: Optional[int] = None
+    #: ``--mm-balance-record-samples``: directory of the per-rank consumed-sample records
+    #: (:mod:`.samples`), balancing on or off; None records nothing.
+    record_samples: Optional[str] = None
 
     @classmethod
     def from_args(cls, args) -> "MMBalanceConfig":
@@ -71,6 +74,7 @@ class MMBalanceConfig:
             tolerance=flag("tolerance", None),
             timeout=float(flag("timeout", d.timeout)),
             ranks_per_node=resolve_ranks_per_node(args),
+            record_samples=flag("record_samples", None) or None,
         )
 
     def runtime(self) -> BalancerConfig:

@@ -19,6 +19,10 @@ Megatron's contracts, and how the wrapper keeps them:
 
 Only ranks that read data are wrapped: first/last pipeline stage, tensor rank 0
 (see :mod:`.groups`); other ranks' iterators are returned unchanged.
+
+With ``--mm-balance-record-samples DIR`` every micro-batch the loop takes is also written
+to a per-rank record (:mod:`.samples`), balancing on (after the exchange) or off (then the
+wrapper only records: no groups, no balancer).
 """
 from __future__ import annotations
 
@@ -41,10 +45,11 @@ class BalancedTrainIterable:
     raises (Megatron checkpoints between steps).
     """
 
-    def __init__(self, balanced, source, telemetry=None):
+    def __init__(self, balanced, source, telemetry=None, recorder=None):
         self.balancer = balanced
         self.source = source
         self._telemetry = telemetry
+        self._recorder = recorder          # --mm-balance-record-samples
         self.delivered = 0
 
     def __iter__(self):
@@ -55,6 +60,8 @@ class BalancedTrainIterable:
         self.delivered += 1
         if self._telemetry is not None:
             self._telemetry.on_item()
+        if self._recorder is not None:
+            self._recorder.record(item)
         return item
 
     @property
@@ -175,7 +182,7 @@ class Coordinator:
         self.cfg = cfg
         self.args = args
 
-    def wrap(self, source, group, chunk: int):
+    def wrap(self, source, group, chunk: int, recorder=None):
         raise NotImplementedError
 
     def _telemetry(self, stats_source, group, chunk):
@@ -194,7 +201,7 @@ class ExchangeCoordinator(Coordinator):
         self.cost_fn = make_cost_fn(args) if cost_fn is None else cost_fn
         self.num_microbatches = num_microbatches
 
-    def wrap(self, source, group, chunk: int):
+    def wrap(self, source, group, chunk: int, recorder=None):
         from megatron.core.rerun_state_machine import RerunDataIterator
         from ..runtime import BalancedDataIterator
 
@@ -211,15 +218,16 @@ class ExchangeCoordinator(Coordinator):
                                         predict_microbatches=_predictor_for(self.args,
                                                                             self.num_microbatches))
         telemetry = self._telemetry(balanced, group, chunk)
-        return RerunDataIterator(BalancedTrainIterable(balanced, source, telemetry))
+        return RerunDataIterator(BalancedTrainIterable(balanced, source, telemetry, recorder))
 
 
 class _Reporting:
     """Pass-through iterable that drives telemetry (sampler mode); keeps ``save_state``."""
 
-    def __init__(self, source, telemetry):
+    def __init__(self, source, telemetry, recorder=None):
         self.source = source
         self._telemetry = telemetry
+        self._recorder = recorder
 
     def __iter__(self):
         return self
@@ -227,6 +235,8 @@ class _Reporting:
     def __next__(self):
         item = next(self.source)
         self._telemetry.on_item()
+        if self._recorder is not None:
+            self._recorder.record(item)
         return item
 
     def __getattr__(self, name):          # save_state and anything else the loader offers
@@ -243,9 +253,9 @@ class SamplerCoordinator(Coordinator):
         super().__init__(cfg, args)
         self.sampler = sampler
 
-    def wrap(self, source, group, chunk: int):
+    def wrap(self, source, group, chunk: int, recorder=None):
         from megatron.core.rerun_state_machine import RerunDataIterator
-        return RerunDataIterator(_Reporting(source, self._telemetry(self.sampler, group, chunk)))
+        return RerunDataIterator(_Reporting(source, self._telemetry(self.sampler, group, chunk), recorder))
 
 
 def coordinator_for(cfg: MMBalanceConfig, args, *, cost_fn=None, num_microbatches=None) -> Coordinator:
@@ -276,6 +286,8 @@ def wrap_train_data_iterator(train_data_iterator, args=None, *, num_microbatches
         from megatron.training import get_args
         args = get_args()
     if not getattr(args, "mm_balance", False):
+        if MMBalanceConfig.from_args(args).record_samples:
+            return _recording_only(train_data_iterator, args)
         return train_data_iterator
     from .groups import init_exchange_groups
 
@@ -284,8 +296,34 @@ def wrap_train_data_iterator(train_data_iterator, args=None, *, num_microbatches
     iterators = train_data_iterator if is_list else [train_data_iterator]
     groups = init_exchange_groups(layout, num_chunks=len(iterators), timeout=cfg.timeout)
     coordinator = coordinator_for(cfg, args, cost_fn=cost_fn, num_microbatches=num_microbatches)
-    wrapped = [it if it is None or group is None else coordinator.wrap(_unwrap(it), group, chunk)
+    wrapped = [it if it is None or group is None
+               else coordinator.wrap(_unwrap(it), group, chunk, _recorder(cfg, args, chunk))
                for chunk, (it, group) in enumerate(zip(iterators, groups))]
+    return wrapped if is_list else wrapped[0]
+
+
+def _recorder(cfg: MMBalanceConfig, args, chunk: int):
+    """This rank's :class:`~.samples.SampleRecorder` when ``--mm-balance-record-samples`` is set."""
+    if not cfg.record_samples:
+        return None
+    from .samples import SampleRecorder
+    return SampleRecorder(cfg.record_samples, args, chunk=chunk)
+
+
+def _recording_only(train_data_iterator, args):
+    """Balancing off, recording on: each iterator's loader behind a recording pass-through,
+    still in a ``RerunDataIterator`` (no collectives, nothing else changes)."""
+    from megatron.core.rerun_state_machine import RerunDataIterator
+    from .samples import RecordingIterable
+    cfg = MMBalanceConfig.from_args(args)
+    is_list = isinstance(train_data_iterator, list)
+    iterators = train_data_iterator if is_list else [train_data_iterator]
+    wrapped = []
+    for chunk, it in enumerate(iterators):
+        if it is None:
+            wrapped.append(None)
+            continue
+        wrapped.append(RerunDataIterator(RecordingIterable(_unwrap(it), _recorder(cfg, args, chunk))))
     return wrapped if is_list else wrapped[0]
 
 

@@ -79,6 +79,19 @@ def format_line(iteration: int, summary: Dict[str, float], chunk: int = 0) -> st
     return f"[mm-balance] iteration {iteration}{where} | " + " | ".join(parts)
 
 
+def resume_note(loaded_iteration: int) -> str:
+    """What the first telemetry line of a job resumed at ``loaded_iteration`` adds: how
+    Megatron logs a job's first iterations (its next line after the job's first averages
+    both, as in every job), so that a resumed log compared with the uninterrupted run's is
+    read right; empty for a fresh job."""
+    if loaded_iteration <= 0:
+        return ""
+    k = loaded_iteration
+    return (f" | resumed_from: {k} | note: Megatron logs this job's first iteration ({k + 1}) alone "
+            f"and averages it into its next line, so that line differs from the uninterrupted run's; "
+            f"mm-balance compare-logs UNINTERRUPTED.log RESUMED.log recomputes it")
+
+
 def _megatron_writers():
     try:
         from megatron.training.global_vars import get_tensorboard_writer, get_wandb_writer
@@ -110,6 +123,7 @@ class Telemetry:
         self.tb_writer = tb_writer
         self.wandb_writer = wandb_writer
         self.lines = []   # the log lines written, newest last (bounded)
+        self._resume_note = resume_note(getattr(args, "iteration", 0) or 0)
 
     def _iteration(self) -> int:
         it = getattr(self.args, "curr_iteration", None) if self.args is not None else None
@@ -141,7 +155,8 @@ class Telemetry:
         summary = summarize(self._new_entries())
         if not summary:
             return summary
-        line = format_line(iteration, summary, self.chunk)
+        line = format_line(iteration, summary, self.chunk) + self._resume_note
+        self._resume_note = ""                 # on the job's first line only
         logger.info(line)
         print(line, flush=True)
         self.lines = (self.lines + [line])[-64:]

@@ -127,3 +127,27 @@ class MegatronTrees:
         src = self.source(tag) if kind == "plain" else self.git_source(tag)
         subprocess.run(["cp", "-a", str(src), str(dst)], check=True)
         return dst
+
+    def copy_as(self, tag: str, version: str, dst: Path, kind: str = "plain") -> Path:
+        """A private copy of ``tag`` whose version file says ``version`` (MAJOR.MINOR.PATCH):
+        a stand-in for another release of that line (a patch release, 0.19.2) or of a newer
+        one (0.20.0). Kind 'git' also commits the change and tags it ``core_v<version>``, on
+        top of the local commit, so the release comes from ``git describe``."""
+        d = self.copy(tag, dst, kind)
+        set_package_version(d, version)
+        if kind == "git":
+            git(d, "commit", "-q", "-am", f"release {version}")
+            git(d, "tag", f"core_v{version}")
+        return d
+
+
+def set_package_version(tree: Path, version: str) -> None:
+    """Rewrite MAJOR/MINOR/PATCH in megatron/core/package_info.py."""
+    f = tree / "megatron/core/package_info.py"
+    values = dict(zip(("MAJOR", "MINOR", "PATCH"), version.split(".")))
+    lines = []
+    for line in f.read_text().splitlines(keepends=True):
+        key = line.partition("=")[0].strip()
+        lines.append(f"{key} = {values[key]}\n" if key in values and "=" in line else line)
+    f.write_text("".join(lines))
+    assert package_version(tree) == version

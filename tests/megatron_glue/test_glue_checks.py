@@ -88,5 +88,21 @@ def test_sampler_mode_needs_single_dataloader():
                                                            dataloader_type="external"))
 
 
-def test_hybrid_context_parallel_is_refused():
-    assert "--hybrid-context-parallel" in refused(make_args(hybrid_context_parallel=True))
+@pytest.mark.parametrize("megatron,shown", [
+    ({"hybrid_context_parallel": True}, "--hybrid-context-parallel"),
+    ({"dynamic_context_parallel": True}, "--dynamic-context-parallel"),
+    ({"sequence_packing_scheduler": "dp_balanced"}, "--sequence-packing-scheduler dp_balanced"),
+    ({"sequence_packing_scheduler": "default_dynamic_cp"}, "--sequence-packing-scheduler default_dynamic_cp"),
+])
+def test_upstream_balancers_are_refused_naming_both_flags(megatron, shown):
+    msg = refused(make_args(**megatron))
+    assert msg.startswith(f"--mm-balance cannot be combined with {shown}:"), msg
+    assert "undoes the image-token placement" in msg
+
+
+def test_upstream_balancers_off_are_fine():
+    check_args(make_args(hybrid_context_parallel=False, dynamic_context_parallel=False,
+                         sequence_packing_scheduler=None))
+    off = make_args(sequence_packing_scheduler="dp_balanced", hybrid_context_parallel=True)
+    off.mm_balance = False
+    check_args(off)

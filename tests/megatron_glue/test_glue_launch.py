@@ -135,6 +135,41 @@ def test_megatron_accepts_each_config(cfg, tmp_path, mlm_trees):
     assert f"VALID {world} {dp} {v['EP']} True" in r.stdout
 
 
+def upstream_balancer_specs(tree, python, tmp_path):
+    """release_check.py specs: the tiny config's command with --hybrid-context-parallel added,
+    balancing on and off (see release_check.py)."""
+    cfg = ROOT / "configs/megatron/tiny_cpu.sh"
+    specs = []
+    for on in ("1", "0"):
+        r = dry_run(cfg, {"MEGATRON_LM_DIR": str(tree), "PYTHON": python, "MM_BALANCE": on})
+        assert r.returncode == 0, r.stderr
+        f = tmp_path / f"upstream-{on}.argv"
+        f.write_text(r.stdout)
+        specs.append(f"upstream:{f}:4")
+    return specs
+
+
+def check_upstream_balancer_lines(stdout, tmp_path):
+    on, off = tmp_path / "upstream-1.argv", tmp_path / "upstream-0.argv"
+    want = (f"REFUSED {on} --mm-balance cannot be combined with --hybrid-context-parallel: "
+            "HybridCPDataLoaderWrapper")
+    assert want in stdout and f"VALID-UPSTREAM {off}" in stdout, stdout[-2000:]
+
+
+def test_megatron_refuses_hybrid_context_parallel_with_mm_balance(tmp_path, mlm_trees):
+    """Through core_v0.16.1's own parse_args + validate_args (with the settings Megatron's
+    validate_args asks of hybrid context parallel): refused with --mm-balance by our one-line
+    error, accepted without it."""
+    clone = mlm_trees.copy("core_v0.16.1", tmp_path / "Megatron-LM")
+    assert run_script(clone).returncode == 0
+    specs = upstream_balancer_specs(clone, sys.executable, tmp_path)
+    r = subprocess.run([sys.executable, str(Path(__file__).parent / "release_check.py"), str(clone), str(ROOT),
+                        *specs], capture_output=True, text=True, timeout=300, cwd=str(tmp_path),
+                       env=dict(os.environ, CUDA_DEVICE_MAX_CONNECTIONS="1"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    check_upstream_balancer_lines(r.stdout, tmp_path)
+
+
 def test_gpu_path_refuses_without_transformer_engine_and_probes_apex(tmp_path, mlm_trees):
     """Without the CPU harness (a GPU config) and no transformer-engine, the launcher stops
     before torchrun with one message; an importable apex drops the no-fusion flags."""

@@ -171,6 +171,83 @@ def test_unknown_release_is_refused_and_tree_untouched(mlm_trees, tmp_path, kind
     assert tree_hash(d) == before
 
 
+#: Another release of a supported line -> (the tested release whose tree stands in for it, kind).
+#: 0.19.0 in the version file is the 0.19 line before its tag (the core_v0.19.0 tag's file says
+#: 0.19.1); "git" trees carry the local commit too (so the 3-way path is taken) and a tag.
+PATCH_RELEASES = {"0.16.0": ("core_v0.16.1", "plain"), "0.17.0": ("core_v0.17.1", "plain"),
+                  "0.18.0": ("core_v0.18.2", "plain"), "0.18.1": ("core_v0.18.2", "git"),
+                  "0.19.0": ("core_v0.19.0", "plain"), "0.19.2": ("core_v0.19.0", "git")}
+
+
+@pytest.mark.parametrize("version", list(PATCH_RELEASES))
+def test_patch_release_gets_its_lines_patch_set(mlm_trees, tmp_path, version):
+    """A tree whose version file (or tag) says another release of a supported line is patched
+    with that line's set, says so in its first line, applies (3-way on the git trees) and
+    reverts byte for byte."""
+    tag, kind = PATCH_RELEASES[version]
+    d = mlm_trees.copy_as(tag, version, tmp_path / "Megatron-LM", kind)
+    before = tree_hash(d)
+    line = ".".join(version.split(".")[:2])
+    r = run_script(d, "--check")
+    assert r.returncode == 0, r.stderr
+    first = r.stdout.splitlines()[0]
+    source = f"git describe: core_v{version}" if kind == "git" else f"package_info.py: {version}"
+    assert first.startswith(f"Megatron-LM core_v{version} (") and source in first, first
+    assert f"a patch release (or another commit) of the {line} line" in first and f"patches/{tag}/" in first
+    assert states(r.stdout) == dict.fromkeys(targets(tag), "pending") and tree_hash(d) == before
+    r = run_script(d)
+    assert r.returncode == 0 and f"applied {len(PATCH_SETS[tag])} patch(es)" in r.stdout, r.stdout + r.stderr
+    if kind == "git":
+        assert f"{LOCAL_EDIT_FILE}: applied with git apply --3way" in r.stdout
+    assert run_script(d, "--revert").returncode == 0 and tree_hash(d) == before
+
+
+NEWEST = RELEASES[-1]
+
+
+def test_new_minor_line_is_refused_and_force_tries_the_newest_set(mlm_trees, tmp_path):
+    d = mlm_trees.copy_as(NEWEST, "0.20.0", tmp_path / "Megatron-LM")
+    before = tree_hash(d)
+    for mode in ((), ("--check",), ("--revert",)):
+        r = run_script(d, *mode)
+        assert r.returncode == 1 and len(r.stderr.splitlines()) == 1, r.stdout + r.stderr
+        assert "0.20.0" in r.stderr and "the 0.20 line is newer" in r.stderr and SUPPORTED_MSG in r.stderr
+        assert f"--force tries the newest patch set ({NEWEST})" in r.stderr
+    assert tree_hash(d) == before
+    r = run_script(d, "--check", "--force")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines()[0].startswith("Megatron-LM core_v0.20.0 (") and \
+        f"--force: trying the newest patch set patches/{NEWEST}/" in r.stdout
+    assert tree_hash(d) == before
+    r = run_script(d, "--force")
+    assert r.returncode == 0 and f"applied {len(PATCH_SETS[NEWEST])} patch(es)" in r.stdout, r.stderr
+    assert run_script(d, "--revert").returncode == 1             # the same refusal without --force
+    r = run_script(d, "--force", "--revert")
+    assert r.returncode == 0 and tree_hash(d) == before
+
+
+def test_force_is_all_or_nothing_and_only_for_newer_lines(mlm_trees, tmp_path):
+    d = mlm_trees.copy_as(NEWEST, "0.20.0", tmp_path / "Megatron-LM", "git")
+    f = d / "megatron/training/training.py"           # upstream moved the hook's context away
+    f.write_text(f.read_text().replace("    timers('train/valid/test-data-iterators-setup').stop()\n",
+                                       "    pass\n", 1))
+    before = tree_hash(d)
+    r = run_script(d, "--force")
+    assert r.returncode == 1 and len(r.stderr.splitlines()) == 1
+    assert r.stderr.startswith("apply_patches: megatron/training/training.py:")
+    assert f"--force: the newest patch set ({NEWEST}) does not fit core_v0.20.0" in r.stderr
+    assert "Nothing was changed" in r.stderr and tree_hash(d) == before
+    old = mlm_trees.copy_as("core_v0.16.1", "0.15.2", tmp_path / "old")
+    r = run_script(old, "--force")
+    assert r.returncode == 1 and "--force only tries the newest patch set" in r.stderr
+    assert len(r.stderr.splitlines()) == 1
+
+
+def test_usage_with_force(tmp_path):
+    assert run_script(tmp_path, "--check", "--revert").returncode == 2
+    assert run_script(tmp_path, "--force", "--bogus").returncode == 2
+
+
 @pytest.mark.parametrize("kind", ["plain", "git"])
 def test_conflicting_local_edit_is_refused_naming_the_file(mlm_trees, tmp_path, kind):
     d = mlm_trees.copy("core_v0.19.0", tmp_path / "Megatron-LM", kind)

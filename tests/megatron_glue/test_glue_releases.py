@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from megatron_trees import ROOT, RELEASES
-from test_glue_launch import CONFIGS, config_vars, dry_run
+from test_glue_launch import CONFIGS, check_upstream_balancer_lines, config_vars, dry_run, upstream_balancer_specs
 from test_glue_patches import SUPPORTED_MSG, run_script
 
 NEWER = [t for t in RELEASES if t != "core_v0.16.1"]
@@ -65,6 +65,33 @@ def test_launcher_asks_for_python312_on_newer_releases(mlm_trees, tmp_path):
     assert r.returncode == 1 and "core_v0.19.0 needs Python >= 3.12" in r.stderr, r.stderr
 
 
+def test_launcher_takes_patch_releases_and_forced_lines(mlm_trees, tmp_path):
+    """The launcher reads the release from apply_patches.sh --check: a patch release of the 0.16
+    line runs under this Python (DRY_RUN prints the command), one of the 0.18 line asks for
+    Python 3.12, a forced 0.20 tree is refused unless FORCE_RELEASE=1."""
+    def launch(tree, **env):
+        return subprocess.run(["bash", str(LAUNCH), "--config", str(ROOT / "configs/megatron/tiny_cpu.sh")],
+                              capture_output=True, text=True, timeout=120,
+                              env=launch_env(MEGATRON_LM_DIR=str(tree), DATA_PATH=str(tmp_path),
+                                             PYTHON=sys.executable, DRY_RUN="1", **env))
+    old = mlm_trees.copy_as("core_v0.16.1", "0.16.0", tmp_path / "mlm-0.16.0")
+    assert run_script(old).returncode == 0
+    r = launch(old)
+    assert r.returncode == 0 and "examples/multimodal/train.py" in r.stdout, r.stderr
+    if sys.version_info < (3, 12):
+        mid = mlm_trees.copy_as("core_v0.18.2", "0.18.0", tmp_path / "mlm-0.18.0")
+        assert run_script(mid).returncode == 0
+        r = launch(mid)
+        assert r.returncode == 1 and "core_v0.18.0 needs Python >= 3.12" in r.stderr, r.stderr
+    new = mlm_trees.copy_as("core_v0.19.0", "0.20.0", tmp_path / "mlm-0.20.0")
+    assert run_script(new, "--force").returncode == 0
+    r = launch(new)
+    assert r.returncode == 1 and "the 0.20 line is newer" in r.stderr, r.stderr
+    r = launch(new, FORCE_RELEASE="1")
+    want = "core_v0.20.0 needs Python >= 3.12" if sys.version_info < (3, 12) else "examples/multimodal/train.py"
+    assert want in r.stderr + r.stdout, r.stderr
+
+
 # -- in the Python 3.12 environment ---------------------------------------------------------------
 @pytest.mark.parametrize("tag", NEWER)
 def test_patched_release_imports_and_validates_every_config(py312, mlm_trees, tmp_path, tag):
@@ -78,13 +105,16 @@ def test_patched_release_imports_and_validates_every_config(py312, mlm_trees, tm
         v = config_vars(cfg)
         specs.append((cfg, f, v, v["NNODES"] * v["GPUS_PER_NODE"]))
     r = subprocess.run([py312, str(HERE / "release_check.py"), str(d), str(ROOT),
-                        *[f"{f}:{world}" for _, f, _, world in specs]],
+                        *[f"{f}:{world}" for _, f, _, world in specs],
+                        *upstream_balancer_specs(d, py312, tmp_path)],
                        capture_output=True, text=True, timeout=900, cwd=str(tmp_path))
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
     assert f"IMPORTED {d}" in r.stdout
     for cfg, f, v, world in specs:
         dp = world // (v["TP"] * v["PP"] * v["CP"])
         assert f"VALID {f} {world} {dp} {v['EP']} True" in r.stdout, cfg.stem
+    # Megatron's own hybrid context parallel with --mm-balance: refused by our check at start-up.
+    check_upstream_balancer_lines(r.stdout, tmp_path)
 
 
 GLUE_TESTS = {tag: ["test_glue_units.py", "test_glue_multirank.py"] for tag in NEWER}

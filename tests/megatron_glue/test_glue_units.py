@@ -325,6 +325,24 @@ def test_telemetry_writes_every_interval_to_writers_and_log(capsys):
     assert capsys.readouterr().out.count("[mm-balance] iteration") == 3
 
 
+def test_first_line_of_a_resumed_job_says_how_megatron_logs_it(capsys):
+    balancer = FakeBalancer(iter(()))
+    balancer.stats.clear()
+    args = argparse.Namespace(curr_iteration=3, iteration=3)      # loaded the iteration-3 checkpoint
+    tel = Telemetry(balancer, args, interval=1, tb_writer=Writer(), reporter=True)
+    for it in (3, 4, 5):
+        args.curr_iteration = it
+        balancer.stats.append({"packs_moved": it})
+        tel.on_item()
+    first, *rest = [l for l in capsys.readouterr().out.splitlines() if l.startswith("[mm-balance]")]
+    assert "| resumed_from: 3 | note: Megatron logs this job's first iteration (4) alone" in first
+    assert "mm-balance compare-logs" in first and rest and not any("resumed_from" in l for l in rest)
+    fresh = Telemetry(balancer, argparse.Namespace(curr_iteration=1, iteration=0), interval=1,
+                      tb_writer=Writer(), reporter=True)
+    fresh.on_item()
+    assert "resumed_from" not in capsys.readouterr().out
+
+
 def test_non_reporting_rank_writes_nothing():
     balancer = FakeBalancer(iter(()))
     tb = Writer()

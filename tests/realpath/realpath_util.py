@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from megatron_mm_balance.bench.runtime import free_port
+from megatron_mm_balance.megatron import logs as megatron_logs
 
 REPO = Path(__file__).resolve().parents[2]
 TAG = "core_v0.16.1"
@@ -35,8 +36,6 @@ CACHE = REPO / ".megatron-lm-cache"
 LAUNCHER = REPO / "scripts" / "pretrain_vlm_moe.sh"
 CONFIG = REPO / "configs" / "megatron" / "tiny_cpu.sh"
 
-#: Megatron's per-iteration log line: "iteration 3/ 6 | ... | lm loss: 6.42E+00 | ...".
-ITER_RE = re.compile(r"\biteration\s+(\d+)/\s*\d+ \|.*?\blm loss: ([0-9.Ee+-]+)")
 #: Our telemetry line: "[mm-balance] iteration 3 | ... | packs_moved: 7 | ...".
 MOVED_RE = re.compile(r"^\[mm-balance\] iteration (\d+) \|.*?\bpacks_moved: (\d+)", re.M)
 #: The same line's share of global batches the exchange thread pulled before the training
@@ -82,11 +81,14 @@ def megatron_lm_dir(tag: str = TAG) -> Optional[Path]:
     return tree
 
 
-def make_dataset(out: Path, samples: int = 128, seed: int = 0) -> Dict[str, str]:
-    """``mm-balance make-dataset OUT --samples N --seed S``; returns its KEY=VALUE lines."""
+def make_dataset(out: Path, samples: Optional[int] = 128, seed: Optional[int] = 0,
+                 python: str = sys.executable) -> Dict[str, str]:
+    """``mm-balance make-dataset OUT [--samples N] [--seed S]`` (None: the command's default);
+    returns its KEY=VALUE lines."""
     env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    res = subprocess.run([sys.executable, "-m", "megatron_mm_balance.cli", "make-dataset", str(out),
-                          "--samples", str(samples), "--seed", str(seed)],
+    opts = [*(["--samples", str(samples)] if samples is not None else []),
+            *(["--seed", str(seed)] if seed is not None else [])]
+    res = subprocess.run([python, "-m", "megatron_mm_balance.cli", "make-dataset", str(out), *opts],
                          env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, f"make-dataset failed:\n{res.stdout}\n{res.stderr}"
     return dict(line.split("=", 1) for line in res.stdout.splitlines()
@@ -100,6 +102,8 @@ class Run:
     rc: int
     wall_s: float
     log: str
+    log_path: Optional[Path] = None
+    samples_dir: Optional[Path] = None        # --mm-balance-record-samples DIR, when given
     losses: Dict[int, float] = field(default_factory=dict)
     prefetched: Dict[int, float] = field(default_factory=dict)
     moved: Dict[int, int] = field(default_factory=dict)
@@ -109,19 +113,15 @@ class Run:
 
 
 def parse_losses(log: str) -> Dict[int, float]:
-    """Per-iteration lm loss from Megatron's iteration lines (``--log-interval 1``).
-
-    Megatron does not reset its loss accumulators after the first iteration of a job
-    (``training_log(is_first_iteration=True)``), so the line of the job's second
-    iteration prints the mean of its first two; that iteration's own loss is
-    ``2 * printed - first``. Reconstructed here so that a resumed job's iterations
-    compare one to one with an uninterrupted run's.
-    """
-    printed = {int(m.group(1)): float(m.group(2)) for m in ITER_RE.finditer(log)}
-    its = sorted(printed)
-    if len(its) >= 2 and its[1] == its[0] + 1:
-        printed[its[1]] = 2 * printed[its[1]] - printed[its[0]]
-    return printed
+    """Per-iteration lm loss from Megatron's iteration lines (``--log-interval 1``), as
+    ``mm-balance compare-logs`` reads them (:mod:`megatron_mm_balance.megatron.logs`): the
+    second line of a job, which Megatron prints as the mean of the job's first two
+    iterations, is recomputed, so that a resumed job's iterations compare one to one with
+    an uninterrupted run's."""
+    try:
+        return megatron_logs.read_log(log).values("lm loss")
+    except megatron_logs.LogError:
+        return {}
 
 
 def parse_moved(log: str) -> Dict[int, int]:
@@ -159,7 +159,8 @@ def kill_group(proc: subprocess.Popen) -> None:
         pass
 
 
-def run(env: Dict[str, str], extra: List[str] = (), *, log_path: Path, timeout: float = 600.0) -> Run:
+def run(env: Dict[str, str], extra: List[str] = (), *, log_path: Path, timeout: float = 600.0,
+        samples_dir: Optional[Path] = None) -> Run:
     """Run the launcher to completion (killing its whole process group at ``timeout``)."""
     t0 = time.monotonic()
     proc = launch(env, extra, log_path=log_path)
@@ -172,7 +173,7 @@ def run(env: Dict[str, str], extra: List[str] = (), *, log_path: Path, timeout: 
     finally:
         kill_group(proc)  # no rank outlives its launcher
     log = log_path.read_text(errors="replace")
-    return Run(rc=rc, wall_s=time.monotonic() - t0, log=log,
+    return Run(rc=rc, wall_s=time.monotonic() - t0, log=log, log_path=log_path, samples_dir=samples_dir,
                losses=parse_losses(log), moved=parse_moved(log), prefetched=parse_prefetched(log))
 
 
@@ -191,10 +192,49 @@ def loss_table(runs: Dict[str, Run]) -> str:
     return "\n".join(lines)
 
 
-def check_resume(full: "Run", first: "Run", second: "Run", label: str, rel_tol: float) -> str:
+def consumed(samples_dir: Path) -> Dict[tuple, list]:
+    """``{(rank, iteration): [(keys, digest) per micro-batch]}`` from the records of
+    ``--mm-balance-record-samples`` (a later job's records of an iteration replace an
+    earlier job's)."""
+    from megatron_mm_balance.megatron.samples import read_records
+    out: Dict[tuple, dict] = {}
+    for r in read_records(str(samples_dir)):
+        slot = out.setdefault((r["rank"], r["iteration"]), {})
+        if slot and max(j for j, _ in slot) < r["job_start"]:
+            slot.clear()
+        slot[(r["job_start"], r["microbatch"])] = (tuple(r["keys"] or ()), r["digest"])
+    return {k: [v[m] for m in sorted(v)] for k, v in out.items()}
+
+
+def global_batch(c: Dict[tuple, list], iteration: int) -> list:
+    """Every micro-batch the data-parallel group consumed at ``iteration``, as a sorted multiset."""
+    return sorted(x for (_, it), mbs in c.items() if it == iteration for x in mbs)
+
+
+def check_samples(full: "Run", resumed_dir: Path, iters, label: str) -> str:
+    """The resumed run (both jobs' records) consumed, rank by rank and iteration by iteration,
+    exactly the micro-batches (keys and content digests) of the uninterrupted run."""
+    a, b = consumed(full.samples_dir), consumed(resumed_dir)
+    want = {it for it in iters}
+    assert {it for _, it in a} == want and {it for _, it in b} == want, (sorted(a), sorted(b))
+    ranks = sorted({r for r, _ in a})
+    assert ranks == [0, 1, 2, 3] and set(a) == set(b), f"{label}: ranks {ranks} / {sorted(set(b) ^ set(a))}"
+    assert all(keys for mbs in a.values() for keys, _ in mbs), f"{label}: a micro-batch without keys"
+    for it in sorted(want):
+        assert global_batch(a, it) == global_batch(b, it), f"{label}: iteration {it}: other micro-batches"
+        for r in ranks:
+            assert a[(r, it)] == b[(r, it)], (f"{label}: rank {r} iteration {it} consumed "
+                                              f"{b[(r, it)]}, uninterrupted {a[(r, it)]}")
+    n = sum(len(v) for v in a.values())
+    return f"{label}: {n} micro-batches on {len(ranks)} ranks over iterations {min(want)}-{max(want)} identical"
+
+
+def check_resume(full: "Run", first: "Run", second: "Run", label: str, rel_tol: float,
+                 balanced: bool = True) -> str:
     """Assert that a job stopped after iteration 3 and resumed from the same OUTPUT_DIR
-    equals the uninterrupted run (iterations 1-3 and 4-6), with the energon dataloader
-    state restored and packs still moving; returns the loss table."""
+    equals the uninterrupted run (iterations 1-3 and 4-6): losses, the samples every rank
+    consumed per iteration (when recorded), ``mm-balance compare-logs``, the energon
+    dataloader state restored; with balancing, packs still moving; returns the loss table."""
     table = loss_table({"uninterrupted": full, "first job": first, "resumed": second})
     print(f"\n{label}:\n{table}")
     assert full.rc == 0 and first.rc == 0 and second.rc == 0, (
@@ -205,14 +245,66 @@ def check_resume(full: "Run", first: "Run", second: "Run", label: str, rel_tol: 
     assert max_rel_diff(first.losses, full.losses, [1, 2, 3]) <= rel_tol, table
     diff = max_rel_diff(second.losses, full.losses, [4, 5, 6])
     assert diff <= rel_tol, f"resumed iterations differ by {diff:.2e}\n{table}"
-    assert sum(second.moved.values()) > 0, "no packs moved after the resume"
-    # The loader (energon, with save_state) was read ahead across global batches: every
-    # telemetry line after a job's first covers only batches its exchange thread had pulled
-    # before the training loop asked for them, and the checkpoint was still exact.
-    for name, run in (("uninterrupted", full), ("first job", first), ("resumed", second)):
-        later = [run.prefetched[i] for i in sorted(run.prefetched)[1:]]
-        assert later and all(v == 1.0 for v in later), (
-            f"{name}: global batches not prefetched: {run.prefetched}")
-    print(f"prefetched share per telemetry line: uninterrupted {full.prefetched}, "
-          f"first job {first.prefetched}, resumed {second.prefetched}")
+    if full.samples_dir is not None:
+        assert first.samples_dir == second.samples_dir
+        print(check_samples(full, second.samples_dir, range(1, 7), label))
+    if balanced:
+        assert sum(second.moved.values()) > 0, "no packs moved after the resume"
+        # The loader (energon, with save_state) was read ahead across global batches: every
+        # telemetry line after a job's first covers only batches its exchange thread had
+        # pulled before the training loop asked for them, and the checkpoint was still exact.
+        for name, run in (("uninterrupted", full), ("first job", first), ("resumed", second)):
+            later = [run.prefetched[i] for i in sorted(run.prefetched)[1:]]
+            assert later and all(v == 1.0 for v in later), (
+                f"{name}: global batches not prefetched: {run.prefetched}")
+        print(f"prefetched share per telemetry line: uninterrupted {full.prefetched}, "
+              f"first job {first.prefetched}, resumed {second.prefetched}")
+    else:
+        assert not (full.moved or first.moved or second.moved), "balancer telemetry with MM_BALANCE=0"
+    # The user's tool says the same: the resumed run (both jobs' logs) equals the uninterrupted one.
+    cmp = compare_logs(full.log_path, f"{first.log_path},{second.log_path}", "--rtol", str(rel_tol))
+    assert cmp.returncode == 0 and cmp.stdout.strip().endswith(": equal"), cmp.stdout + cmp.stderr
+    print(cmp.stdout)
+    # Our first telemetry line of the resumed job says how Megatron logs its first iterations.
+    if balanced:
+        assert "resumed_from: 3" in second.log and "resumed_from" not in first.log, second.tail()
     return table
+
+
+def compare_logs(a, b, *options: str) -> subprocess.CompletedProcess:
+    """``mm-balance compare-logs A B [options]``."""
+    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    return subprocess.run([sys.executable, "-m", "megatron_mm_balance.cli", "compare-logs", str(a), str(b),
+                           *options], capture_output=True, text=True, timeout=120, env=env)
+
+
+@dataclass
+class FreshVenv:
+    """A virtual environment set up by scripts/setup_env.sh, and what that took."""
+
+    python: str
+    built: bool          # created in this session (False: reused)
+    setup_s: float       # wall time of venv creation + setup_env.sh in this session
+    setup_log: str
+
+
+FRESH_VENV = Path(os.environ.get("MM_BALANCE_FRESH_VENV") or REPO / ".venv-fresh")
+
+
+def fresh_venv(megatron_lm: Path, path: Path = FRESH_VENV, timeout: float = 2400.0) -> FreshVenv:
+    """``python -m venv PATH`` (no system site-packages) when PATH does not exist, then
+    ``PYTHON=PATH/bin/python MEGATRON_LM_DIR=megatron_lm bash scripts/setup_env.sh``; raises
+    AssertionError with the script's output if it fails."""
+    t0 = time.monotonic()
+    python = path / "bin" / "python"
+    built = not python.exists()
+    if built:
+        base = getattr(sys, "_base_executable", sys.executable)
+        subprocess.run([base, "-m", "venv", str(path)], check=True, timeout=300)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
+    env.update(PYTHON=str(python), MEGATRON_LM_DIR=str(megatron_lm))
+    res = subprocess.run(["bash", str(REPO / "scripts" / "setup_env.sh")], env=env, capture_output=True,
+                         text=True, timeout=timeout, cwd=str(REPO))
+    log = res.stdout + res.stderr
+    assert res.returncode == 0, f"scripts/setup_env.sh in {path} failed:\n{log[-4000:]}"
+    return FreshVenv(python=str(python), built=built, setup_s=time.monotonic() - t0, setup_log=log)

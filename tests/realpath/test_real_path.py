@@ -2,10 +2,11 @@
 
 Each test launches the patched Megatron-LM ``examples/multimodal/train.py`` (its own
 ``pretrain()``) on 4 CPU ranks over gloo, as a user would, with ``MM_BALANCE=0`` and
-``MM_BALANCE=1``, and reads Megatron's own iteration lines (``lm loss``) and our
-telemetry (``packs_moved``) from the log. Runs are shared between tests through
-module-scoped fixtures (the 6-iteration DP=2 x EP=2 runs serve the layout test and the
-resume test). Slow: ``python -m pytest tests/realpath -m realpath``.
+``MM_BALANCE=1``, and reads Megatron's own iteration lines (``lm loss``), our
+telemetry (``packs_moved``) and the samples every rank consumed per iteration
+(``--mm-balance-record-samples``). Runs are shared between tests through module-scoped
+fixtures (the 6-iteration DP=2 x EP=2 runs serve the layout test, the off/on sample test
+and one resume configuration). Slow: ``python -m pytest tests/realpath -m realpath``.
 """
 from __future__ import annotations
 
@@ -34,17 +35,21 @@ RUN_TIMEOUT_S = 600
 
 @pytest.fixture(scope="module")
 def runner(megatron_lm, dataset, runs_dir):
-    """``runner(name, mm_balance, iters, extra=(), output=None, **layout)`` -> :class:`rp.Run`, cached."""
+    """``runner(name, mm_balance, iters, extra=(), output=None, data=None, **layout)`` ->
+    :class:`rp.Run`, cached. Every run records what each rank consumed
+    (``--mm-balance-record-samples OUTPUT_DIR/samples``); ``data`` defaults to the session's
+    256-sample dataset."""
     cache = {}
 
-    def go(name, mm_balance, iters, extra=(), output=None, **layout):
+    def go(name, mm_balance, iters, extra=(), output=None, data=None, **layout):
         key = (name, mm_balance)
         if key not in cache:
             out = output or runs_dir / f"{name}-{'on' if mm_balance else 'off'}"
-            env = rp.launcher_env(megatron_lm, dataset, mm_balance=mm_balance, output_dir=out,
+            env = rp.launcher_env(megatron_lm, data or dataset, mm_balance=mm_balance, output_dir=out,
                                   train_iters=iters, **layout)
-            cache[key] = rp.run(env, list(extra), log_path=runs_dir / f"{name}-{int(mm_balance)}.log",
-                                timeout=RUN_TIMEOUT_S)
+            cache[key] = rp.run(env, [*extra, "--mm-balance-record-samples", str(out / "samples")],
+                                log_path=runs_dir / f"{name}-{int(mm_balance)}.log", timeout=RUN_TIMEOUT_S,
+                                samples_dir=out / "samples")
         return cache[key]
 
     return go
@@ -76,16 +81,54 @@ def test_off_on_equal(runner, layout):
             assert f"validation loss at iteration {iters}" in run.log, "no final validation"
 
 
-def test_resume_equals_uninterrupted(runner, runs_dir):
-    """--mm-balance on: 3 iterations, then resume to 6 from the same OUTPUT_DIR; iterations 4-6
-    equal the uninterrupted 6-iteration run (Megatron's sampler state and energon's save_state)."""
+#: The resume matrix: {2 datasets} x {1, 2 loader workers} x {off, on}, every pair of values
+#: once (an orthogonal array: 4 configurations instead of 8). name -> (dataset: "256" is the
+#: session's make-dataset --samples 256 --seed 0, "default" is make-dataset's defaults;
+#: NUM_WORKERS; --mm-balance). "256-w1-on" reuses the DP=2 x EP=2 layout runs.
+RESUME = {"256-w1-on": ("256", 1, True), "256-w2-off": ("256", 2, False),
+          "default-w1-off": ("default", 1, False), "default-w2-on": ("default", 2, True)}
+
+
+@pytest.mark.parametrize("name", list(RESUME))
+def test_resume_equals_uninterrupted(runner, runs_dir, request, name):
+    """3 iterations, then resume to 6 from the same OUTPUT_DIR: iterations 4-6 equal the
+    uninterrupted 6-iteration run's, in lm loss (also by ``mm-balance compare-logs``) and in
+    the samples each rank consumed per iteration (Megatron's sampler state and energon's
+    save_state, the balancer's paired one with --mm-balance)."""
+    which, workers, on = RESUME[name]
+    data = request.getfixturevalue("dataset" if which == "256" else "default_dataset")
     iters, env = LAYOUTS["dp2_ep2"]
-    full = runner("dp2_ep2", True, iters, **env)
-    out = runs_dir / "resume-on"
+    env = {**env, "NUM_WORKERS": workers}
+    if name == "256-w1-on":
+        full = runner("dp2_ep2", True, iters, data=data, **env)
+    else:
+        full = runner(f"full-{name}", on, iters, data=data, **env)
+    out = runs_dir / f"resume-{name}"
     # The first job stops after iteration 3 (checkpoint, exit 0) with the 6-iteration schedule.
-    first = runner("resume-first", True, iters, extra=["--exit-interval", "3"], output=out, **env)
-    second = runner("resume-second", True, iters, output=out, **env)
-    rp.check_resume(full, first, second, "resume (DP=2 x EP=2, --mm-balance)", REL_TOL)
+    first = runner(f"resume-first-{name}", on, iters, extra=["--exit-interval", "3"], output=out,
+                   data=data, **env)
+    second = runner(f"resume-second-{name}", on, iters, output=out, data=data, **env)
+    rp.check_resume(full, first, second, f"resume {name} (DP=2 x EP=2, dataset {which}, "
+                    f"NUM_WORKERS={workers}, --mm-balance {'on' if on else 'off'})", REL_TOL, balanced=on)
+
+
+def test_balanced_run_consumes_each_global_batch_of_the_unbalanced_one(runner):
+    """Off vs on (DP=2 x EP=2): every iteration the data-parallel group consumes the same
+    multiset of micro-batches (what balancing guarantees); some ranks consume others' packs."""
+    iters, env = LAYOUTS["dp2_ep2"]
+    off, on = runner("dp2_ep2", False, iters, **env), runner("dp2_ep2", True, iters, **env)
+    a, b = rp.consumed(off.samples_dir), rp.consumed(on.samples_dir)
+    assert set(a) == set(b) and {it for _, it in a} == set(range(1, iters + 1)), (sorted(a), sorted(b))
+    moved = 0
+    for it in range(1, iters + 1):
+        ga, gb = rp.global_batch(a, it), rp.global_batch(b, it)
+        assert ga == gb, f"iteration {it}: the data-parallel group consumed other micro-batches"
+        moved += sum(len(set(a[k]) - set(b[k])) for k in a if k[1] == it)
+    assert moved > 0, "balancing moved no micro-batch between ranks"
+    # The resume tests' rank-by-rank check is one that can fail: here it must.
+    with pytest.raises(AssertionError, match="consumed"):
+        rp.check_samples(off, on.samples_dir, range(1, iters + 1), "off vs on")
+    print(f"\noff vs on: same multiset of micro-batches per iteration; {moved} rank-slots differ")
 
 
 def test_energon_mixin_on(runner):

@@ -5,11 +5,17 @@ configs/megatron/tiny_cpu.sh``, 4 CPU ranks over gloo through the CPU harness), 
 ``Megatron-LM-core_v0.19.0`` from the release archives, patched with
 ``patches/core_v0.19.0/``, run by the interpreter of ``scripts/setup_env_py312.sh``
 (built here when missing; skipped with the reason only when it cannot be built):
-DP=2 x EP=2 off vs on with equal per-iteration lm loss, and one resume.
+DP=2 x EP=2 off vs on with equal per-iteration lm loss, and one resume. The environment is
+checked too: it sees no system site-packages, and its setup script imports this release's
+training entry points (``MEGATRON_LM_DIR=... scripts/setup_env_py312.sh``).
 Slow: ``python -m pytest tests/realpath -m realpath``.
 """
 from __future__ import annotations
 
+import json
+import os
+import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -41,8 +47,9 @@ def runner(py312, tree, dataset, runs_dir):
             out = output or runs_dir / f"{TAG}-{name}"
             env = rp.launcher_env(tree, dataset, mm_balance=mm_balance, output_dir=out, train_iters=ITERS,
                                   python=py312)
-            cache[name] = rp.run(env, list(extra), log_path=runs_dir / f"{TAG}-{name}.log",
-                                 timeout=RUN_TIMEOUT_S)
+            cache[name] = rp.run(env, [*extra, "--mm-balance-record-samples", str(out / "samples")],
+                                 log_path=runs_dir / f"{TAG}-{name}.log", timeout=RUN_TIMEOUT_S,
+                                 samples_dir=out / "samples")
         return cache[name]
 
     return go
@@ -68,3 +75,25 @@ def test_resume_equals_uninterrupted(runner, runs_dir):
     first = runner("resume-first", True, extra=["--exit-interval", "3"], output=out)
     second = runner("resume-second", True, output=out)
     rp.check_resume(full, first, second, f"{TAG} resume (DP=2 x EP=2, --mm-balance)", REL_TOL)
+
+
+def test_py312_environment_is_isolated_and_imports_the_training_path(py312, tree):
+    venv = Path(py312).parent.parent
+    assert "include-system-site-packages = false" in (venv / "pyvenv.cfg").read_text()
+    probe = ("import json, site, sys, sysconfig; print(json.dumps({'prefix': sys.prefix, "
+             "'base': sys.base_prefix, 'path': sys.path, 'user_site': site.ENABLE_USER_SITE, "
+             "'base_site': sysconfig.get_paths(vars={'base': sys.base_prefix, "
+             "'platbase': sys.base_prefix})['purelib']}))")
+    info = json.loads(subprocess.run([py312, "-c", probe], capture_output=True, text=True, check=True,
+                                     timeout=60, env={"PATH": "/usr/bin:/bin"}).stdout)
+    assert info["prefix"] != info["base"] and not info["user_site"]
+    assert not [p for p in info["path"] if p.startswith(info["base_site"])], info["path"]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(MEGATRON_LM_DIR=str(tree), MM_BALANCE_PY312_VENV=str(venv))
+    r = subprocess.run(["bash", str(rp.REPO / "scripts" / "setup_env_py312.sh")], capture_output=True,
+                       text=True, timeout=1800, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    # (megatron.core's version: 0.19.1, plus a git hash when the tree sits in a git checkout)
+    assert re.search(rf"training entry points import: Megatron-LM 0\.19\.1\S* at {re.escape(str(tree))} ",
+                     r.stdout), r.stdout + r.stderr
+    assert r.stdout.strip().splitlines()[-1] == py312

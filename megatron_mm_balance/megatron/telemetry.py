@@ -65,12 +65,27 @@ def summarize(entries: Iterable[dict]) -> Dict[str, float]:
 
     n = 0
     for e in entries:
-        visit("", derive(e) if isinstance(e, dict) else e)
+        if not isinstance(e, dict):
+            e = _as_entry(e)
+        visit("", derive(e))
         n += 1
     out = {k: sums[k] / counts[k] for k in sorted(sums)}
     if n:
         out["global_batches"] = float(n)
     return out
+
+
+def _as_entry(st) -> dict:
+    """A runtime :class:`~megatron_mm_balance.runtime.stats.BatchStats` as the flat record."""
+    import dataclasses
+    entry = {**st.plan.record(), **{f.name: getattr(st, f.name) for f in dataclasses.fields(st)
+                                     if f.name not in ("plan", "my_costs")}}
+    entry["packs_moved"] = st.plan.packs_moved
+    if st.shadow:
+        entry["predicted_gain"] = st.plan.predicted_gain
+    else:
+        del entry["shadow"]
+    return entry
 
 
 def format_line(iteration: int, summary: Dict[str, float], chunk: int = 0) -> str:

@@ -52,9 +52,11 @@ import torch.distributed as dist
 from .config import BalancerConfig
 from ..cost.pack import cost_fn_identity, default_cost_fn
 from .device import resolve_device
-from .engine import Engine, Item, SourceExhausted
+from .engine import Engine, SourceExhausted
 from .errors import BalancerError, ExchangeThreadError
 from .groups import ProgressBoard, exchange_group_for, group_ranks
+from .stats import BatchStats
+from .transport import Item
 
 log = logging.getLogger(__name__)
 
@@ -123,13 +125,9 @@ class _Worker:
                     gb, G = req
                 prefetched = self.requested < gb
                 plan = eng.start_batch(gb, G)
-                plan.stats["prefetched"] = prefetched
+                plan.prefetched = prefetched
                 for k in range(G):
-                    item = eng.step(plan, k)
-                    item.num_microbatches = G
-                    if k == G - 1:
-                        item.stats, item.state_after = plan.stats, plan.state_after
-                    if not self._put(item):
+                    if not self._put(eng.step(plan, k)):
                         return
         except BaseException as e:          # surfaces on the consumer's next next()
             self._put(_Failure(e))
@@ -247,10 +245,8 @@ class BalancedDataIterator:
         self._board = board
         self._engine = Engine(self._source, ranks=ranks, rank_index=ranks.index(me),
                               exchange_group=exchange_group, cost_fn=cost_fn,
-                              cost_identity=cost_fn_identity(cost_fn), sync=config.sync,
-                              balance_tolerance=config.balance_tolerance, device=self.device,
-                              timeout=self.timeout, board=board, shadow=config.shadow,
-                              ranks_per_node=config.ranks_per_node, state_fn=state_fn)
+                              cost_identity=cost_fn_identity(cost_fn), config=config,
+                              device=self.device, board=board, state_fn=state_fn)
         if self.overlap:
             fixed = None if callable(self._num_mb) else int(self._num_mb)
             self._worker = _Worker(self._engine, fixed, predict_microbatches)
@@ -314,8 +310,6 @@ class BalancedDataIterator:
             except BaseException as e:
                 self._fail(e)
             if item.last:
-                item.stats, item.state_after = self._plan.stats, self._plan.state_after
-                item.stats["prefetched"] = False
                 self._plan = None
             return item
         w = self._worker
@@ -342,9 +336,7 @@ class BalancedDataIterator:
         """Record and raise: exhaustion as StopIteration, anything else as the error."""
         if isinstance(exc, SourceExhausted):
             self._exhausted = exc
-            self.stats.append({"global_batch": exc.global_batch, "exhausted": True,
-                               "packs_pulled": list(exc.pulled), "not_delivered": sum(exc.pulled)})
-            if sum(exc.pulled):
+            if exc.not_delivered:
                 log.warning("mm-balance: %s", exc)
             raise StopIteration(*exc.args)
         if isinstance(exc, StopIteration):          # never leak a bare StopIteration from a bug
@@ -353,12 +345,10 @@ class BalancedDataIterator:
         raise exc
 
     def _finish_batch(self, item: Item) -> None:
-        st = item.stats
-        st["consumer_wait_ms"] = self._wait_ms
-        st["consumer_wait_first_ms"] = self._wait_first_ms
-        self.stats.append(st)
+        self.stats.append(item.batch.stats(consumer_wait_ms=self._wait_ms,
+                                           consumer_wait_first_ms=self._wait_first_ms))
         if self._state_fn is not None:
-            self._state = item.state_after          # the state before the next global batch
+            self._state = item.batch.state_after    # the state before the next global batch
 
     # -- checkpointing ------------------------------------------------------------
     @property
@@ -391,8 +381,15 @@ class BalancedDataIterator:
 
     # -- introspection ------------------------------------------------------------
     @property
-    def last_stats(self) -> dict | None:
+    def last_stats(self) -> BatchStats | None:
+        """The :class:`~.stats.BatchStats` of the last global batch delivered (None before)."""
         return self.stats[-1] if self.stats else None
+
+    @property
+    def exhaustion(self) -> SourceExhausted | None:
+        """Why iteration stopped, once a source could not fill a global batch: the batch and
+        the packs each rank had pulled for it, none of them delivered (None before)."""
+        return self._exhausted
 
     @property
     def global_batch(self) -> int:

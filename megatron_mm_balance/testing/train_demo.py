@@ -536,9 +536,9 @@ def summarize(results: dict, layout: str, cfg: DemoConfig | None = None) -> dict
         return max(r["times"][s] for r in res)
 
     paired = statistics.median(slowest(off, s) / slowest(on, s) for s in timed)
-    waits = [max(on[i]["stats"][s].get("consumer_wait_ms", 0.0) for i in readers)
+    waits = [max(on[i]["stats"][s].consumer_wait_ms for i in readers)
              for s in range(steps) if all(len(on[i]["stats"]) > s for i in readers)]
-    runtime_moved = sum(st.get("packs_moved", 0) for st in on[readers[0]]["stats"])
+    runtime_moved = sum(st.packs_moved for st in on[readers[0]]["stats"])
     return {"layout": layout, "steps": steps, "loss_rel": loss_rel, "param_rel": param_rel,
             "consumed_off": consumed[False], "consumed_on": consumed[True], "same_packs": same_packs,
             "stages_agree": stages_agree,

@@ -70,8 +70,8 @@ def explicit_layout_worker(rank, world):
     while loaders[0].n <= STEPS * G and time.monotonic() < deadline:
         time.sleep(0.01)
     res = {"chunks": chunks, "state": out[0].iterable.save_state(), "sampler": sampler_run,
-           "loader_read": loaders[0].n, "prefetched": [s.get("prefetched") for s in bals[0].stats],
-           "moved": sum(s.get("packs_moved", 0) for s in bals[0].stats),
+           "loader_read": loaders[0].n, "prefetched": [s.prefetched for s in bals[0].stats],
+           "moved": sum(s.packs_moved for s in bals[0].stats),
            "steps_logged": len(bals[0].stats), "groups": exchange_group_ranks()}
     for b in bals:
         b.close()
@@ -211,8 +211,8 @@ def rampup_worker(rank, world, consumed0):
     while loader.n <= sum(counts) and time.monotonic() < deadline:
         time.sleep(0.01)
     res = {"steps": steps, "counts": counts, "state": out.iterable.save_state(), "loader_read": loader.n,
-           "prefetched": [s.get("prefetched") for s in bal.stats],
-           "moved": sum(s.get("packs_moved", 0) for s in bal.stats)}
+           "prefetched": [s.prefetched for s in bal.stats],
+           "moved": sum(s.packs_moved for s in bal.stats)}
     bal.close()
     return res
 

@@ -185,7 +185,7 @@ def test_save_state_is_the_balancers_paired_state_while_the_thread_reads_ahead()
             time.sleep(0.01)
         assert loader.n > 6                                   # read ahead into the next batch
         assert it.save_state() == {"read": 6}                 # but the state is the consumed one
-        assert all(s["prefetched"] for s in list(bal.stats)[1:])
+        assert all(s.prefetched for s in list(bal.stats)[1:])
         next(it)
         with pytest.raises(RuntimeError, match=r"inside global batch 2, after micro-step 0"):
             it.save_state()

@@ -49,7 +49,7 @@ def test_rampup_callable(misc):
     pulled = [x["ramp"]["pulled"] for x in misc]
     delivered = [x["ramp"]["delivered"] for x in misc]
     for x in misc:
-        assert x["ramp"]["per_batch"] == [1, 2, 3, 3, 5, None]     # last entry: exhaustion
+        assert x["ramp"]["per_batch"] == [1, 2, 3, 3, 5]           # then the source ran out
         assert x["ramp"]["calls"] == 6                          # read once per global batch
         assert Counter(gb for gb, *_ in x["ramp"]["delivered"]) == {0: 1, 1: 2, 2: 3, 3: 3, 4: 5}
     want = Counter((pid, ck) for p in pulled for pid, _, ck in p)

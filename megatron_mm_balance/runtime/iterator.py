@@ -61,7 +61,6 @@ from .transport import Item
 log = logging.getLogger(__name__)
 
 _LIVE: "weakref.WeakSet[BalancedDataIterator]" = weakref.WeakSet()
-_BOARD_COUNT: dict = collections.Counter()
 _QUEUE_DEPTH = 1          # micro-batches ready; one more may be in flight in the thread
 _POLL_S = 0.05
 
@@ -166,6 +165,10 @@ class BalancedDataIterator:
             here and then by whichever thread pulls, right after each global
             batch; :meth:`save_state` returns the state paired with the last
             consumed batch.
+        name: what distinguishes this iterator from others on the same exchange group
+            (e.g. the model chunk), the same on every rank: the progress board's store keys
+            are the group's name plus this, so every rank agrees on them whatever order
+            iterators are built in.
         predict_microbatches: with a callable ``num_microbatches`` and
             ``overlap=True``: zero-argument callable giving the counts of the
             global batches in order, ahead of time (Megatron's ramp-up schedule
@@ -178,7 +181,7 @@ class BalancedDataIterator:
 
     def __init__(self, source, *, num_microbatches, group=None, cost_fn=None, exchange_group=None,
                  config: BalancerConfig | None = None, state_fn=None, predict_microbatches=None,
-                 **settings):
+                 name: str = "", **settings):
         if not (callable(num_microbatches) or _is_count(num_microbatches)):
             raise ValueError(f"num_microbatches must be a positive int or a callable, got {num_microbatches!r}")
         if predict_microbatches is not None and not (callable(predict_microbatches)
@@ -239,9 +242,8 @@ class BalancedDataIterator:
             elif sorted(group_ranks(exchange_group)) != sorted(ranks):
                 raise ValueError(f"exchange_group ranks {group_ranks(exchange_group)} differ from the "
                                  f"data-parallel group's {ranks}")
-            name = getattr(exchange_group, "group_name", None) or ",".join(map(str, ranks))
-            _BOARD_COUNT[name] += 1
-            board = ProgressBoard(f"mm_balance/{name}/{_BOARD_COUNT[name]}", ranks)
+            board = ProgressBoard(board_prefix(exchange_group, ranks, name), ranks)
+            board.clear(me)                 # this rank's posts of an earlier iterator of that name
         self._board = board
         self._engine = Engine(self._source, ranks=ranks, rank_index=ranks.index(me),
                               exchange_group=exchange_group, cost_fn=cost_fn,
@@ -446,6 +448,14 @@ class BalancedDataIterator:
             self.close(join_timeout=1.0)
         except Exception:
             pass
+
+
+def board_prefix(exchange_group, ranks, name: str = "") -> str:
+    """The progress board's store prefix: the exchange group's name (``new_group`` names
+    groups in creation order, which is the same on every rank) or, without one, its
+    ranks; then the caller's ``name``. Derived only from what every rank agrees on."""
+    group = getattr(exchange_group, "group_name", None) or ",".join(map(str, ranks))
+    return f"mm_balance/{group}" + (f"/{name}" if name else "")
 
 
 def _drain(q: queue.Queue) -> None:

@@ -485,6 +485,19 @@ def scenario_misc(rank, world, G=2):
                               timeout=20) as it:
         out["thread_error"] = _outcome(lambda: consume(it))
 
+    # g. iterators built in a different order on different ranks over one exchange group:
+    #    the store keys come from the group's name and the caller's name, not from how many
+    #    iterators this process built, so rank 1's posted error still reaches its peers.
+    from megatron_mm_balance.runtime import new_exchange_groups
+    shared = new_exchange_groups([list(range(world))], timeout=20)
+    if rank == 0:
+        BalancedDataIterator(recording_source(rank, 4, []), num_microbatches=G, timeout=20,
+                             exchange_group=shared, name="other").close()
+    src = recording_source(rank, 50, [], fail_at=G + 1 if rank == 1 else None)
+    with BalancedDataIterator(src, num_microbatches=G, timeout=20, exchange_group=shared,
+                              name="train") as it:
+        out["keys_by_name"] = _outcome(lambda: consume(it))
+
     # f. one rank's source ends mid-batch: all ranks stop at the same boundary.
     n = 3 * G - (1 if rank == 1 else 0)
     with BalancedDataIterator(recording_source(rank, n, []), num_microbatches=G, timeout=20) as it:

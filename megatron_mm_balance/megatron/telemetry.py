@@ -103,57 +103,60 @@ def _megatron_writers():
 
 
 class Telemetry:
-    """Reports a balancer's stats; driven by ``on_item`` (each delivered micro-batch)."""
+    """Reports the statistics of one model chunk's balancer every ``interval`` iterations.
 
-    def __init__(self, balanced, args=None, *, interval: int = 100, group=None, chunk: int = 0,
-                 tb_writer=None, wandb_writer=None, reporter: Optional[bool] = None):
-        self.balanced = balanced
-        self.args = args
-        self.interval = max(1, int(interval))
+    Driven by :meth:`on_batch`, called when the training loop receives the first
+    micro-batch of each global batch. The iteration is counted, not read from
+    Megatron: one global batch per training iteration, from ``start_iteration``
+    (the iteration Megatron resumes from; the one its loop is at when global batch
+    ``b`` starts is ``start_iteration + b``). A report covers the global batches
+    delivered since the previous one (``stats_source.stats`` entries whose
+    ``global_batch`` lies between), never one read ahead but not yet trained on.
+    """
+
+    def __init__(self, stats_source, *, interval: int, start_iteration: int = 0, group=None,
+                 chunk: int = 0, tensorboard_dir: Optional[str] = None, tb_writer=None,
+                 wandb_writer=None, reporter: Optional[bool] = None):
+        self.stats_source = stats_source
+        self.interval = int(interval)
+        if self.interval < 1:
+            raise ValueError(f"interval must be >= 1, got {interval}")
+        self.start_iteration = int(start_iteration)
         self.chunk = chunk
-        self._last_entry = None
-        self._items = 0
-        self._last_iteration = None
+        self._reported = 0                  # global batches already covered by a report
         if reporter is None:
             reporter = chunk == 0 and _is_lowest_rank(group)
         self.reporter = reporter
         if tb_writer is None and wandb_writer is None and reporter:
             tb_writer, wandb_writer = _megatron_writers()
-            if (tb_writer is None and getattr(args, "tensorboard_dir", None)
-                    and _on_last_stage_cp0()):
-                tb_writer = _own_tensorboard_writer(args.tensorboard_dir)
+            if tb_writer is None and tensorboard_dir and _on_last_stage_cp0():
+                tb_writer = _own_tensorboard_writer(tensorboard_dir)
         self.tb_writer = tb_writer
         self.wandb_writer = wandb_writer
         self.lines = []   # the log lines written, newest last (bounded)
 
-    def _iteration(self) -> int:
-        it = getattr(self.args, "curr_iteration", None) if self.args is not None else None
-        return int(it) if it is not None else self._items
+    @classmethod
+    def for_config(cls, stats_source, cfg, *, group=None, chunk: int = 0) -> "Telemetry":
+        """The telemetry a run's :class:`~.config.MMBalanceConfig` asks for."""
+        return cls(stats_source, interval=cfg.log_interval, start_iteration=cfg.megatron.start_iteration,
+                   group=group, chunk=chunk, tensorboard_dir=cfg.tensorboard_dir)
 
-    def on_item(self) -> None:
-        self._items += 1
+    def on_batch(self, global_batch: int) -> None:
+        """Global batch ``global_batch`` (0-based) starts: report on an interval's iteration."""
         if not self.reporter:
             return
-        it = self._iteration()
-        if it != self._last_iteration:
-            self._last_iteration = it
-            if it > 0 and it % self.interval == 0:
-                self.report(it)
+        it = self.start_iteration + int(global_batch)
+        if it > 0 and it % self.interval == 0:
+            self.report(it, upto=int(global_batch))
 
-    def _new_entries(self) -> list:
-        entries = list(self.balanced.stats)
-        if self._last_entry is not None:
-            for i in range(len(entries) - 1, -1, -1):
-                if entries[i] is self._last_entry:
-                    entries = entries[i + 1:]
-                    break
-        if entries:
-            self._last_entry = entries[-1]
+    def _new_entries(self, upto: int) -> list:
+        entries = [s for s in self.stats_source.stats if self._reported <= _batch_of(s) < upto]
+        self._reported = max(self._reported, upto)
         return entries
 
-    def report(self, iteration: int) -> Dict[str, float]:
-        """Summarise the global batches since the last report and write them out."""
-        summary = summarize(self._new_entries())
+    def report(self, iteration: int, upto: int) -> Dict[str, float]:
+        """Summarise the global batches before ``upto`` not yet reported and write them out."""
+        summary = summarize(self._new_entries(upto))
         if not summary:
             return summary
         line = format_line(iteration, summary, self.chunk)
@@ -167,6 +170,10 @@ class Telemetry:
         if self.wandb_writer is not None:
             self.wandb_writer.log({f"{prefix}/{k}": v for k, v in summary.items()}, iteration)
         return summary
+
+
+def _batch_of(entry) -> int:
+    return entry["global_batch"] if isinstance(entry, dict) else entry.global_batch
 
 
 def _is_lowest_rank(group) -> bool:

@@ -147,7 +147,8 @@ class BalancedDataIterator:
 
     Args:
         source: this rank's iterator of packs (one per micro-batch): nested
-            dicts / lists / tuples of tensors and plain values.
+            dicts / lists / tuples of tensors and plain values. Read with ``next()``;
+            an iterable without ``__next__`` is read through ``iter()``.
         num_microbatches: int, or zero-argument callable read at the start of
             every global batch (Megatron's ``get_num_microbatches``).
         group: the data-parallel group (default: world). Only its ranks are read;
@@ -200,7 +201,8 @@ class BalancedDataIterator:
             raise TypeError(f"state_fn must be callable, got {state_fn!r}")
         self._state_fn = state_fn
         self._state = None                  # the state matching what was consumed so far
-        self._source = iter(source)
+        # Read with next() (an object with only __next__ is enough, as for RerunDataIterator).
+        self._source = source if hasattr(source, "__next__") else iter(source)
         self.device = None
         self._num_mb = num_microbatches
         self.enabled = bool(config.enabled)

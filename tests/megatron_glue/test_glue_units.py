@@ -12,6 +12,16 @@ from megatron_mm_balance.cost.pack import ImageTokenCost, ModelCost, image_count
 from megatron_mm_balance.megatron.telemetry import Telemetry, format_line, summarize
 
 
+def _cfg(**args):
+    """The config built from a (partial) Megatron namespace."""
+    from megatron_mm_balance.megatron.config import MMBalanceConfig
+    return MMBalanceConfig.from_args(argparse.Namespace(**args))
+
+
+def _schedule(args):
+    return _cfg(**vars(args)).schedule
+
+
 # -- costs ---------------------------------------------------------------------------
 def stock_batch(tiles):
     """What examples/multimodal's TaskEncoder.encode_batch yields (micro-batch size 1)."""
@@ -55,10 +65,11 @@ def test_model_cost_under_expert_parallel_is_two_phase(tmp_path):
                       llm_ms_per_len_sq=1e-5, const_ms=2.0)
     path = tmp_path / "cost.json"
     model.save(str(path))
+    from megatron_mm_balance.megatron.config import MMBalanceConfig
     ep = argparse.Namespace(mm_balance_cost="model", mm_balance_cost_file=str(path),
                             mm_balance_sync="auto", expert_model_parallel_size=4)
     dp = argparse.Namespace(**{**vars(ep), "expert_model_parallel_size": 1})
-    two, one = make_cost_fn(ep), make_cost_fn(dp)
+    two, one = (make_cost_fn(MMBalanceConfig.from_args(a)) for a in (ep, dp))
     assert (two.components, one.components) == (2, 1) and two.identity != one.identity
     v, l = two(stock_batch([2, 1]))
     f = PackFeatures((512, 256), (3, 5))
@@ -90,7 +101,7 @@ def test_predicted_schedule_matches_megatrons_rampup():
     from megatron.core.num_microbatches_calculator import _build_num_microbatches_calculator as build
     base, var = RAMP_BASE, ramp_args(build)
     args = argparse.Namespace(**base, **var, consumed_train_samples=0)
-    schedule = MicrobatchSchedule(args, predict=True)
+    schedule = MicrobatchSchedule(_schedule(args), predict=True)
     # What the training loop does: update with consumed samples, run a step, add its batch.
     calc = build(rank=1, **base, **var)
     consumed, got, want = 0, [], []
@@ -107,7 +118,7 @@ def test_default_schedule_reads_get_num_microbatches():
     nmc.destroy_num_microbatches_calculator()
     nmc.init_num_microbatches_calculator(0, None, 12, 1, 4)
     try:
-        assert MicrobatchSchedule(argparse.Namespace(rampup_batch_size=None))() == 3
+        assert MicrobatchSchedule(_schedule(argparse.Namespace(rampup_batch_size=None)))() == 3
     finally:
         nmc.destroy_num_microbatches_calculator()
 
@@ -136,13 +147,17 @@ class FakeBalancer:
         pass
 
 
+def _iterable(items, source):
+    return BalancedTrainIterable(items, source, global_batch_of=lambda: 0, stats=items)
+
+
 def test_save_state_is_the_loaders_and_absent_when_it_has_none():
     loader = Loader()
-    it = BalancedTrainIterable(FakeBalancer(loader), loader)
+    it = _iterable(FakeBalancer(loader), loader)
     next(it), next(it)
     assert it.save_state() == {"read": 2} and it.delivered == 2
     plain = iter([{"a": 1}])
-    assert not hasattr(BalancedTrainIterable(FakeBalancer(plain), plain), "save_state")
+    assert not hasattr(_iterable(FakeBalancer(plain), plain), "save_state")
 
 
 class SavableLoader:
@@ -175,7 +190,7 @@ def test_save_state_is_the_balancers_paired_state_while_the_thread_reads_ahead()
     loader = SavableLoader()
     bal = BalancedDataIterator(iter(loader), num_microbatches=3, timeout=10,
                                state_fn=loader.save_state)
-    it = BalancedTrainIterable(bal, loader)
+    it = _iterable(bal, loader)
     try:
         assert it.save_state() == {"read": 0}
         for _ in range(6):
@@ -201,15 +216,15 @@ def test_schedule_is_an_int_for_a_fixed_batch_size_even_with_save_state():
     nmc.destroy_num_microbatches_calculator()
     nmc.init_num_microbatches_calculator(0, None, 12, 1, 4)
     try:
-        got = _schedule_for(argparse.Namespace(rampup_batch_size=None), None)
+        got = _schedule_for(_cfg(rampup_batch_size=None), None)
         assert got == 3 and type(got) is int
-        ramp = _schedule_for(argparse.Namespace(rampup_batch_size=[4, 4, 40]), None)
+        ramp = _schedule_for(_cfg(rampup_batch_size=[4, 4, 40]), None)
         assert isinstance(ramp, MicrobatchSchedule) and ramp() == 3
     finally:
         nmc.destroy_num_microbatches_calculator()
-    assert _schedule_for(argparse.Namespace(), 5) == 5
+    assert _schedule_for(_cfg(), 5) == 5
     fn = lambda: 2  # noqa: E731
-    assert _schedule_for(argparse.Namespace(), fn) is fn
+    assert _schedule_for(_cfg(), fn) is fn
 
 
 def test_ramp_up_gets_a_predicting_schedule_for_the_thread():
@@ -218,7 +233,7 @@ def test_ramp_up_gets_a_predicting_schedule_for_the_thread():
     from megatron.core.num_microbatches_calculator import _build_num_microbatches_calculator as build
     from megatron_mm_balance.megatron.iterator import _predictor_for
     base, var = RAMP_BASE, ramp_args(build)
-    pred = _predictor_for(argparse.Namespace(**base, **var, consumed_train_samples=12), None)
+    pred = _predictor_for(_cfg(**base, **var, consumed_train_samples=12), None)
     calc = build(rank=1, **base, **var)
     consumed, want = 12, []
     for _ in range(6):
@@ -226,8 +241,8 @@ def test_ramp_up_gets_a_predicting_schedule_for_the_thread():
         want.append(calc.get())
         consumed += calc.get_current_global_batch_size()
     assert [pred() for _ in range(6)] == want
-    assert _predictor_for(argparse.Namespace(**base, rampup_batch_size=None), None) is None
-    assert _predictor_for(argparse.Namespace(**base, **var), 4) is None
+    assert _predictor_for(_cfg(**base, rampup_batch_size=None), None) is None
+    assert _predictor_for(_cfg(**base, **var), 4) is None
 
 
 def test_the_glue_hands_the_loaders_save_state_to_the_balancer():
@@ -239,7 +254,7 @@ def test_the_glue_hands_the_loaders_save_state_to_the_balancer():
     args = add_mm_balance_args(argparse.ArgumentParser()).parse_args(["--mm-balance"])
     args.__dict__.update(micro_batch_size=1, tensorboard_dir=None, rampup_batch_size=None)
     loader = SavableLoader()
-    coord = ExchangeCoordinator(checked_config(args), args, cost_fn=lambda p: int(p["image_tokens"]),
+    coord = ExchangeCoordinator(checked_config(args), cost_fn=lambda p: int(p["image_tokens"]),
                                 num_microbatches=2)
     wrapped = coord.wrap(loader, None, 0)
     [bal] = balancers(wrapped)
@@ -309,14 +324,12 @@ def test_derived_imbalance_from_runtime_step_lists():
 def test_telemetry_writes_every_interval_to_writers_and_log(capsys):
     balancer = FakeBalancer(iter(()))
     balancer.stats.clear()
-    args = argparse.Namespace(curr_iteration=0)
     tb, wb = Writer(), Writer()
-    tel = Telemetry(balancer, args, interval=2, tb_writer=tb, wandb_writer=wb, reporter=True)
+    tel = Telemetry(balancer, interval=2, tb_writer=tb, wandb_writer=wb, reporter=True)
+    tel.on_batch(0)
     for it in range(1, 7):
-        args.curr_iteration = it
-        balancer.stats.append({"packs_moved": it, "exposed_wait_ms": 0.5})
-        tel.on_item()
-        tel.on_item()         # a second micro-batch of the same iteration: no second report
+        balancer.stats.append({"global_batch": it - 1, "packs_moved": it, "exposed_wait_ms": 0.5})
+        tel.on_batch(it)      # global batch `it` starts at iteration `it`
     steps = [s for tag, _, s in tb.scalars if tag == "mm-balance/packs_moved"]
     assert steps == [2, 4, 6]
     # Iteration 4 averages the global batches since iteration 2: 3 and 4.
@@ -328,8 +341,8 @@ def test_telemetry_writes_every_interval_to_writers_and_log(capsys):
 def test_non_reporting_rank_writes_nothing():
     balancer = FakeBalancer(iter(()))
     tb = Writer()
-    tel = Telemetry(balancer, argparse.Namespace(curr_iteration=4), interval=1, tb_writer=tb, reporter=False)
-    tel.on_item()
+    tel = Telemetry(balancer, interval=1, start_iteration=4, tb_writer=tb, reporter=False)
+    tel.on_batch(1)
     assert tb.scalars == []
 
 
@@ -339,11 +352,11 @@ def test_make_cost_fn_knows_multimodal_tile_size():
                               vision_model_type="clip", disable_vision_class_token=True,
                               pixel_shuffle=False, use_tile_tags=False, max_num_tiles=1,
                               tokenizer_prompt_format="qwen2p5")
-    assert make_cost_fn(args)(stock_batch([2])) == 2 * 576            # (336/14)^2 patches per tile
+    assert make_cost_fn(_cfg(**vars(args)))(stock_batch([2])) == 2 * 576   # (336/14)^2 patches per tile
     args.pixel_shuffle = True
-    assert make_cost_fn(args)(stock_batch([2])) == 2 * 144
+    assert make_cost_fn(_cfg(**vars(args)))(stock_batch([2])) == 2 * 144
     # Not a multimodal run: the runtime's default tokens per tile.
-    assert make_cost_fn(argparse.Namespace(mm_balance_cost="image-tokens"))(stock_batch([2])) == 2 * 256
+    assert make_cost_fn(_cfg(mm_balance_cost="image-tokens"))(stock_batch([2])) == 2 * 256
 
 
 def test_importing_the_glue_pulls_in_no_megatron_energon_te_or_apex():

@@ -229,21 +229,23 @@ def coordinator_for(cfg: MMBalanceConfig, samplers=(), *, cost_fn=None,
     return ExchangeCoordinator(cfg, cost_fn=cost_fn, num_microbatches=num_microbatches)
 
 
-def wrap_train_data_iterator(train_data_iterator, args=None, *, num_microbatches=None,
-                             cost_fn=None, layout=None):
+def wrap_train_data_iterator(train_data_iterator, args=None, *, exchange_groups=None,
+                             num_microbatches=None, cost_fn=None, layout=None):
     """Wrap Megatron's train iterator(s) for ``--mm-balance``; a no-op when the flag is off.
 
-    Call on **every** rank at the same point (it creates the exchange groups,
-    collectively over the world). Accepts what ``build_train_valid_test_data_iterators``
-    returns: a ``RerunDataIterator``, a plain iterator, ``None``, or a list of
-    these (virtual pipeline). Returns the same shape.
+    Accepts what ``build_train_valid_test_data_iterators`` returns: a
+    ``RerunDataIterator``, a plain iterator, ``None``, or a list of these (virtual
+    pipeline, one per model chunk). Returns the same shape.
 
     ``args`` is read once, by :func:`~.checks.checked_config`; everything below takes the
-    config. Keyword overrides (for harnesses not running Megatron's ``pretrain``):
-    ``num_microbatches`` (int or zero-arg callable, default :class:`MicrobatchSchedule`),
-    ``cost_fn`` (default :func:`make_cost_fn`), ``layout`` (this rank's
-    :class:`~.groups.RankLayout`, or the same as a ``{"holds_data", "dp_ranks"}`` dict;
-    default from ``megatron.core.parallel_state``).
+    config. ``exchange_groups``: the :class:`~.groups.ExchangeGroups` to balance on, one
+    group per model chunk; None creates them here with :func:`~.groups.init_exchange_groups`
+    (from ``layout``), which is collective over the world: then call this on **every**
+    rank at the same point (the training.py patch does). Keyword overrides for harnesses
+    not running Megatron's ``pretrain``: ``num_microbatches`` (int or zero-arg callable,
+    default :class:`MicrobatchSchedule`), ``cost_fn`` (default :func:`make_cost_fn`),
+    ``layout`` (this rank's :class:`~.groups.RankLayout`, or the same as a
+    ``{"holds_data", "dp_ranks"}`` dict; default from ``megatron.core.parallel_state``).
     """
     if args is None:
         from megatron.training import get_args
@@ -251,15 +253,18 @@ def wrap_train_data_iterator(train_data_iterator, args=None, *, num_microbatches
     cfg = checked_config(args)
     if not cfg.enabled:
         return train_data_iterator
-    from .groups import init_exchange_groups
-
     is_list = isinstance(train_data_iterator, list)
     iterators = train_data_iterator if is_list else [train_data_iterator]
-    groups = init_exchange_groups(layout, num_chunks=len(iterators), timeout=cfg.timeout)
+    if exchange_groups is None:
+        from .groups import init_exchange_groups
+        exchange_groups = init_exchange_groups(layout, num_chunks=len(iterators), timeout=cfg.timeout)
+    elif len(exchange_groups) != len(iterators):
+        raise ValueError(f"exchange_groups has {len(exchange_groups)} model chunks, the train "
+                         f"iterators {len(iterators)}")
     coordinator = coordinator_for(cfg, installed_train_samplers(args), cost_fn=cost_fn,
                                   num_microbatches=num_microbatches)
     wrapped = [it if it is None or group is None else coordinator.wrap(_unwrap(it), group, chunk)
-               for chunk, (it, group) in enumerate(zip(iterators, groups))]
+               for chunk, (it, group) in enumerate(zip(iterators, exchange_groups))]
     return wrapped if is_list else wrapped[0]
 
 

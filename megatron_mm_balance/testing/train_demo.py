@@ -319,11 +319,9 @@ def _wrap(source, cfg: DemoConfig, layout: str, balance: bool):
     it = RerunDataIterator(source) if source is not None else None
     if not balance:
         return it, None
-    from megatron_mm_balance.megatron.groups import reset_exchange_groups
     from megatron_mm_balance.megatron.iterator import balancers, wrap_train_data_iterator
 
-    reset_exchange_groups()        # fresh groups for this layout's parallel state
-    it = wrap_train_data_iterator(it, args=mm_balance_args(cfg, layout))
+    it = wrap_train_data_iterator(it, args=mm_balance_args(cfg, layout))   # groups for this layout
     found = balancers(it) if it is not None else []
     return it, (found[0] if found else None)
 

@@ -275,6 +275,22 @@ def test_wrap_is_identity_when_flag_off():
     assert wrap_train_data_iterator(None, args) is None
 
 
+def test_exchange_groups_are_an_explicit_object_one_group_per_chunk():
+    """init_exchange_groups returns ExchangeGroups (no module state); the wrapper takes it and
+    checks it has one group per model chunk."""
+    import megatron_mm_balance.megatron.groups as groups_mod
+    from megatron_mm_balance.megatron.groups import ExchangeGroups
+    groups = ExchangeGroups(chunks=(None, None), rank_lists=((0, 1),))
+    assert len(groups) == 2 and groups.chunk(1) is None and list(groups) == [None, None]
+    assert not [n for n in vars(groups_mod) if n.startswith("_") and n.isupper()]
+    args = argparse.Namespace(mm_balance=True)
+    with pytest.raises(ValueError, match="exchange_groups has 2 model chunks, the train iterators 1"):
+        wrap_train_data_iterator(object(), args, exchange_groups=groups)
+    # No group on this rank (it reads no data): its iterators come back as they are.
+    marker = [object(), object()]
+    assert wrap_train_data_iterator(marker, args, exchange_groups=groups) == marker
+
+
 # -- group lists -------------------------------------------------------------------------
 def test_data_holding_rank_lists():
     # PP=2, TP=2, DP=2 in Megatron's default order (tp fastest): ranks 0..7.

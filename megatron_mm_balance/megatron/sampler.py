@@ -150,7 +150,8 @@ class BalancedPretrainingSampler:
             placement, plan = plan_batch(costs, self.config)      # flat: no tensor travels
             solver_ms = (time.perf_counter() - t0) * 1e3
             self.stats.append(BatchStats(
-                global_batch=self._planned, num_microbatches=G, plan=plan, solver_ms=solver_ms,
+                global_batch=self._planned, num_microbatches=G, plan=plan, mode="sampler",
+                solver_ms=solver_ms,
                 my_costs=tuple(int(x) for x in placement.apply(costs)[me])))
             self._planned += 1
             for m in range(G):

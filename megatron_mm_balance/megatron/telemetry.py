@@ -1,97 +1,113 @@
-"""Balance statistics every ``--mm-balance-log-interval`` iterations.
+"""Balance statistics every ``--mm-balance-log-interval`` iterations: one line, and scalars.
 
-The balancer keeps one dict of statistics per global batch (``.stats``: image-token
-max/mean per micro-step before and after, packs and bytes moved, exposed wait
-and solver milliseconds, as the runtime names them). Every interval the numeric
-entries of the global batches since the last report are averaged and written
+Every global batch leaves one typed
+:class:`~megatron_mm_balance.runtime.stats.BatchStats` (the exchange's balancer and
+the sampler record them alike). Every interval :func:`summarize` turns the
+global batches delivered since the last report into named figures (the fields
+below, documented in docs/megatron.md), which are written
 
-* to the log (one line, on the lowest rank of each exchange group, chunk 0), and
-* as ``mm-balance/<key>`` scalars through Megatron's TensorBoard and W&B writers
+* to the log as one line per report, ``[mm-balance] iteration N | field: value | ...``,
+  printed like Megatron's own iteration lines (and only printed: not also logged),
+  on the lowest rank of each exchange group, chunk 0;
+* as ``mm-balance/<field>`` scalars through Megatron's TensorBoard and W&B writers
   when this rank has them (Megatron creates them on the last rank only; with
   tensor parallel > 1 that rank reads no data, so the report rank opens its own
   TensorBoard writer in ``--tensorboard-dir`` with the suffix ``.mm_balance``,
   which TensorBoard shows alongside the run's own events).
 
-Statistics are identical on every rank of a group (they come from the
-all-gathered costs), so one rank per group suffices.
+Costs are in the cost function's unit (image tokens, or microseconds with
+``--mm-balance-cost model``). "before" is the order the packs were drawn in,
+"after" the order they were delivered. The imbalances are ratios of sums over
+the interval: ``imbalance = cost_step_max / cost_step_mean``, where placement does
+not change ``cost_step_mean`` (every pack is computed once per global batch), so
+``imbalance_after <= imbalance_before`` exactly when ``cost_step_max_after <=
+cost_step_max_before``. In shadow mode nothing is delivered differently: the
+"after" figures equal "before" and ``packs_moved`` is 0; what balancing would do
+is in the ``*_would_*`` fields. Statistics are identical on every rank of a group
+(they come from the all-gathered costs), except the ``this rank`` ones.
 """
 from __future__ import annotations
 
-import logging
-import numbers
 from typing import Dict, Iterable, Optional
 
-logger = logging.getLogger("megatron_mm_balance")
+#: the per-rank transfer figures (exchange and shadow mode; nothing travels in sampler mode)
+_TRANSFER = ("packs_sent", "packs_received", "bytes_sent", "bytes_received", "inter_node_bytes_sent")
+_TIMES = ("allgather_ms", "solver_ms", "exchange_ms", "consumer_wait_ms", "consumer_wait_first_ms")
 
 
-def derive(entry: dict) -> dict:
-    """Per-micro-step image-token figures from the runtime's per-step lists.
+def _ratio(num: float, den: float) -> float:
+    return num / den if den else 1.0
 
-    ``step_max_*``/``step_mean_*`` (one value per micro-step: the max and mean
-    pack cost across ranks) become ``image_tokens_step_max_*`` (mean over
-    micro-steps of the max), ``image_tokens_step_mean`` and
-    ``imbalance_*`` (mean over micro-steps of max/mean: 1.0 is perfect balance).
+
+def summarize(entries: Iterable) -> Dict[str, float]:
+    """The figures of the global batches ``entries`` (``BatchStats``), in log order.
+
+    Per global batch (means): ``num_microbatches``; ``packs_moved`` and
+    ``inter_node_packs`` (whole group, delivered); the transfer figures and times of
+    this rank. Over all the micro-steps of the interval: ``cost_step_max_before/after``
+    (mean of the costliest micro-batch of each micro-step), ``cost_step_mean`` and the
+    ``imbalance`` and ``rank_imbalance`` ratios (see the module docstring).
+    ``prefetched``: the share of global batches pulled before the loop asked for them.
     """
-    from ..solver.placement import step_imbalance
-    out = dict(entry)
-    mean = entry.get("step_mean_before")
-    for when in ("before", "after"):
-        mx = entry.get(f"step_max_{when}")
-        if not isinstance(mx, (list, tuple)) or not isinstance(mean, (list, tuple)) or not mx:
-            continue
-        out[f"image_tokens_step_max_{when}"] = sum(mx) / len(mx)
-        if any(a for _, a in zip(mx, mean)):
-            out[f"imbalance_{when}"] = step_imbalance(mx, mean)
-    if isinstance(mean, (list, tuple)) and mean:
-        out["image_tokens_step_mean"] = sum(mean) / len(mean)
-    return out
-
-
-def summarize(entries: Iterable[dict]) -> Dict[str, float]:
-    """Mean of every numeric (possibly nested, dotted-key) entry over ``entries``,
-    after :func:`derive` (lists themselves are left out)."""
-    sums: Dict[str, float] = {}
-    counts: Dict[str, int] = {}
-
-    def visit(prefix, value):
-        if isinstance(value, bool):
-            value = int(value)
-        if isinstance(value, numbers.Number):
-            sums[prefix] = sums.get(prefix, 0.0) + float(value)
-            counts[prefix] = counts.get(prefix, 0) + 1
-        elif isinstance(value, dict):
-            for k, v in value.items():
-                visit(f"{prefix}.{k}" if prefix else str(k), v)
-
-    n = 0
-    for e in entries:
-        if not isinstance(e, dict):
-            e = _as_entry(e)
-        visit("", derive(e))
-        n += 1
-    out = {k: sums[k] / counts[k] for k in sorted(sums)}
-    if n:
-        out["global_batches"] = float(n)
-    return out
-
-
-def _as_entry(st) -> dict:
-    """A runtime :class:`~megatron_mm_balance.runtime.stats.BatchStats` as the flat record."""
-    import dataclasses
-    entry = {**st.plan.record(), **{f.name: getattr(st, f.name) for f in dataclasses.fields(st)
-                                     if f.name not in ("plan", "my_costs")}}
-    entry["packs_moved"] = st.plan.packs_moved
-    if st.shadow:
-        entry["predicted_gain"] = st.plan.predicted_gain
+    entries = list(entries)
+    if not entries:
+        return {}
+    n = len(entries)
+    steps = sum(e.num_microbatches for e in entries)
+    plans = [e.plan for e in entries]
+    before = sum(p.microstep_cost_before for p in plans)
+    solved = sum(p.microstep_cost_after for p in plans)
+    mean_total = sum(p.rank_total_mean for p in plans)     # = sum over micro-steps of the step mean
+    rank_before = sum(p.rank_total_max_before for p in plans)
+    rank_solved = sum(p.rank_total_max_after for p in plans)
+    shadow = [e.shadow for e in entries]
+    after = sum(p.microstep_cost_before if s else p.microstep_cost_after for p, s in zip(plans, shadow))
+    rank_after = sum(p.rank_total_max_before if s else p.rank_total_max_after
+                     for p, s in zip(plans, shadow))
+    out = {
+        "global_batches": float(n),
+        "num_microbatches": steps / n,
+        "cost_step_max_before": before / steps,
+        "cost_step_max_after": after / steps,
+        "cost_step_mean": mean_total / steps,
+        "imbalance_before": _ratio(before, mean_total),
+        "imbalance_after": _ratio(after, mean_total),
+        "rank_imbalance_before": _ratio(rank_before, mean_total),
+        "rank_imbalance_after": _ratio(rank_after, mean_total),
+        "packs_moved": sum(e.packs_moved for e in entries) / n,
+    }
+    if any(shadow):
+        out.update({
+            "packs_would_move": sum(e.packs_would_move for e in entries) / n,
+            "cost_step_max_would_be": solved / steps,
+            "imbalance_would_be": _ratio(solved, mean_total),
+            "rank_imbalance_would_be": _ratio(rank_solved, mean_total),
+            "gain_would_be": 1.0 - _ratio(solved, before) if before else 0.0,
+        })
+    moving = [e for e in entries if e.mode != "sampler"]
+    if moving:
+        out["inter_node_packs"] = sum(e.inter_node_packs for e in moving) / len(moving)
+        for name in _TRANSFER:
+            out[name] = sum(getattr(e, name) for e in moving) / len(moving)
+        for name in _TIMES:
+            out[name] = sum(getattr(e, name) for e in moving) / len(moving)
+        out["prefetched"] = sum(bool(e.prefetched) for e in moving) / len(moving)
     else:
-        del entry["shadow"]
-    return entry
+        out["solver_ms"] = sum(e.solver_ms for e in entries) / n
+    return out
 
 
 def format_line(iteration: int, summary: Dict[str, float], chunk: int = 0) -> str:
     parts = [f"{k}: {v:.6g}" for k, v in summary.items()]
     where = f" chunk {chunk}" if chunk else ""
     return f"[mm-balance] iteration {iteration}{where} | " + " | ".join(parts)
+
+
+def emit(line: str) -> None:
+    """Write one log line once: printed (flushed), as Megatron prints its own iteration
+    lines, so it reads the same in every log; not also sent through ``logging`` (Megatron
+    installs a root handler, which printed every line a second time)."""
+    print(line, flush=True)
 
 
 def _megatron_writers():
@@ -150,7 +166,7 @@ class Telemetry:
             self.report(it, upto=int(global_batch))
 
     def _new_entries(self, upto: int) -> list:
-        entries = [s for s in self.stats_source.stats if self._reported <= _batch_of(s) < upto]
+        entries = [s for s in self.stats_source.stats if self._reported <= s.global_batch < upto]
         self._reported = max(self._reported, upto)
         return entries
 
@@ -160,8 +176,7 @@ class Telemetry:
         if not summary:
             return summary
         line = format_line(iteration, summary, self.chunk)
-        logger.info(line)
-        print(line, flush=True)
+        emit(line)
         self.lines = (self.lines + [line])[-64:]
         prefix = "mm-balance" if not self.chunk else f"mm-balance/chunk{self.chunk}"
         if self.tb_writer is not None:
@@ -170,10 +185,6 @@ class Telemetry:
         if self.wandb_writer is not None:
             self.wandb_writer.log({f"{prefix}/{k}": v for k, v in summary.items()}, iteration)
         return summary
-
-
-def _batch_of(entry) -> int:
-    return entry["global_batch"] if isinstance(entry, dict) else entry.global_batch
 
 
 def _is_lowest_rank(group) -> bool:

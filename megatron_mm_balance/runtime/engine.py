@@ -94,7 +94,7 @@ class BatchPlan:
         t = self.traffic
         return BatchStats(
             global_batch=self.global_batch, num_microbatches=self.num_microbatches, plan=self.plan,
-            shadow=self.shadow, inter_node_packs=self.inter_node_packs, packs_sent=t.packs_sent,
+            mode="shadow" if self.shadow else "exchange", inter_node_packs=self.inter_node_packs, packs_sent=t.packs_sent,
             packs_received=t.packs_received, bytes_sent=t.bytes_sent, bytes_received=t.bytes_received,
             inter_node_bytes_sent=t.inter_node_bytes_sent, my_costs=self.my_costs,
             allgather_ms=self.allgather_ms, solver_ms=self.solver_ms, exchange_ms=t.exchange_ms,

@@ -21,6 +21,9 @@ from typing import Tuple
 
 from ..solver.placement import PlanStats
 
+#: how a global batch's plan is carried out (:attr:`BatchStats.mode`)
+MODES = ("exchange", "shadow", "sampler")
+
 
 @dataclass(frozen=True)
 class BatchStats:
@@ -33,9 +36,11 @@ class BatchStats:
     #: the placement the planner solved: costs before (as drawn) and after (as solved),
     #: packs it moves (:class:`~megatron_mm_balance.solver.placement.PlanStats`)
     plan: PlanStats
-    #: True: the plan was solved but not delivered (shadow mode: every rank kept its
-    #: own packs in their own order), so ``plan`` says what balancing *would* do
-    shadow: bool = False
+    #: how the plan was carried out: ``"exchange"`` (packs moved between ranks),
+    #: ``"shadow"`` (solved but not delivered: every rank kept its own packs in their own
+    #: order, so ``plan`` says what balancing *would* do) or ``"sampler"`` (sample indices
+    #: reassigned before loading: nothing travels)
+    mode: str = "exchange"
     #: delivered packs whose node differs from the node that drew them (whole group)
     inter_node_packs: int = 0
     #: this rank: packs it sent to peers / received from peers
@@ -59,6 +64,15 @@ class BatchStats:
     #: micro-batch
     consumer_wait_ms: float = 0.0
     consumer_wait_first_ms: float = 0.0
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+
+    @property
+    def shadow(self) -> bool:
+        """The plan was solved but not delivered (shadow mode)."""
+        return self.mode == "shadow"
 
     @property
     def packs_moved(self) -> int:

@@ -319,45 +319,125 @@ class Writer:
         self.logged.append((values, step))
 
 
-def test_summarize_means_numeric_and_nested_entries():
-    s = summarize([{"packs_moved": 2, "x": {"y": 1.0}, "name": "a", "list": [1, 2]},
-                   {"packs_moved": 4, "x": {"y": 3.0}}])
-    assert s == {"global_batches": 2.0, "packs_moved": 3.0, "x.y": 2.0}
+def _batch(costs, sync="microstep", gb=0, mode="exchange", **fields):
+    """The BatchStats a mode records for a cost matrix (the planner's plan)."""
+    import numpy as np
+    from megatron_mm_balance.runtime.config import BalancerConfig
+    from megatron_mm_balance.runtime.planner import plan_batch
+    from megatron_mm_balance.runtime.stats import BatchStats
+    c = np.asarray(costs, dtype=np.int64)
+    _, plan = plan_batch(c, BalancerConfig(sync=sync))
+    return BatchStats(global_batch=gb, num_microbatches=c.shape[1], plan=plan, mode=mode, **fields)
+
+
+def test_imbalance_reads_right_when_the_step_maximum_drops():
+    """The case the old per-step ratio got wrong: the placement lowers the step maxima (576 ->
+    320 in total) but dividing each delivered step's maximum by the drawn step's mean said the
+    imbalance rose (2.0 -> 2.83). Ratio of sums: 576/288 -> 320/288."""
+    s = summarize([_batch([[0, 0, 0], [256, 64, 256]])])
+    assert s["cost_step_max_before"] == 192 and s["cost_step_max_after"] == pytest.approx(320 / 3)
+    assert s["cost_step_mean"] == 96
+    assert s["imbalance_before"] == pytest.approx(2.0) and s["imbalance_after"] == pytest.approx(320 / 288)
+    assert s["packs_moved"] > 0 and s["global_batches"] == 1
+
+
+@pytest.mark.parametrize("sync", ["microstep", "step"])
+def test_imbalance_after_is_at_most_before_exactly_when_the_step_maximum_does_not_rise(sync):
+    import numpy as np
+    rng = np.random.default_rng(7)
+    rose = 0
+    for trial in range(200):
+        D, G = int(rng.integers(2, 5)), int(rng.integers(2, 6))
+        batches = [_batch(rng.choice([0, 16, 64, 256, 2048], size=(D, G)), sync, gb=i)
+                   for i in range(int(rng.integers(1, 4)))]
+        s = summarize(batches)
+        assert (s["imbalance_after"] <= s["imbalance_before"]) == \
+            (s["cost_step_max_after"] <= s["cost_step_max_before"])
+        assert s["imbalance_after"] == pytest.approx(s["cost_step_max_after"] / s["cost_step_mean"])
+        rose += s["cost_step_max_after"] > s["cost_step_max_before"]
+        if sync == "microstep":                     # optimal per micro-step: never worse
+            assert s["imbalance_after"] <= s["imbalance_before"] + 1e-12
+        else:                                       # step mode evens rank totals
+            assert s["rank_imbalance_after"] <= s["rank_imbalance_before"] + 1e-12
+    assert sync == "microstep" or rose > 0         # step mode may raise the micro-step maxima
+
+
+def test_shadow_reports_what_was_delivered_and_what_would_be():
+    b = _batch([[0, 0, 0], [256, 64, 256]], mode="shadow")
+    s = summarize([b])
+    assert s["packs_moved"] == 0 and s["packs_would_move"] == b.plan.packs_moved > 0
+    assert s["cost_step_max_after"] == s["cost_step_max_before"]        # delivered as drawn
+    assert s["imbalance_after"] == s["imbalance_before"]
+    assert s["imbalance_would_be"] == pytest.approx(320 / 288)
+    assert s["gain_would_be"] == pytest.approx(1 - 320 / 576)
+    assert "packs_would_move" not in summarize([_batch([[0, 0, 0], [256, 64, 256]])])
+
+
+def test_sampler_batches_report_no_transfer():
+    s = summarize([_batch([[0, 5], [9, 1]], mode="sampler", solver_ms=0.5)])
+    assert "bytes_sent" not in s and "prefetched" not in s and s["solver_ms"] == 0.5
     assert summarize([]) == {}
     assert "iteration 5" in format_line(5, {"a": 1.0})
 
 
-def test_derived_imbalance_from_runtime_step_lists():
-    entry = {"step_max_before": [300, 100], "step_max_after": [150, 100],
-             "step_mean_before": [150.0, 100.0], "step_mean_after": [150.0, 100.0], "packs_moved": 2}
-    s = summarize([entry])
-    assert s["imbalance_before"] == pytest.approx((2.0 + 1.0) / 2)
-    assert s["imbalance_after"] == pytest.approx(1.0)
-    assert s["image_tokens_step_max_before"] == 200 and s["image_tokens_step_mean"] == 125
-    assert "step_max_before" not in s
+class Source:
+    def __init__(self):
+        self.stats = collections.deque()
 
 
 def test_telemetry_writes_every_interval_to_writers_and_log(capsys):
-    balancer = FakeBalancer(iter(()))
-    balancer.stats.clear()
+    source = Source()
     tb, wb = Writer(), Writer()
-    tel = Telemetry(balancer, interval=2, tb_writer=tb, wandb_writer=wb, reporter=True)
+    tel = Telemetry(source, interval=2, tb_writer=tb, wandb_writer=wb, reporter=True)
     tel.on_batch(0)
     for it in range(1, 7):
-        balancer.stats.append({"global_batch": it - 1, "packs_moved": it, "exposed_wait_ms": 0.5})
+        source.stats.append(_batch([[it, 0], [0, 0]], gb=it - 1, packs_sent=it))
         tel.on_batch(it)      # global batch `it` starts at iteration `it`
-    steps = [s for tag, _, s in tb.scalars if tag == "mm-balance/packs_moved"]
+    steps = [s for tag, _, s in tb.scalars if tag == "mm-balance/packs_sent"]
     assert steps == [2, 4, 6]
     # Iteration 4 averages the global batches since iteration 2: 3 and 4.
-    assert ("mm-balance/packs_moved", 3.5, 4) in tb.scalars
+    assert ("mm-balance/packs_sent", 3.5, 4) in tb.scalars
     assert [s for _, s in wb.logged] == [2, 4, 6]
     assert capsys.readouterr().out.count("[mm-balance] iteration") == 3
 
 
+def test_a_resumed_run_counts_iterations_from_its_checkpoint(capsys):
+    source = Source()
+    tel = Telemetry(source, interval=5, start_iteration=8, reporter=True, tb_writer=Writer())
+    source.stats.extend(_batch([[1, 0], [0, 0]], gb=i) for i in range(3))
+    for gb in range(3):
+        tel.on_batch(gb)                            # iterations 8, 9, 10: one report, at 10
+    assert [line.split(" | ")[0] for line in tel.lines] == ["[mm-balance] iteration 10"]
+    assert "global_batches: 2 " in tel.lines[0] + " "     # batches 0 and 1, not 2 (in progress)
+
+
+def test_one_line_per_report_even_with_logging_set_up(capsys):
+    """Megatron's training.py installs a root logging handler at INFO; the report used to go
+    through logging and print, so every line appeared twice. It is printed once, not logged."""
+    import io
+    import logging
+    source = Source()
+    source.stats.append(_batch([[1, 0], [0, 0]]))
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    root = logging.getLogger()
+    old_level = root.level
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    try:
+        Telemetry(source, interval=1, reporter=True, tb_writer=Writer()).on_batch(1)
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(old_level)
+    assert capsys.readouterr().out.count("[mm-balance] iteration 1") == 1
+    assert "[mm-balance]" not in stream.getvalue()
+
+
 def test_non_reporting_rank_writes_nothing():
-    balancer = FakeBalancer(iter(()))
+    source = Source()
+    source.stats.append(_batch([[1, 0], [0, 0]]))
     tb = Writer()
-    tel = Telemetry(balancer, interval=1, start_iteration=4, tb_writer=tb, reporter=False)
+    tel = Telemetry(source, interval=1, start_iteration=4, tb_writer=tb, reporter=False)
     tel.on_batch(1)
     assert tb.scalars == []
 

@@ -42,6 +42,8 @@ from functools import partial
 
 import numpy as np
 
+from megatron_mm_balance.cost.pack import DEFAULT_TOKENS_PER_TILE
+
 # Layouts: name -> (world, tp, pp, ep). "dp2_ep2" is 4 ranks with expert
 # parallel 2: dense data parallel 4, expert data parallel 2 (EP is carved out of DP).
 LAYOUTS = {
@@ -76,7 +78,7 @@ class DemoConfig:
     mixture: str = "mixed"
     mixture_samples: int = 6000        # for synthetic mixtures ("mixed" uses the full traces)
     pack_seq_len: int = 8192
-    tokens_per_tile: int = 256
+    tokens_per_tile: int = DEFAULT_TOKENS_PER_TILE
     max_tiles: int = 32
     vision_ms_per_tile: float = 0.0
     llm_ms_per_pack: float = 0.0

@@ -22,7 +22,7 @@ Only ranks that read data are wrapped: first/last pipeline stage, tensor rank 0
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 from .checks import checked_config
 from .config import MMBalanceConfig

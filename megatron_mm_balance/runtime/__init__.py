@@ -14,7 +14,7 @@ _HOME = {
     "plan_placement": "..solver.placement", "default_cost_fn": "..cost.pack",
     "ImageTokenCost": "..cost.pack", "ModelCost": "..cost.pack", "BalancerError": ".errors",
     "PeerFailure": ".errors", "InconsistentConfig": ".errors", "ExchangeThreadError": ".errors",
-    "SourceExhausted": ".engine", "BalancerConfig": ".config", "BatchStats": ".stats",
+    "SourceExhausted": ".engine", "BalancerConfig": ".config", "SettingError": ".config", "BatchStats": ".stats",
     "plan_batch": ".planner",
 }
 

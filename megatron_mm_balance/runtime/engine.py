@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from ..cost.pack import to_int_costs
-from ..solver.placement import Placement
+from ..solver.placement import Placement, PlanStats
 from ..solver.topology import traffic
 from .agreement import (INLINE_COSTS, BatchRecord, BatchStatus, check_agreement,
                         settings_hash, settings_string)
@@ -77,7 +77,7 @@ class BatchPlan:
     num_microbatches: int
     packs: list                        # this rank's pulled packs (None once sent/used)
     placement: Placement               # what is delivered (the identity in shadow mode)
-    plan: object                       # the solved placement's PlanStats
+    plan: PlanStats                    # the solved placement's figures
     shadow: bool = False
     my_costs: tuple = ()
     inter_node_packs: int = 0
@@ -153,7 +153,7 @@ class Engine:
                 raise SourceExhausted(gb, [pulled])
             return self._plan(gb, G, packs, self._matrix(np.asarray([costs], dtype=np.int64), G),
                               0.0, state_after)
-        self._announce_failure(gb, status, err)
+        self._post_to_board(gb, status, err)
         self._beat("all-gathering pack costs")
         t0 = time.perf_counter()
         all_costs = self._agree(gb, G, costs, pulled, status, err)
@@ -187,7 +187,8 @@ class Engine:
                 status, err = BatchStatus.COST_ERROR, e
         return packs, costs, status, err, state_after
 
-    def _announce_failure(self, gb: int, status: BatchStatus, err) -> None:
+    def _post_to_board(self, gb: int, status: BatchStatus, err) -> None:
+        """Tell the peers (through the store) this rank reached ``gb``, and its error if any."""
         me = self.ranks[self.me]
         if err is not None and self.board:
             what = "data source" if status == BatchStatus.SOURCE_ERROR else "cost_fn"

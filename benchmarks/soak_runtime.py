@@ -46,7 +46,7 @@ def soak_rank(rank, world, cfg):
         for b in range(cfg["batches"]):
             for _ in range(G):
                 next(it)
-            moved += it.last_stats["packs_moved"]
+            moved += it.last_stats.packs_moved
             if b + 1 == cfg["warmup"] or (b + 1) % cfg["every"] == 0 or b + 1 == cfg["batches"]:
                 samples.append((b + 1, threading.active_count(), _os_threads(), round(_rss_mb(), 2)))
     return {"samples": samples, "moved": moved, "seconds": time.perf_counter() - t0,

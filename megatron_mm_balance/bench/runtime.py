@@ -201,15 +201,15 @@ def _bench_rank(rank, world, cfg):
         if it is not None:
             st = list(it.stats)[-B:] if mode != "off" else []
             rec.update(
-                wait_ms=float(np.mean([s["consumer_wait_ms"] for s in st])) if st else 0.0,
-                wait_first_ms=float(np.mean([s["consumer_wait_first_ms"] for s in st])) if st else 0.0,
-                exchange_ms=float(np.mean([s["exchange_ms"] + s["allgather_ms"] + s["solver_ms"]
+                wait_ms=float(np.mean([s.consumer_wait_ms for s in st])) if st else 0.0,
+                wait_first_ms=float(np.mean([s.consumer_wait_first_ms for s in st])) if st else 0.0,
+                exchange_ms=float(np.mean([s.exchange_ms + s.allgather_ms + s.solver_ms
                                            for s in st])) if st else 0.0,
-                mb_moved=float(np.mean([s["bytes_received"] for s in st]) / 2**20) if st else 0.0,
-                packs_moved=float(np.mean([s["packs_moved"] for s in st])) if st else 0.0,
-                prefetched=float(np.mean([s["prefetched"] for s in st])) if st else 0.0,
-                microstep_before=float(np.mean([s["microstep_cost_before"] for s in st])) if st else 0.0,
-                microstep_after=float(np.mean([s["microstep_cost_after"] for s in st])) if st else 0.0)
+                mb_moved=float(np.mean([s.bytes_received for s in st]) / 2**20) if st else 0.0,
+                packs_moved=float(np.mean([s.packs_moved for s in st])) if st else 0.0,
+                prefetched=float(np.mean([s.prefetched for s in st])) if st else 0.0,
+                microstep_before=float(np.mean([s.plan.microstep_cost_before for s in st])) if st else 0.0,
+                microstep_after=float(np.mean([s.plan.microstep_cost_after for s in st])) if st else 0.0)
             it.close()
         out[mode].append(rec)
     return out

@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from importlib import resources
 from typing import Iterable, Sequence
 
-DEFAULT_TOKENS_PER_TILE = 256
+# The one image-token convention (tokens per tile of an OmniBal trace's ``vit_num``).
+from ..cost.pack import DEFAULT_TOKENS_PER_TILE
 
 
 class TraceError(ValueError):

@@ -9,18 +9,16 @@ Registered two ways, both ending in :func:`add_mm_balance_args`:
   ``pretrain(..., extra_args_provider=...)``.
 
 Registering twice is harmless: the second call sees ``--mm-balance`` and returns.
-The flags' choices and defaults live in :mod:`.config` (one typed
-:class:`~.config.MMBalanceConfig` per run); they are validated by :mod:`.checks`.
+The flags themselves (names, defaults, help, choices) are the table in
+:mod:`.config`: one :class:`~.config.MMBalanceConfig` field per flag; this module
+only turns the table into argparse arguments.
 """
 from __future__ import annotations
 
 import argparse
 from typing import Callable, Optional
 
-from ..solver.placement import DEFAULT_BALANCE_TOLERANCE
-from .config import COST_CHOICES, MODE_CHOICES, SYNC_CHOICES, MMBalanceConfig
-
-_DEFAULTS = MMBalanceConfig()
+from .config import flag_fields
 
 
 def add_mm_balance_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -28,53 +26,16 @@ def add_mm_balance_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     if "--mm-balance" in parser._option_string_actions:  # already registered (patch + provider)
         return parser
     group = parser.add_argument_group(title="mm-balance (image-token load balancing)")
-    group.add_argument("--mm-balance", action="store_true",
-                       help="Balance image tokens across data-parallel ranks every global batch "
-                            "by moving whole micro-batches (packs) between ranks.")
-    group.add_argument("--mm-balance-overlap", dest="mm_balance_overlap", action="store_true",
-                       default=_DEFAULTS.overlap,
-                       help="Gather costs and exchange packs for the next global batch on a "
-                            "background thread, overlapped with compute (default).")
-    group.add_argument("--no-mm-balance-overlap", dest="mm_balance_overlap", action="store_false",
-                       help="Balance synchronously when the global batch is first read.")
-    group.add_argument("--mm-balance-sync", choices=SYNC_CHOICES, default="auto",
-                       help="Objective: 'microstep' balances every micro-step (needed when "
-                            "expert-parallel all-to-alls synchronise ranks each micro-step), "
-                            "'step' balances per-rank totals (pure data parallel). 'auto' picks "
-                            "microstep when --expert-model-parallel-size > 1, else step.")
-    group.add_argument("--mm-balance-cost", choices=COST_CHOICES, default=_DEFAULTS.cost,
-                       help="Cost of a pack: its image tokens, or a calibrated cost model read "
-                            "from --mm-balance-cost-file.")
-    group.add_argument("--mm-balance-cost-file", type=str, default=None,
-                       help="Cost file (JSON, format mm-balance-cost/v1) for --mm-balance-cost model.")
-    group.add_argument("--mm-balance-mode", choices=MODE_CHOICES, default=_DEFAULTS.mode,
-                       help="'exchange' moves packed tensors between ranks; 'sampler' reassigns "
-                            "sample indices before loading (needs --dataloader-type single and a "
-                            "dataset with mm_balance_image_tokens(idx)); 'auto' uses the sampler "
-                            "when it applies, else the exchange; 'shadow' gathers costs and solves "
-                            "like the exchange and logs the predicted gain, but moves nothing.")
-    group.add_argument("--mm-balance-log-interval", type=int, default=None,
-                       help="Write balance statistics every this many iterations "
-                            "(default: --log-interval).")
-    group.add_argument("--mm-balance-tolerance", type=float, default=None,
-                       help="How far above the mean (fraction) a rank's total may end; larger keeps more "
-                            f"packs home (solver default {DEFAULT_BALANCE_TOLERANCE} if unset).")
-    group.add_argument("--mm-balance-ranks-per-node", type=int, default=None,
-                       help="GPUs per node (global rank r on node r // N): packs move between "
-                            "node-mates where balance allows (default: the launcher's "
-                            "LOCAL_WORLD_SIZE; unset: every rank its own node).")
-    group.add_argument("--mm-balance-timeout", type=float, default=_DEFAULTS.timeout,
-                       help="Seconds the exchange waits on its collectives before failing.")
-    group.add_argument("--mm-balance-record-samples", type=str, default=None, metavar="DIR",
-                       help="Write, per rank, the sample keys and a content digest of every "
-                            "micro-batch the training loop consumes, per iteration, to "
-                            "DIR/samples-rank<R>.jsonl (balancing on or off; for checking resumed "
-                            "and balanced runs against a reference). Off by default.")
-    group.add_argument("--mm-balance-task-encoder", action="store_true",
-                       help="examples/multimodal: build the example's TaskEncoder with "
-                            "BalancedPackingMixin (per-pack image tokens in the batch; with "
-                            "--packing-buffer-size, best-fit packing of whole samples into "
-                            "--packing-seq-length). Works with or without --mm-balance.")
+    for f, spec in flag_fields():
+        if spec.type is None:            # a boolean switch: on by its flag, off by its negation
+            group.add_argument(spec.name, dest=spec.dest, action="store_true", default=f.default,
+                               help=spec.help)
+            if spec.negation is not None:
+                neg, neg_help = spec.negation
+                group.add_argument(neg, dest=spec.dest, action="store_false", help=neg_help)
+            continue
+        group.add_argument(spec.name, dest=spec.dest, type=spec.type, choices=spec.choices,
+                           default=f.default, help=spec.help, metavar=spec.metavar)
     return parser
 
 

@@ -1,109 +1,346 @@
-"""The ``--mm-balance`` settings as one typed object, built once from Megatron's ``args``.
+"""The ``--mm-balance`` settings: one table of flags, one typed config, built and validated once.
 
-:class:`MMBalanceConfig` holds every flag's value with ``auto`` resolved (the
-sync mode from ``--expert-model-parallel-size``, the log interval from
-``--log-interval``); its field defaults are the flags' defaults, written here
-once (:mod:`.arguments` registers the flags with them). Build it with
-:func:`megatron_mm_balance.megatron.checks.checked_config`, which validates the
-arguments first; :meth:`MMBalanceConfig.from_args` alone does not validate.
+* :class:`MMBalanceConfig` is the table. Each of its flag fields *is* one flag:
+  its default (written here and nowhere else), its help text and the values it
+  accepts (:func:`flag`). :func:`~.arguments.add_mm_balance_args` registers the
+  flags from it; adding a flag is adding a field here and reading it where it is
+  used.
+* :class:`MegatronArgs` is what the glue needs from Megatron's own arguments
+  (and the launcher's ``LOCAL_WORLD_SIZE``), typed. :meth:`MegatronArgs.read` is the
+  one place in the package that reads Megatron's ``args``; a partial namespace
+  (tests, a custom harness) is fine, absent attributes take Megatron's defaults.
+* :meth:`MMBalanceConfig.from_args` builds the config from ``args`` and resolves
+  everything derived at that moment: ``auto`` sync (``microstep`` under expert
+  parallel), the log interval (``--log-interval``), ranks per node
+  (``LOCAL_WORLD_SIZE``), tokens per tile (the multimodal flags), the runtime's
+  :class:`~megatron_mm_balance.runtime.config.BalancerConfig`. Every value is
+  checked once: the runtime's settings by ``BalancerConfig`` (its error is
+  re-raised naming our flag), the rest here. :func:`~.checks.checked_config`
+  adds the refusals of settings that would change the loss; the glue below it
+  (cost function, coordinators, sampler, telemetry) takes the config, not ``args``.
 
-Imports nothing from Megatron or torch.
+Imports nothing from Megatron or torch at module level.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal, Optional
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional, Tuple
 
-from ..runtime.config import DEFAULT_TIMEOUT_S, BalancerConfig
+from ..cost.pack import DEFAULT_TOKENS_PER_TILE
+from ..runtime.config import DEFAULT_TIMEOUT_S, TOLERANCE_BELOW, BalancerConfig, SettingError
+from ..solver.placement import DEFAULT_BALANCE_TOLERANCE
 from ..solver.topology import ranks_per_node_from_env
 
 SYNC_CHOICES = ("auto", "microstep", "step")
 COST_CHOICES = ("image-tokens", "model")
 MODE_CHOICES = ("auto", "exchange", "sampler", "shadow")
+#: the statistics interval when neither --mm-balance-log-interval nor --log-interval is set
 DEFAULT_LOG_INTERVAL = 100
+
+
+class MMBalanceConfigError(ValueError):
+    """An ``--mm-balance`` setting that is invalid or unsupported; the message names the flag."""
+
+
+@dataclass(frozen=True)
+class Flag:
+    """How a config field is a command-line flag (the field's default is the flag's)."""
+
+    name: str                                  #: e.g. ``--mm-balance-sync``
+    help: str
+    type: Any = None                           #: argparse ``type``; None: a boolean switch
+    choices: Optional[Tuple[str, ...]] = None
+    minimum: Optional[int] = None              #: checked here (not by the runtime): value >= minimum
+    negation: Optional[Tuple[str, str]] = None  #: (flag, help) that sets a boolean to False
+    metavar: Optional[str] = None              #: argparse ``metavar`` (the help's value name)
+
+    @property
+    def dest(self) -> str:
+        """The attribute on Megatron's ``args``: ``--mm-balance-sync`` -> ``mm_balance_sync``."""
+        return self.name.lstrip("-").replace("-", "_")
+
+
+def flag(default, name: str, help: str, **spec):
+    """A config field that is the flag ``name`` (see :class:`Flag`)."""
+    return field(default=default, metadata={"flag": Flag(name, help, **spec)})
+
+
+def flag_fields():
+    """``(field, Flag)`` of every flag of :class:`MMBalanceConfig`, in table order."""
+    return [(f, f.metadata["flag"]) for f in dataclasses.fields(MMBalanceConfig) if "flag" in f.metadata]
+
+
+# -- what the glue reads from Megatron --------------------------------------------------------
+@dataclass(frozen=True)
+class BatchSchedule:
+    """Megatron's global-batch arguments: what its micro-batch calculator is built from."""
+
+    global_batch_size: Optional[int] = None
+    micro_batch_size: int = 1
+    data_parallel_size: int = 1
+    #: core_v0.19.0 counts data-parallel replicas times this
+    gtp_weight_remat_size: int = 1
+    decrease_batch_size_if_needed: bool = False
+    #: ``--rampup-batch-size`` (up to core_v0.17.1)
+    rampup_batch_size: Optional[Tuple[int, ...]] = None
+    #: ``--step-batch-size-schedule`` (its replacement from core_v0.18.2) and ``--seq-length``
+    step_batch_size_schedule: Optional[str] = None
+    seq_length: Optional[int] = None
+    #: samples the run has consumed (a resumed run's position), when the config is built
+    consumed_train_samples: int = 0
+
+    @property
+    def variable(self) -> bool:
+        """Whether the micro-batch count changes during training (ramp-up)."""
+        return bool(self.rampup_batch_size or self.step_batch_size_schedule)
+
+
+def _as_tuple(value) -> tuple:
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, (list, tuple)) else (value,)
+
+
+#: Megatron-LM's own data rebalancing, by the argument that turns it on: (flag, what it does).
+#: core_v0.16.1 to core_v0.19.0 (and the Megatron-LM that Megatron-Bridge v0.6.0 pins) have
+#: hybrid context parallel; the dynamic context parallel and sequence-packing schedulers that
+#: replace it came after core_v0.19.0 (a newer line, apply_patches.sh --force).
+UPSTREAM_BALANCERS = {
+    "hybrid_context_parallel": (
+        "--hybrid-context-parallel",
+        "HybridCPDataLoaderWrapper splits every global batch's packs into sub-samples and reroutes "
+        "them over the data- and context-parallel ranks by sequence length"),
+    "dynamic_context_parallel": (
+        "--dynamic-context-parallel",
+        "it regroups every global batch's sequences over the data- and context-parallel ranks by "
+        "sequence length"),
+    "sequence_packing_scheduler": (
+        "--sequence-packing-scheduler",
+        "its scheduler re-packs and reroutes every global batch's sequences between data-parallel "
+        "ranks by sequence length"),
+}
+
+
+@dataclass(frozen=True)
+class MegatronArgs:
+    """The Megatron settings the glue depends on (Megatron's defaults when absent)."""
+
+    expert_model_parallel_size: int = 1
+    micro_batch_size: int = 1
+    calculate_per_token_loss: bool = False
+    num_experts: Optional[int] = None
+    moe_router_load_balancing_type: Tuple[str, ...] = ()
+    moe_aux_loss_coeff: Tuple[float, ...] = (0.0,)
+    #: Megatron-LM's own data rebalancing that is on: ``(dest, value)`` per
+    #: :data:`UPSTREAM_BALANCERS` entry set in ``args``
+    upstream_balancers: Tuple[Tuple[str, object], ...] = ()
+    dataloader_type: Optional[str] = None
+    log_interval: Optional[int] = None
+    tensorboard_dir: Optional[str] = None
+    #: image embeddings per tile from the examples/multimodal flags (None: not a VLM run)
+    tokens_per_tile: Optional[int] = None
+    #: the iteration training starts from (``args.iteration``: a resumed run's checkpoint)
+    start_iteration: int = 0
+    schedule: BatchSchedule = field(default_factory=BatchSchedule)
+    #: the launcher's ``LOCAL_WORLD_SIZE`` (GPUs per node under torchrun), None if unset
+    local_world_size: Optional[int] = None
+
+    @classmethod
+    def read(cls, args) -> "MegatronArgs":
+        """The one reader of Megatron's arguments (see the module docstring)."""
+        def get(name, default=None):
+            value = getattr(args, name, None)
+            return default if value is None else value
+
+        mbs = int(get("micro_batch_size", 1))
+        rampup = get("rampup_batch_size")
+        return cls(
+            expert_model_parallel_size=int(get("expert_model_parallel_size", 1)),
+            micro_batch_size=mbs,
+            calculate_per_token_loss=bool(get("calculate_per_token_loss", False)),
+            num_experts=get("num_experts"),
+            moe_router_load_balancing_type=_as_tuple(get("moe_router_load_balancing_type")),
+            moe_aux_loss_coeff=tuple(float(c) for c in _as_tuple(get("moe_aux_loss_coeff", 0.0))),
+            upstream_balancers=tuple((dest, getattr(args, dest)) for dest in UPSTREAM_BALANCERS
+                                     if getattr(args, dest, None) not in (None, False)),
+            dataloader_type=get("dataloader_type"),
+            log_interval=get("log_interval"),
+            tensorboard_dir=get("tensorboard_dir"),
+            tokens_per_tile=_multimodal_tokens_per_tile(args),
+            start_iteration=int(get("iteration", 0)),
+            schedule=BatchSchedule(
+                global_batch_size=get("global_batch_size"), micro_batch_size=mbs,
+                data_parallel_size=int(get("data_parallel_size", 1)),
+                gtp_weight_remat_size=int(get("gtp_weight_remat_size", 1)),
+                decrease_batch_size_if_needed=bool(get("decrease_batch_size_if_needed", False)),
+                rampup_batch_size=None if rampup is None else tuple(int(x) for x in rampup),
+                step_batch_size_schedule=get("step_batch_size_schedule"),
+                seq_length=get("seq_length"),
+                consumed_train_samples=int(get("consumed_train_samples", 0))),
+            local_world_size=ranks_per_node_from_env(default=None),
+        )
+
+
+def _multimodal_tokens_per_tile(args) -> Optional[int]:
+    """Image embeddings per tile for examples/multimodal arguments (None if not a VLM run),
+    as megatron-core's ``get_num_image_embeddings`` computes them. Megatron's own vision
+    flags (``--img-h`` defaults to 224 in every run) are not enough: the example's
+    ``--vision-model-type`` marks a multimodal run."""
+    if getattr(args, "img_h", None) is None or getattr(args, "vision_model_type", None) is None:
+        return None
+    from megatron.core.models.vision.clip_vit_model import get_num_image_embeddings
+    return int(get_num_image_embeddings(
+        args.img_h, args.img_w, args.patch_dim, args.vision_model_type,
+        args.disable_vision_class_token, 1, getattr(args, "pixel_shuffle", False),
+        getattr(args, "use_tile_tags", False), getattr(args, "max_num_tiles", 1),
+        getattr(args, "tokenizer_prompt_format", None)))
+
+
+# -- the table ------------------------------------------------------------------------------
+#: the runtime setting each flag feeds (its value is checked by BalancerConfig)
+_RUNTIME_FLAGS = {"sync": "--mm-balance-sync", "timeout": "--mm-balance-timeout",
+                  "balance_tolerance": "--mm-balance-tolerance",
+                  "ranks_per_node": "--mm-balance-ranks-per-node"}
 
 
 @dataclass(frozen=True)
 class MMBalanceConfig:
-    """What ``--mm-balance*`` asks for (one field per flag, ``auto`` resolved)."""
+    """What ``--mm-balance*`` asks for: one field per flag (``auto`` and defaults resolved)."""
 
-    #: ``--mm-balance``: balance at all.
-    enabled: bool = False
-    #: ``--mm-balance-mode``: ``exchange`` moves packed tensors between ranks;
-    #: ``sampler`` reassigns sample indices before loading; ``auto`` the sampler
-    #: when it applies, else the exchange; ``shadow`` gathers costs and solves like
-    #: the exchange, logs the predicted gain, and moves nothing.
-    mode: Literal["auto", "exchange", "sampler", "shadow"] = "auto"
-    #: ``--mm-balance-sync``, resolved: ``microstep`` under expert parallel, else ``step``.
-    sync: Literal["microstep", "step"] = "step"
-    #: ``--mm-balance-overlap``: exchange on a background thread.
-    overlap: bool = True
-    #: ``--mm-balance-cost``: image tokens, or a calibrated cost model.
-    cost: Literal["image-tokens", "model"] = "image-tokens"
-    #: ``--mm-balance-cost-file``: the cost model of ``--mm-balance-cost model``.
-    cost_file: Optional[str] = None
-    #: ``--mm-balance-log-interval``, resolved (default ``--log-interval``, else 100).
-    log_interval: int = DEFAULT_LOG_INTERVAL
-    #: ``--mm-balance-tolerance``: the solver's knob (None: the solver's default).
-    tolerance: Optional[float] = None
-    #: ``--mm-balance-timeout``: seconds any exchange wait may take.
-    timeout: float = DEFAULT_TIMEOUT_S
-    #: ``--mm-balance-ranks-per-node``, resolved (default ``LOCAL_WORLD_SIZE``, else None).
-    ranks_per_node: Optional[int] = None
-    #: ``--mm-balance-record-samples``: directory of the per-rank consumed-sample records
-    #: (:mod:`.samples`), balancing on or off; None records nothing.
-    record_samples: Optional[str] = None
+    enabled: bool = flag(False, "--mm-balance", "Balance image tokens across data-parallel ranks "
+                         "every global batch by moving whole micro-batches (packs) between ranks.")
+    overlap: bool = flag(True, "--mm-balance-overlap", "Gather costs and exchange packs for the "
+                         "next global batch on a background thread, overlapped with compute "
+                         "(default).",
+                         negation=("--no-mm-balance-overlap",
+                                   "Balance synchronously when the global batch is first read."))
+    #: resolved: ``microstep`` under expert parallel, else ``step``
+    sync: str = flag("auto", "--mm-balance-sync", "Objective: 'microstep' balances every "
+                     "micro-step (needed when expert-parallel all-to-alls synchronise ranks each "
+                     "micro-step), 'step' balances per-rank totals (pure data parallel). 'auto' "
+                     "picks microstep when --expert-model-parallel-size > 1, else step.",
+                     type=str, choices=SYNC_CHOICES)
+    cost: str = flag("image-tokens", "--mm-balance-cost", "Cost of a pack: its image tokens, or a "
+                     "calibrated cost model read from --mm-balance-cost-file (exchange and shadow "
+                     "mode; sampler mode reads image tokens only).", type=str, choices=COST_CHOICES)
+    cost_file: Optional[str] = flag(None, "--mm-balance-cost-file", "Cost file (JSON, format "
+                                    "mm-balance-cost/v1) for --mm-balance-cost model.", type=str)
+    mode: str = flag("auto", "--mm-balance-mode", "'exchange' moves packed tensors between ranks; "
+                     "'sampler' reassigns sample indices before loading (needs --dataloader-type "
+                     "single, a dataset with mm_balance_image_tokens(idx) and --mm-balance-cost "
+                     "image-tokens); 'auto' uses the sampler when it applies, else the exchange; "
+                     "'shadow' gathers costs and solves like the exchange and logs what balancing "
+                     "would do, but moves nothing.", type=str, choices=MODE_CHOICES)
+    #: resolved: ``--log-interval``, else DEFAULT_LOG_INTERVAL
+    log_interval: Optional[int] = flag(None, "--mm-balance-log-interval", "Write balance "
+                                       "statistics every this many iterations (default: "
+                                       "--log-interval).", type=int, minimum=1)
+    tolerance: float = flag(DEFAULT_BALANCE_TOLERANCE, "--mm-balance-tolerance", "How far above "
+                            "the mean (a fraction of it) a rank's total may end; larger keeps more "
+                            f"packs home. In [0, {TOLERANCE_BELOW:g}); default %(default)s.",
+                            type=float)
+    #: resolved: the launcher's LOCAL_WORLD_SIZE when not given
+    ranks_per_node: Optional[int] = flag(None, "--mm-balance-ranks-per-node", "GPUs per node "
+                                         "(global rank r on node r // N): packs move between "
+                                         "node-mates where balance allows (default: the "
+                                         "launcher's LOCAL_WORLD_SIZE; unset: every rank its own "
+                                         "node).", type=int)
+    timeout: float = flag(DEFAULT_TIMEOUT_S, "--mm-balance-timeout", "Seconds the exchange waits "
+                          "on its collectives before failing (default %(default)s).", type=float)
+    #: read by the wrapper's consumer side (:mod:`.samples`), balancing on or off
+    record_samples: Optional[str] = flag(None, "--mm-balance-record-samples", "Write, per rank, the "
+                                         "sample keys and a content digest of every micro-batch the "
+                                         "training loop consumes, per iteration, to "
+                                         "DIR/samples-rank<R>.jsonl (balancing on or off; for "
+                                         "checking resumed and balanced runs against a reference). "
+                                         "Off by default.", type=str, metavar="DIR")
+    #: read by the examples/multimodal patch (0005), which builds the task encoder
+    task_encoder: bool = flag(False, "--mm-balance-task-encoder", "examples/multimodal: build the "
+                              "example's TaskEncoder with BalancedPackingMixin (per-pack image "
+                              "tokens in the batch; with --packing-buffer-size, best-fit packing of "
+                              "whole samples into --packing-seq-length). Works with or without "
+                              "--mm-balance.")
+    #: what the config was resolved against (Megatron's defaults unless built from ``args``)
+    megatron: MegatronArgs = field(default_factory=MegatronArgs)
+    #: the runtime's settings, derived (packs stay where the loader put them: device None)
+    balancer: BalancerConfig = field(init=False, repr=False)
+
+    def __post_init__(self):
+        for f, spec in flag_fields():
+            _check_flag(spec, getattr(self, f.name))
+        m = self.megatron
+        resolve = {
+            "sync": self.sync if self.sync != "auto" else
+            ("microstep" if m.expert_model_parallel_size > 1 else "step"),
+            "log_interval": int(self.log_interval if self.log_interval is not None else
+                                m.log_interval or DEFAULT_LOG_INTERVAL),
+            "ranks_per_node": self.ranks_per_node if self.ranks_per_node is not None else
+            m.local_world_size,
+        }
+        for name, value in resolve.items():
+            object.__setattr__(self, name, value)
+        try:
+            balancer = BalancerConfig(sync=self.sync, overlap=bool(self.overlap), timeout=self.timeout,
+                                      device=None, balance_tolerance=self.tolerance,
+                                      shadow=self.mode == "shadow", ranks_per_node=self.ranks_per_node)
+        except SettingError as e:
+            raise MMBalanceConfigError(f"{_RUNTIME_FLAGS[e.field]} {e.requirement}, got {e.value!r}") from None
+        object.__setattr__(self, "balancer", balancer)
+        object.__setattr__(self, "tolerance", balancer.balance_tolerance)
+        object.__setattr__(self, "timeout", balancer.timeout)
+        self._check_cost_file()
+
+    def _check_cost_file(self) -> None:
+        if self.cost == "model":
+            if not self.cost_file:
+                raise MMBalanceConfigError("--mm-balance-cost model needs --mm-balance-cost-file PATH "
+                                           "(a calibrated cost file)")
+            if not os.path.isfile(self.cost_file):
+                raise MMBalanceConfigError(f"--mm-balance-cost-file {self.cost_file}: no such file")
+            from ..cost.model import load_cost_file
+            try:
+                load_cost_file(self.cost_file)
+            except ValueError as exc:
+                raise MMBalanceConfigError(f"--mm-balance-cost-file: {exc}") from None
+        elif self.cost_file:
+            raise MMBalanceConfigError("--mm-balance-cost-file is only read with --mm-balance-cost model")
 
     @classmethod
     def from_args(cls, args) -> "MMBalanceConfig":
-        """Read ``args`` (a partial namespace is fine: absent flags take their defaults)."""
-        d = cls()
+        """Build from Megatron's ``args``: the flags (absent ones take their defaults) and
+        :class:`MegatronArgs`. Values are checked; the loss refusals are
+        :func:`~.checks.checked_config`'s."""
+        values = {}
+        for f, spec in flag_fields():
+            value = getattr(args, spec.dest, None)
+            values[f.name] = f.default if value is None else value
+        return cls(**values, megatron=MegatronArgs.read(args))
 
-        def flag(name, default):
-            value = getattr(args, f"mm_balance_{name}", default)
-            return default if value is None and default is not None else value
-
-        return cls(
-            enabled=bool(getattr(args, "mm_balance", False)),
-            mode=flag("mode", d.mode),
-            sync=resolve_sync(args),
-            overlap=bool(flag("overlap", d.overlap)),
-            cost=flag("cost", d.cost),
-            cost_file=flag("cost_file", None),
-            log_interval=log_interval(args),
-            tolerance=flag("tolerance", None),
-            timeout=float(flag("timeout", d.timeout)),
-            ranks_per_node=resolve_ranks_per_node(args),
-            record_samples=flag("record_samples", None) or None,
-        )
-
+    # -- derived from Megatron's arguments ------------------------------------------------
     def runtime(self) -> BalancerConfig:
         """The balanced iterator's settings (packs stay where the loader put them)."""
-        return BalancerConfig(sync=self.sync, overlap=self.overlap, timeout=self.timeout,
-                              device=None, balance_tolerance=self.tolerance,
-                              shadow=self.mode == "shadow", ranks_per_node=self.ranks_per_node)
+        return self.balancer
+
+    @property
+    def tokens_per_tile(self) -> int:
+        """Image embeddings per tile: the multimodal flags', else the runtime's default."""
+        tpt = self.megatron.tokens_per_tile
+        return DEFAULT_TOKENS_PER_TILE if tpt is None else tpt
+
+    @property
+    def schedule(self) -> BatchSchedule:
+        return self.megatron.schedule
+
+    @property
+    def tensorboard_dir(self) -> Optional[str]:
+        return self.megatron.tensorboard_dir
 
 
-def resolve_sync(args) -> str:
-    """``--mm-balance-sync`` with ``auto`` resolved: microstep under expert parallel."""
-    sync = getattr(args, "mm_balance_sync", "auto") or "auto"
-    if sync != "auto":
-        return sync
-    ep = getattr(args, "expert_model_parallel_size", 1) or 1
-    return "microstep" if ep > 1 else "step"
-
-
-def resolve_ranks_per_node(args) -> Optional[int]:
-    """``--mm-balance-ranks-per-node``, defaulting to the launcher's ``LOCAL_WORLD_SIZE``."""
-    value = getattr(args, "mm_balance_ranks_per_node", None)
-    if value is not None:
-        return int(value)
-    return ranks_per_node_from_env(default=None)
-
-
-def log_interval(args) -> int:
-    """``--mm-balance-log-interval``, defaulting to Megatron's ``--log-interval`` (or 100)."""
-    value = getattr(args, "mm_balance_log_interval", None)
-    if value is None:
-        value = getattr(args, "log_interval", None) or DEFAULT_LOG_INTERVAL
-    return int(value)
+def _check_flag(spec: Flag, value) -> None:
+    """One flag's own value (the runtime's settings are checked by BalancerConfig)."""
+    if spec.choices is not None and value not in spec.choices:
+        raise MMBalanceConfigError(f"{spec.name} must be one of {', '.join(spec.choices)}, got {value!r}")
+    if spec.minimum is not None and value is not None and not value >= spec.minimum:
+        raise MMBalanceConfigError(f"{spec.name} must be >= {spec.minimum}, got {value}")

@@ -12,34 +12,46 @@ or ``balanced_task_encoder(TaskEncoder)`` to build that class. It changes two th
   best-fit-decreasing packer (:func:`megatron_mm_balance.data.packing.pack_greedy`,
   whole samples, sequence length ``packing_seq_length``) instead of the
   example's ``greedy_knapsack``: fuller sequences, images never split;
-* ``batch``/``encode_batch`` record ``image_tokens`` (one int per pack in the
-  micro-batch) and ``image_token_counts`` (per image) in the batch dict, which is
-  what the balancer's cost function reads (stock batches only carry ``num_tiles``).
+* ``batch`` returns the base's batch extended by two declared fields,
+  ``image_tokens`` (one int per pack of the micro-batch) and ``image_token_counts``
+  (one per image), the way energon extends a sample or batch type: a dataclass
+  subclass with the new fields, built with energon's ``extend`` (a ``dict`` batch
+  gets the two keys). ``encode_batch`` then hands them on as tensors in the batch
+  dict, which is what the balancer's cost function reads (stock batches only carry
+  ``num_tiles``). A batch built without them (elsewhere) is counted from ``num_tiles``.
 
 Energon's stateless contract: energon restores a batch from its restore key
 (``restore_sample``; ``can_restore_sample`` is true) only when the batcher and the
 batch encoder carry its ``@stateless`` mark, i.e. are pure functions of their
-input. The mixin's ``batch``/``encode_batch`` are pure apart from ``super()``, so
-each class built on the mixin gets them marked exactly when the base's are (or
-as ``mm_balance_batch_stateless`` declares, for a base whose pure batcher lacks
-the mark, such as examples/multimodal's: :func:`balanced_example_task_encoder`).
-The marks are energon's own decorator, applied when the class is created.
+input. The mixin's ``batch``/``encode_batch`` are pure exactly when the base's are,
+so it comes in two forms: :class:`BalancedPackingMixin` (unmarked) and
+:func:`stateless_balanced_packing_mixin` (the same, with both methods decorated
+``@stateless`` in the class body, as energon documents it, for a base whose
+batchers are pure). :func:`balanced_task_encoder` picks the form from the base's
+own marks; :func:`balanced_example_task_encoder` takes the stateless one, since
+examples/multimodal's ``batch`` and ``encode_batch`` are pure but unmarked.
 
 Switched on in Megatron-LM's ``examples/multimodal/train.py`` by
 ``--mm-balance-task-encoder`` (``patches/0005``: the example's dataloader provider
 builds :func:`balanced_example_task_encoder` instead of its ``TaskEncoder()``).
 
-The mixin imports energon only to mark methods when a class is built on it (and
-not at all when energon is absent: nothing reads the marks then), so it works
-with any base that has energon's packing hooks.
+Importing this module imports no energon (the stateless form imports its
+decorator when first built), so the mixin works with any base that has
+energon's packing hooks.
 """
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Sequence
+import dataclasses
+import functools
+import sys
+from typing import Dict, List, Sequence
 
+from ..cost.pack import check_tokens_per_tile, flatten_ints as _ints
 from ..data.packing import pack_greedy
 from ..data.traces import Sample
-from ..cost.pack import check_tokens_per_tile, flatten_ints as _ints
+
+#: the declared fields the balanced batch carries: per pack, per image
+BATCH_FIELDS = ("image_tokens", "image_token_counts")
 
 
 class BalancedPackingMixin:
@@ -93,91 +105,131 @@ class BalancedPackingMixin:
                              on_overlong="error")
         return [[samples[i] for i in pack.samples] for pack in result.packs]
 
-    #: Whether ``batch``/``encode_batch`` get energon's ``@stateless`` mark: ``None``
-    #: follows the base's marks, ``True``/``False`` declare it for the base.
-    mm_balance_batch_stateless: Optional[bool] = None
-
-    def __init_subclass__(cls, **kwargs):
-        """Give ``cls`` its own ``batch``/``encode_batch``, marked stateless as the base's are."""
-        super().__init_subclass__(**kwargs)
-        for name, impl in (("batch", BalancedPackingMixin._mm_balance_batch),
-                           ("encode_batch", BalancedPackingMixin._mm_balance_encode_batch)):
-            if name in cls.__dict__ and not getattr(cls.__dict__[name], "_mm_balance_wrapper", False):
-                continue   # the class defines its own: its marks are its own business
-            base_fn = _after_mixin(cls, name)
-            declared = cls.mm_balance_batch_stateless
-            stateless = bool(getattr(base_fn, "__stateless__", False)) if declared is None else declared
-            setattr(cls, name, _method(impl, name, stateless, base_fn))
-
-    def _mm_balance_batch(self, samples):
-        """The base's batch, plus the image tokens of each pack (``mm_balance_image_tokens``)."""
+    def batch(self, samples):
+        """The base's batch, extended by the declared ``image_tokens`` (per pack) and
+        ``image_token_counts`` (per image) fields (see the module docstring)."""
         batch = super().batch(samples)
         per_pack = [sum(self.mm_balance_image_tokens(s)) for s in samples]
         counts = [c for s in samples for c in self.mm_balance_image_tokens(s)]
-        try:
-            object.__setattr__(batch, "_mm_balance", (per_pack, counts))
-        except (AttributeError, TypeError):   # a batch type without a __dict__
-            pass
-        return batch
+        return with_image_tokens(batch, image_tokens=per_pack, image_token_counts=counts)
 
-    def _mm_balance_encode_batch(self, batch):
-        """The base's encode_batch (a dict), plus ``image_tokens`` and ``image_token_counts``."""
+    def encode_batch(self, batch):
+        """The base's encode_batch (a dict), with ``image_tokens`` and ``image_token_counts``
+        as int64 tensors: the batch's declared fields, or from ``num_tiles`` without them."""
         raw = super().encode_batch(batch)
         if not isinstance(raw, dict):
             raise TypeError(f"BalancedPackingMixin needs encode_batch to return a dict, "
                             f"got {type(raw).__name__}")
-        recorded = getattr(batch, "_mm_balance", None)
+        recorded = _recorded(batch)
         if recorded is None:   # batch built elsewhere: one pack, counts from num_tiles
             counts = [n * self.mm_balance_tokens_per_tile() for n in _ints(raw.get("num_tiles"))]
-            recorded = ([sum(counts)], counts)
-        raw.pop("_mm_balance", None)
+            recorded = {"image_tokens": [sum(counts)], "image_token_counts": counts}
         import torch
-        raw["image_tokens"] = torch.tensor(recorded[0], dtype=torch.int64)
-        raw["image_token_counts"] = torch.tensor(recorded[1], dtype=torch.int64)
+        for name in BATCH_FIELDS:
+            raw[name] = torch.tensor(_ints(recorded[name], name), dtype=torch.int64)
         return raw
 
-    batch = _mm_balance_batch
-    encode_batch = _mm_balance_encode_batch
+
+@functools.lru_cache(maxsize=None)
+def stateless_balanced_packing_mixin() -> type:
+    """:class:`BalancedPackingMixin` with ``batch`` and ``encode_batch`` marked with
+    energon's ``@stateless``: for a base whose own batchers are pure (imports energon)."""
+    from megatron.energon.task_encoder.base import stateless
+
+    class StatelessBalancedPackingMixin(BalancedPackingMixin):
+        """:class:`BalancedPackingMixin` whose batches energon may restore from their keys."""
+
+        @stateless
+        def batch(self, samples):
+            return super().batch(samples)
+
+        @stateless
+        def encode_batch(self, batch):
+            return super().encode_batch(batch)
+
+    return _public(StatelessBalancedPackingMixin)
 
 
-def _after_mixin(cls, name: str):
-    """The ``name`` attribute of the first class after the mixin in ``cls``'s MRO that defines it."""
-    mro = cls.__mro__
-    for klass in mro[mro.index(BalancedPackingMixin) + 1:]:
-        if name in klass.__dict__:
-            return klass.__dict__[name]
-    return None
+def _public(cls: type) -> type:
+    """Make a class built at run time importable from this module by a unique name (pickling)."""
+    module = sys.modules[__name__]
+    name, n = cls.__name__, 1
+    while getattr(module, name, cls) is not cls:      # e.g. two base types both named "Batch"
+        n += 1
+        name = f"{cls.__name__}_{n}"
+    cls.__module__, cls.__qualname__ = __name__, name
+    setattr(module, name, cls)
+    return cls
 
 
-def _method(impl: Callable, name: str, stateless: bool, base_fn) -> Callable:
-    def method(self, arg):
-        return impl(self, arg)
-    method.__name__ = name
-    method.__qualname__ = f"BalancedPackingMixin.{name}"
-    method.__doc__ = impl.__doc__
-    method._mm_balance_wrapper = True
-    tolerance = getattr(base_fn, "__failure_tolerance__", None)
-    if stateless:
-        try:
-            from megatron.energon.task_encoder.base import stateless as energon_stateless
-        except ImportError:   # no energon: nothing reads the mark
-            return method
-        method = energon_stateless(method, failure_tolerance=tolerance)
-    elif tolerance is not None:
-        method.__failure_tolerance__ = tolerance
-    return method
+_BALANCED_BATCH_TYPES: Dict[type, type] = {}
+
+
+def balanced_batch_type(batch_type: type) -> type:
+    """``Balanced<batch_type>``: the dataclass ``batch_type`` plus the declared fields
+    :data:`BATCH_FIELDS` (lists of ints, default None); made once per type."""
+    out = _BALANCED_BATCH_TYPES.get(batch_type)
+    if out is None:
+        params = batch_type.__dataclass_params__
+        out = dataclasses.make_dataclass(
+            f"Balanced{batch_type.__name__}", [(name, List[int], dataclasses.field(default=None))
+                                               for name in BATCH_FIELDS],
+            bases=(batch_type,), frozen=params.frozen, eq=params.eq)
+        _BALANCED_BATCH_TYPES[batch_type] = _public(out)
+    return out
+
+
+def with_image_tokens(batch, **fields):
+    """``batch`` with the :data:`BATCH_FIELDS` set: a dict gets the keys, a dataclass
+    becomes its :func:`balanced_batch_type` (energon's ``extend`` when the type has it);
+    any other batch has no declared place for them and is returned as it is."""
+    if isinstance(batch, dict):
+        return {**batch, **fields}
+    if not dataclasses.is_dataclass(batch) or isinstance(batch, type):
+        return batch
+    cls = balanced_batch_type(type(batch)) if not _recorded_type(type(batch)) else type(batch)
+    if hasattr(cls, "extend"):
+        return cls.extend(batch, **fields)
+    values = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch) if f.init}
+    return cls(**{**values, **fields})
+
+
+def _recorded_type(batch_type: type) -> bool:
+    return dataclasses.is_dataclass(batch_type) and all(
+        name in {f.name for f in dataclasses.fields(batch_type)} for name in BATCH_FIELDS)
+
+
+def _recorded(batch):
+    """The batch's declared fields, or None when it has none (or they are unset)."""
+    if isinstance(batch, dict):
+        values = {name: batch.get(name) for name in BATCH_FIELDS}
+    elif dataclasses.is_dataclass(batch) and _recorded_type(type(batch)):
+        values = {name: getattr(batch, name) for name in BATCH_FIELDS}
+    else:
+        return None
+    return None if any(v is None for v in values.values()) else values
+
+
+def _marked_stateless(fn) -> bool:
+    """Whether ``fn`` carries energon's ``@stateless`` mark (energon's ``get_stateless``)."""
+    return bool(getattr(fn, "__stateless__", False))
 
 
 def balanced_task_encoder(base=None):
-    """``class Balanced<Base>(BalancedPackingMixin, base)``; ``base`` defaults to energon's
-    ``DefaultTaskEncoder`` (which must then be installed: ``pip install megatron-energon``)."""
+    """``class Balanced<Base>(mixin, base)``; ``base`` defaults to energon's
+    ``DefaultTaskEncoder`` (which must then be installed: ``pip install megatron-energon``).
+    The mixin is the stateless one when the base's ``batch`` and ``encode_batch`` both
+    carry energon's ``@stateless`` mark, else :class:`BalancedPackingMixin`."""
     if base is None:
         try:
             from megatron.energon import DefaultTaskEncoder as base
         except ImportError as exc:
             raise ImportError("balanced_task_encoder() without a base needs megatron-energon "
                               "(pip install megatron-energon)") from exc
-    return type(f"Balanced{base.__name__}", (BalancedPackingMixin, base), {})
+    pure = _marked_stateless(getattr(base, "batch", None)) and _marked_stateless(
+        getattr(base, "encode_batch", None))
+    mixin = stateless_balanced_packing_mixin() if pure else BalancedPackingMixin
+    return type(f"Balanced{base.__name__}", (mixin, base), {})
 
 
 def balanced_example_task_encoder(base):
@@ -185,8 +237,9 @@ def balanced_example_task_encoder(base):
     its batches restorable by energon: what ``--mm-balance-task-encoder`` builds.
 
     The example's ``batch`` (pad and stack tensors) and ``encode_batch``
-    (``dataclasses.asdict``) use no randomness and keep no state but carry no
-    ``@stateless`` mark, so the balanced class declares them stateless.
+    (``dataclasses.asdict``, which also copies our declared fields) use no randomness
+    and keep no state but carry no ``@stateless`` mark, so the balanced class takes the
+    stateless mixin.
     """
-    cls = type(f"Balanced{base.__name__}", (BalancedPackingMixin, base), {"mm_balance_batch_stateless": True})
+    cls = type(f"Balanced{base.__name__}", (stateless_balanced_packing_mixin(), base), {})
     return cls()

@@ -17,13 +17,39 @@ parallelism each model chunk has its own iterator, so each chunk gets its own
 set of groups. The first and last stages balance independently; they see the
 same costs and run the same deterministic solver, so they reach the same
 placement.
+
+:func:`init_exchange_groups` returns the groups as an :class:`ExchangeGroups`
+object (in the spirit of Megatron's ``ProcessGroupCollection``), which the
+caller passes on explicitly; nothing is cached in this module. Each call creates
+new groups (collectively), so build them once per set of iterators.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import List, Sequence, Tuple, Union
 
 from ..runtime.config import DEFAULT_TIMEOUT_S
+
+
+@dataclass(frozen=True)
+class ExchangeGroups:
+    """This rank's exchange groups: one per model chunk (None where this rank reads no
+    data), and the data-holding rank lists they were made from (the same on every rank)."""
+
+    #: per model chunk: this rank's gloo group, or None
+    chunks: Tuple[object, ...]
+    #: the data-parallel rank lists of the data-holding ranks, in canonical order
+    rank_lists: Tuple[Tuple[int, ...], ...]
+
+    def __len__(self) -> int:
+        return len(self.chunks)
+
+    def __iter__(self):
+        return iter(self.chunks)
+
+    def chunk(self, index: int):
+        """Model chunk ``index``'s group on this rank (None: it reads no data)."""
+        return self.chunks[index]
 
 
 @dataclass(frozen=True)
@@ -39,10 +65,6 @@ class RankLayout:
         if isinstance(layout, RankLayout):
             return layout
         return RankLayout(bool(layout["holds_data"]), tuple(int(r) for r in layout["dp_ranks"]))
-
-
-_GROUPS: Optional[List] = None      # per model chunk: this rank's exchange group or None
-_GROUP_RANKS: Optional[List[List[int]]] = None
 
 
 def data_holding_rank_lists(layouts: Sequence[Union[RankLayout, dict]]) -> List[List[int]]:
@@ -85,20 +107,14 @@ def megatron_layout(tp_rank0_only: bool = True) -> RankLayout:
 
 
 def init_exchange_groups(layout: Union[RankLayout, dict, None] = None, *, num_chunks: int = 1,
-                         timeout: float = DEFAULT_TIMEOUT_S) -> List:
-    """Create the exchange groups on every rank; return this rank's group per model chunk.
+                         timeout: float = DEFAULT_TIMEOUT_S) -> ExchangeGroups:
+    """Create the exchange groups on every rank; return this rank's, one per model chunk.
 
     Collective over the default (world) group: every rank must call it, in the
     same order relative to other group creations. ``layout`` defaults to
-    :func:`megatron_layout`. Idempotent: later calls return the groups made by
-    the first (``reset_exchange_groups`` forgets them, for tests).
+    :func:`megatron_layout`. Each call creates new groups: pass the result to
+    ``wrap_train_data_iterator(..., exchange_groups=...)`` rather than calling again.
     """
-    global _GROUPS, _GROUP_RANKS
-    if _GROUPS is not None:
-        if len(_GROUPS) != num_chunks:
-            raise RuntimeError(f"exchange groups were created for {len(_GROUPS)} model chunks, "
-                               f"now asked for {num_chunks}")
-        return list(_GROUPS)
     import torch.distributed as dist
     from ..runtime import new_exchange_groups
 
@@ -108,18 +124,5 @@ def init_exchange_groups(layout: Union[RankLayout, dict, None] = None, *, num_ch
     layouts = [None] * dist.get_world_size()
     dist.all_gather_object(layouts, layout)
     lists = data_holding_rank_lists(layouts)
-    _GROUPS = [new_exchange_groups(lists, timeout) for _ in range(num_chunks)]
-    _GROUP_RANKS = lists
-    return list(_GROUPS)
-
-
-def exchange_group_ranks() -> Optional[List[List[int]]]:
-    """The rank lists of the groups created (None before :func:`init_exchange_groups`)."""
-    return None if _GROUP_RANKS is None else [list(g) for g in _GROUP_RANKS]
-
-
-def reset_exchange_groups() -> None:
-    """Forget the cached groups (they are not destroyed; for tests and re-initialisation)."""
-    global _GROUPS, _GROUP_RANKS
-    _GROUPS = None
-    _GROUP_RANKS = None
+    chunks = tuple(new_exchange_groups(lists, timeout) for _ in range(num_chunks))
+    return ExchangeGroups(chunks, tuple(tuple(g) for g in lists))

@@ -19,47 +19,55 @@ Megatron's contracts, and how the wrapper keeps them:
 
 Only ranks that read data are wrapped: first/last pipeline stage, tensor rank 0
 (see :mod:`.groups`); other ranks' iterators are returned unchanged.
-
-With ``--mm-balance-record-samples DIR`` every micro-batch the loop takes is also written
-to a per-rank record (:mod:`.samples`), balancing on (after the exchange) or off (then the
-wrapper only records: no groups, no balancer).
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 from .checks import checked_config
 from .config import MMBalanceConfig
-from .sampler import installed_train_sampler
-from .schedule import MicrobatchSchedule, variable_batch_size
+from .sampler import installed_train_samplers
+from .schedule import MicrobatchSchedule
 
 
 class BalancedTrainIterable:
-    """What Megatron's ``RerunDataIterator`` wraps: balanced micro-batches plus ``save_state``.
+    """What Megatron's ``RerunDataIterator`` wraps, in either mode: the balanced
+    micro-batches, telemetry at the start of each global batch, and ``save_state``.
+
+    ``items``: the micro-batches (the exchange's balancer, or the loader a balanced
+    sampler feeds); ``global_batch_of()``: the global batch of the item just
+    delivered (0-based); ``stats``: the object whose ``.stats`` records the batches.
 
     ``save_state()`` returns the loader state that matches the global batches the
     training loop has consumed: the balancer's paired state (captured by the
-    exchange thread, the only reader of the loader, right after each pull), not
-    the loader's current position, which may be a global batch ahead. It exists
-    only when the loader has ``save_state``; called inside a global batch it
-    raises (Megatron checkpoints between steps).
+    exchange thread, the only reader of the loader, right after each pull) when
+    it has one, else the loader's own. It exists only when the loader has
+    ``save_state``; called inside a global batch it raises (Megatron checkpoints
+    between steps).
     """
 
-    def __init__(self, balanced, source, telemetry=None, recorder=None):
-        self.balancer = balanced
+    def __init__(self, items, source, *, global_batch_of: Callable[[], int], stats, telemetry=None,
+                 recorder=None):
+        self.items = items
         self.source = source
+        self._global_batch_of = global_batch_of
+        self._stats = stats
         self._telemetry = telemetry
         self._recorder = recorder          # --mm-balance-record-samples
+        self._batch = -1
         self.delivered = 0
 
     def __iter__(self):
         return self
 
     def __next__(self):
-        item = next(self.balancer)
+        item = next(self.items)
         self.delivered += 1
-        if self._telemetry is not None:
-            self._telemetry.on_item()
+        gb = self._global_batch_of()
+        if gb != self._batch:
+            self._batch = gb
+            if self._telemetry is not None:
+                self._telemetry.on_batch(gb)
         if self._recorder is not None:
             self._recorder.record(item)
         return item
@@ -67,62 +75,36 @@ class BalancedTrainIterable:
     @property
     def save_state(self) -> Callable[[], Any]:
         """The balancer's paired ``save_state`` (absent, as on the loader, if it has none)."""
-        if getattr(self.balancer, "savable", False):
-            return self.balancer.save_state
+        if getattr(self.items, "savable", False):
+            return self.items.save_state
         fn = getattr(self.source, "save_state", None)
         if not callable(fn):
             raise AttributeError(f"{type(self.source).__name__} has no save_state")
         return fn
 
     @property
+    def balancer(self):
+        """The exchange's ``BalancedDataIterator`` (None in sampler mode)."""
+        return None if self.items is self.source else self.items
+
+    @property
     def stats(self):
-        return self.balancer.stats
+        return self._stats.stats
 
     def close(self) -> None:
-        self.balancer.close()
+        if self.balancer is not None:
+            self.balancer.close()
 
 
-def _tokens_per_tile(args) -> Optional[int]:
-    """Image embeddings per tile for examples/multimodal arguments (None if not a VLM run)."""
-    if args is None or getattr(args, "img_h", None) is None:
-        return None
-    from megatron.core.models.vision.clip_vit_model import get_num_image_embeddings
-    return int(get_num_image_embeddings(
-        args.img_h, args.img_w, args.patch_dim, args.vision_model_type,
-        args.disable_vision_class_token, 1, getattr(args, "pixel_shuffle", False),
-        getattr(args, "use_tile_tags", False), getattr(args, "max_num_tiles", 1),
-        getattr(args, "tokenizer_prompt_format", None)))
-
-
-def make_cost_fn(args=None):
-    """The cost function ``--mm-balance-cost`` asks for (see :mod:`..runtime.costs`).
-
-    Tokens per tile follow the multimodal flags; without them (not an
-    examples/multimodal run) the runtime's default applies.
-    """
-    from ..cost.pack import DEFAULT_TOKENS_PER_TILE, ImageTokenCost, ModelCost
-    tpt = _tokens_per_tile(args)
-    tpt = DEFAULT_TOKENS_PER_TILE if tpt is None else tpt
-    if getattr(args, "mm_balance_cost", "image-tokens") == "model":
-        # Ranks meeting every micro-step (expert parallel) balance the vision and the
-        # language phase separately; otherwise only the total counts.
-        from .config import resolve_sync
-        return ModelCost(args.mm_balance_cost_file, tpt,
-                         phases=resolve_sync(args) == "microstep")
-    return ImageTokenCost(tpt)
-
-
-class _NextOnly:
-    """Makes an object with only ``__next__`` (enough for ``RerunDataIterator``) iterable."""
-
-    def __init__(self, obj):
-        self.obj = obj
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        return next(self.obj)
+def make_cost_fn(cfg: MMBalanceConfig):
+    """The cost function ``--mm-balance-cost`` asks for (see :mod:`megatron_mm_balance.cost.pack`),
+    with the config's tokens per tile (the multimodal flags', else the runtime's default).
+    Ranks meeting every micro-step (``microstep`` sync) balance the vision and the language
+    phase of a calibrated model separately; otherwise only the total counts."""
+    from ..cost.pack import ImageTokenCost, ModelCost
+    if cfg.cost == "model":
+        return ModelCost(cfg.cost_file, cfg.tokens_per_tile, phases=cfg.sync == "microstep")
+    return ImageTokenCost(cfg.tokens_per_tile)
 
 
 def _unwrap(iterator):
@@ -131,7 +113,7 @@ def _unwrap(iterator):
     return iterator.iterable if isinstance(iterator, RerunDataIterator) else iterator
 
 
-def _schedule_for(args, num_microbatches):
+def _schedule_for(cfg: MMBalanceConfig, num_microbatches):
     """What the balancer reads its micro-batch count from, one per chunk.
 
     A fixed int lets the exchange thread run ahead into the next global batch, so
@@ -146,24 +128,24 @@ def _schedule_for(args, num_microbatches):
     ahead on predicted counts, each checked against that callable.
     """
     if num_microbatches is None:
-        if not variable_batch_size(args):
+        if not cfg.schedule.variable:
             from megatron.core.num_microbatches_calculator import get_num_microbatches
             return int(get_num_microbatches())
-        return MicrobatchSchedule(args)
+        return MicrobatchSchedule(cfg.schedule)
     if callable(num_microbatches):
         return num_microbatches
     return int(num_microbatches)
 
 
-def _predictor_for(args, num_microbatches):
+def _predictor_for(cfg: MMBalanceConfig, num_microbatches):
     """Under batch-size ramp-up (and no explicit count): a :class:`MicrobatchSchedule` with
     ``predict=True``, Megatron's calculator run privately on the samples the global batches
-    handed out so far consume (from ``consumed_train_samples`` at wrap time, so a resumed
-    run predicts from where it is). The exchange thread prefetches on it; the balancer
-    checks each prediction against ``get_num_microbatches()`` when the loop starts the
-    batch and fails with both counts named if they differ. None otherwise."""
-    if num_microbatches is None and variable_batch_size(args):
-        return MicrobatchSchedule(args, predict=True)
+    handed out so far consume (from ``consumed_train_samples`` when the config was built, so
+    a resumed run predicts from where it is). The exchange thread prefetches on it; the
+    balancer checks each prediction against ``get_num_microbatches()`` when the loop starts
+    the batch and fails with both counts named if they differ. None otherwise."""
+    if num_microbatches is None and cfg.schedule.variable:
+        return MicrobatchSchedule(cfg.schedule, predict=True)
     return None
 
 
@@ -172,158 +154,147 @@ class Coordinator:
 
     :meth:`wrap` takes one model chunk's loader (already out of its
     ``RerunDataIterator``) and its exchange group, and returns what Megatron
-    iterates. Both implementations report through :class:`~.telemetry.Telemetry`
-    from an object with ``.stats`` (one record per global batch).
+    iterates: a ``RerunDataIterator`` around a :class:`BalancedTrainIterable`, which
+    reports through :class:`~.telemetry.Telemetry` from the object that records the
+    global batches (``.stats``: one :class:`~megatron_mm_balance.runtime.stats.BatchStats`
+    per global batch, from the same planner in every mode).
     """
 
     mode = ""
 
-    def __init__(self, cfg: MMBalanceConfig, args):
+    def __init__(self, cfg: MMBalanceConfig):
         self.cfg = cfg
-        self.args = args
 
     def wrap(self, source, group, chunk: int, recorder=None):
+        """``recorder``: the chunk's :class:`~.samples.SampleRecorder` (``--mm-balance-record-samples``)."""
         raise NotImplementedError
 
     def _telemetry(self, stats_source, group, chunk):
         from .telemetry import Telemetry
-        return Telemetry(stats_source, self.args, interval=self.cfg.log_interval, group=group,
-                         chunk=chunk)
+        return Telemetry.for_config(stats_source, self.cfg, group=group, chunk=chunk)
 
 
 class ExchangeCoordinator(Coordinator):
     """Exchange (and shadow) mode: a :class:`~megatron_mm_balance.runtime.BalancedDataIterator`
-    per chunk moves packed micro-batches between ranks (shadow: solves, logs, moves nothing)."""
+    per chunk moves packed micro-batches between ranks (shadow: plans, logs, moves nothing)."""
 
-    def __init__(self, cfg, args, *, cost_fn=None, num_microbatches=None):
-        super().__init__(cfg, args)
+    def __init__(self, cfg: MMBalanceConfig, *, cost_fn=None, num_microbatches=None):
+        super().__init__(cfg)
         self.mode = cfg.mode if cfg.mode == "shadow" else "exchange"
-        self.cost_fn = make_cost_fn(args) if cost_fn is None else cost_fn
+        self.cost_fn = make_cost_fn(cfg) if cost_fn is None else cost_fn
         self.num_microbatches = num_microbatches
 
     def wrap(self, source, group, chunk: int, recorder=None):
         from megatron.core.rerun_state_machine import RerunDataIterator
         from ..runtime import BalancedDataIterator
 
-        schedule = _schedule_for(self.args, self.num_microbatches)
         state_fn = getattr(source, "save_state", None)     # energon: called by the exchange thread
-        if not hasattr(source, "__next__"):
-            source = iter(source)
-        reader = source if hasattr(source, "__iter__") else _NextOnly(source)
         # Packs stay where the loader put them (device None); get_batch moves them.
-        balanced = BalancedDataIterator(reader, num_microbatches=schedule, group=group,
-                                        exchange_group=group, cost_fn=self.cost_fn,
+        balanced = BalancedDataIterator(source, num_microbatches=_schedule_for(self.cfg, self.num_microbatches),
+                                        group=group, exchange_group=group, cost_fn=self.cost_fn,
                                         config=self.cfg.runtime(),
                                         state_fn=state_fn if callable(state_fn) else None,
-                                        predict_microbatches=_predictor_for(self.args,
-                                                                            self.num_microbatches))
-        telemetry = self._telemetry(balanced, group, chunk)
-        return RerunDataIterator(BalancedTrainIterable(balanced, source, telemetry, recorder))
-
-
-class _Reporting:
-    """Pass-through iterable that drives telemetry (sampler mode); keeps ``save_state``."""
-
-    def __init__(self, source, telemetry, recorder=None):
-        self.source = source
-        self._telemetry = telemetry
-        self._recorder = recorder
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        item = next(self.source)
-        self._telemetry.on_item()
-        if self._recorder is not None:
-            self._recorder.record(item)
-        return item
-
-    def __getattr__(self, name):          # save_state and anything else the loader offers
-        return getattr(self.source, name)
+                                        predict_microbatches=_predictor_for(self.cfg, self.num_microbatches),
+                                        name=f"chunk{chunk}")
+        return RerunDataIterator(BalancedTrainIterable(
+            balanced, source, global_batch_of=lambda: balanced.global_batch, stats=balanced,
+            telemetry=self._telemetry(balanced, group, chunk), recorder=recorder))
 
 
 class SamplerCoordinator(Coordinator):
-    """Sampler mode: indices were reassigned before loading (:mod:`.sampler`); nothing to
-    exchange, only the sampler's statistics to report."""
+    """Sampler mode: indices were reassigned before loading (:mod:`.sampler`, through the
+    same planner); nothing to exchange, only the samplers' statistics to report.
+
+    ``samplers``: the run's balanced train samplers in the order their loaders were built
+    (model chunk order); a chunk without one of its own reports the last one's."""
 
     mode = "sampler"
 
-    def __init__(self, cfg, args, sampler):
-        super().__init__(cfg, args)
-        self.sampler = sampler
+    def __init__(self, cfg: MMBalanceConfig, samplers):
+        super().__init__(cfg)
+        if not samplers:
+            raise ValueError("sampler mode needs at least one installed balanced sampler")
+        self.samplers = list(samplers)
 
     def wrap(self, source, group, chunk: int, recorder=None):
         from megatron.core.rerun_state_machine import RerunDataIterator
-        return RerunDataIterator(_Reporting(source, self._telemetry(self.sampler, group, chunk), recorder))
+        sampler = self.samplers[min(chunk, len(self.samplers) - 1)]
+        position = sampler.consumer_position()
+        return RerunDataIterator(BalancedTrainIterable(
+            source, source, global_batch_of=position.advance, stats=sampler,
+            telemetry=self._telemetry(sampler, group, chunk), recorder=recorder))
 
 
-def coordinator_for(cfg: MMBalanceConfig, args, *, cost_fn=None, num_microbatches=None) -> Coordinator:
-    """Sampler mode when :func:`~.sampler.maybe_balanced_sampler` installed a sampler for
-    ``args`` (it runs first, when the loaders are built), else the exchange."""
-    sampler = installed_train_sampler(args)
-    if sampler is not None:
-        return SamplerCoordinator(cfg, args, sampler)
-    return ExchangeCoordinator(cfg, args, cost_fn=cost_fn, num_microbatches=num_microbatches)
+def coordinator_for(cfg: MMBalanceConfig, samplers=(), *, cost_fn=None,
+                    num_microbatches=None) -> Coordinator:
+    """Sampler mode when :func:`~.sampler.maybe_balanced_sampler` installed balanced
+    ``samplers`` for this run (it runs first, when the loaders are built), else the exchange."""
+    if samplers:
+        return SamplerCoordinator(cfg, samplers)
+    return ExchangeCoordinator(cfg, cost_fn=cost_fn, num_microbatches=num_microbatches)
 
 
-def wrap_train_data_iterator(train_data_iterator, args=None, *, num_microbatches=None,
-                             cost_fn=None, layout=None):
+def wrap_train_data_iterator(train_data_iterator, args=None, *, exchange_groups=None,
+                             num_microbatches=None, cost_fn=None, layout=None):
     """Wrap Megatron's train iterator(s) for ``--mm-balance``; a no-op when the flag is off.
 
-    Call on **every** rank at the same point (it creates the exchange groups,
-    collectively over the world). Accepts what ``build_train_valid_test_data_iterators``
-    returns: a ``RerunDataIterator``, a plain iterator, ``None``, or a list of
-    these (virtual pipeline). Returns the same shape.
+    Accepts what ``build_train_valid_test_data_iterators`` returns: a
+    ``RerunDataIterator``, a plain iterator, ``None``, or a list of these (virtual
+    pipeline, one per model chunk). Returns the same shape.
 
-    Keyword overrides (for harnesses not running Megatron's ``pretrain``):
-    ``num_microbatches`` (int or zero-arg callable, default :class:`MicrobatchSchedule`),
-    ``cost_fn`` (default :func:`make_cost_fn`), ``layout`` (this rank's
-    :class:`~.groups.RankLayout`, or the same as a ``{"holds_data", "dp_ranks"}`` dict;
-    default from ``megatron.core.parallel_state``).
+    ``args`` is read once, by :func:`~.checks.checked_config`; everything below takes the
+    config. ``exchange_groups``: the :class:`~.groups.ExchangeGroups` to balance on, one
+    group per model chunk; None creates them here with :func:`~.groups.init_exchange_groups`
+    (from ``layout``), which is collective over the world: then call this on **every**
+    rank at the same point (the training.py patch does). Keyword overrides for harnesses
+    not running Megatron's ``pretrain``: ``num_microbatches`` (int or zero-arg callable,
+    default :class:`MicrobatchSchedule`), ``cost_fn`` (default :func:`make_cost_fn`),
+    ``layout`` (this rank's :class:`~.groups.RankLayout`, or the same as a
+    ``{"holds_data", "dp_ranks"}`` dict; default from ``megatron.core.parallel_state``).
     """
     if args is None:
         from megatron.training import get_args
         args = get_args()
-    if not getattr(args, "mm_balance", False):
-        if MMBalanceConfig.from_args(args).record_samples:
-            return _recording_only(train_data_iterator, args)
-        return train_data_iterator
-    from .groups import init_exchange_groups
-
     cfg = checked_config(args)
+    if not cfg.enabled:
+        if cfg.record_samples:
+            return _recording_only(train_data_iterator, cfg, args)
+        return train_data_iterator
     is_list = isinstance(train_data_iterator, list)
     iterators = train_data_iterator if is_list else [train_data_iterator]
-    groups = init_exchange_groups(layout, num_chunks=len(iterators), timeout=cfg.timeout)
-    coordinator = coordinator_for(cfg, args, cost_fn=cost_fn, num_microbatches=num_microbatches)
+    if exchange_groups is None:
+        from .groups import init_exchange_groups
+        exchange_groups = init_exchange_groups(layout, num_chunks=len(iterators), timeout=cfg.timeout)
+    elif len(exchange_groups) != len(iterators):
+        raise ValueError(f"exchange_groups has {len(exchange_groups)} model chunks, the train "
+                         f"iterators {len(iterators)}")
+    coordinator = coordinator_for(cfg, installed_train_samplers(args), cost_fn=cost_fn,
+                                  num_microbatches=num_microbatches)
     wrapped = [it if it is None or group is None
                else coordinator.wrap(_unwrap(it), group, chunk, _recorder(cfg, args, chunk))
-               for chunk, (it, group) in enumerate(zip(iterators, groups))]
+               for chunk, (it, group) in enumerate(zip(iterators, exchange_groups))]
     return wrapped if is_list else wrapped[0]
 
 
 def _recorder(cfg: MMBalanceConfig, args, chunk: int):
-    """This rank's :class:`~.samples.SampleRecorder` when ``--mm-balance-record-samples`` is set."""
+    """This rank's :class:`~.samples.SampleRecorder` when ``--mm-balance-record-samples`` is set
+    (it reads Megatron's live ``args.curr_iteration`` at each micro-batch)."""
     if not cfg.record_samples:
         return None
     from .samples import SampleRecorder
     return SampleRecorder(cfg.record_samples, args, chunk=chunk)
 
 
-def _recording_only(train_data_iterator, args):
+def _recording_only(train_data_iterator, cfg: MMBalanceConfig, args):
     """Balancing off, recording on: each iterator's loader behind a recording pass-through,
     still in a ``RerunDataIterator`` (no collectives, nothing else changes)."""
     from megatron.core.rerun_state_machine import RerunDataIterator
     from .samples import RecordingIterable
-    cfg = MMBalanceConfig.from_args(args)
     is_list = isinstance(train_data_iterator, list)
     iterators = train_data_iterator if is_list else [train_data_iterator]
-    wrapped = []
-    for chunk, it in enumerate(iterators):
-        if it is None:
-            wrapped.append(None)
-            continue
-        wrapped.append(RerunDataIterator(RecordingIterable(_unwrap(it), _recorder(cfg, args, chunk))))
+    wrapped = [None if it is None else
+               RerunDataIterator(RecordingIterable(_unwrap(it), _recorder(cfg, args, chunk)))
+               for chunk, it in enumerate(iterators)]
     return wrapped if is_list else wrapped[0]
 
 
@@ -333,6 +304,6 @@ def balancers(train_data_iterator) -> list:
     out = []
     for it in its:
         inner = getattr(it, "iterable", None)
-        if isinstance(inner, BalancedTrainIterable):
+        if isinstance(inner, BalancedTrainIterable) and inner.balancer is not None:
             out.append(inner.balancer)
     return out

@@ -1,75 +1,99 @@
-"""Balance statistics every ``--mm-balance-log-interval`` iterations.
+"""Balance statistics every ``--mm-balance-log-interval`` iterations: one line, and scalars.
 
-The balancer keeps one dict of statistics per global batch (``.stats``: image-token
-max/mean per micro-step before and after, packs and bytes moved, exposed wait
-and solver milliseconds, as the runtime names them). Every interval the numeric
-entries of the global batches since the last report are averaged and written
+Every global batch leaves one typed
+:class:`~megatron_mm_balance.runtime.stats.BatchStats` (the exchange's balancer and
+the sampler record them alike). Every interval :func:`summarize` turns the
+global batches delivered since the last report into named figures (the fields
+below, documented in docs/megatron.md), which are written
 
-* to the log (one line, on the lowest rank of each exchange group, chunk 0), and
-* as ``mm-balance/<key>`` scalars through Megatron's TensorBoard and W&B writers
+* to the log as one line per report, ``[mm-balance] iteration N | field: value | ...``,
+  printed like Megatron's own iteration lines (and only printed: not also logged),
+  on the lowest rank of each exchange group, chunk 0;
+* as ``mm-balance/<field>`` scalars through Megatron's TensorBoard and W&B writers
   when this rank has them (Megatron creates them on the last rank only; with
   tensor parallel > 1 that rank reads no data, so the report rank opens its own
   TensorBoard writer in ``--tensorboard-dir`` with the suffix ``.mm_balance``,
   which TensorBoard shows alongside the run's own events).
 
-Statistics are identical on every rank of a group (they come from the
-all-gathered costs), so one rank per group suffices.
+Costs are in the cost function's unit (image tokens, or microseconds with
+``--mm-balance-cost model``). "before" is the order the packs were drawn in,
+"after" the order they were delivered. The imbalances are ratios of sums over
+the interval: ``imbalance = cost_step_max / cost_step_mean``, where placement does
+not change ``cost_step_mean`` (every pack is computed once per global batch), so
+``imbalance_after <= imbalance_before`` exactly when ``cost_step_max_after <=
+cost_step_max_before``. In shadow mode nothing is delivered differently: the
+"after" figures equal "before" and ``packs_moved`` is 0; what balancing would do
+is in the ``*_would_*`` fields. Statistics are identical on every rank of a group
+(they come from the all-gathered costs), except the ``this rank`` ones.
 """
 from __future__ import annotations
 
-import logging
-import numbers
 from typing import Dict, Iterable, Optional
 
-logger = logging.getLogger("megatron_mm_balance")
+#: the per-rank transfer figures (exchange and shadow mode; nothing travels in sampler mode)
+_TRANSFER = ("packs_sent", "packs_received", "bytes_sent", "bytes_received", "inter_node_bytes_sent")
+_TIMES = ("allgather_ms", "solver_ms", "exchange_ms", "consumer_wait_ms", "consumer_wait_first_ms")
 
 
-def derive(entry: dict) -> dict:
-    """Per-micro-step image-token figures from the runtime's per-step lists.
+def _ratio(num: float, den: float) -> float:
+    return num / den if den else 1.0
 
-    ``step_max_*``/``step_mean_*`` (one value per micro-step: the max and mean
-    pack cost across ranks) become ``image_tokens_step_max_*`` (mean over
-    micro-steps of the max), ``image_tokens_step_mean`` and
-    ``imbalance_*`` (mean over micro-steps of max/mean: 1.0 is perfect balance).
+
+def summarize(entries: Iterable) -> Dict[str, float]:
+    """The figures of the global batches ``entries`` (``BatchStats``), in log order.
+
+    Per global batch (means): ``num_microbatches``; ``packs_moved`` and
+    ``inter_node_packs`` (whole group, delivered); the transfer figures and times of
+    this rank. Over all the micro-steps of the interval: ``cost_step_max_before/after``
+    (mean of the costliest micro-batch of each micro-step), ``cost_step_mean`` and the
+    ``imbalance`` and ``rank_imbalance`` ratios (see the module docstring).
+    ``prefetched``: the share of global batches pulled before the loop asked for them.
     """
-    from ..solver.placement import step_imbalance
-    out = dict(entry)
-    mean = entry.get("step_mean_before")
-    for when in ("before", "after"):
-        mx = entry.get(f"step_max_{when}")
-        if not isinstance(mx, (list, tuple)) or not isinstance(mean, (list, tuple)) or not mx:
-            continue
-        out[f"image_tokens_step_max_{when}"] = sum(mx) / len(mx)
-        if any(a for _, a in zip(mx, mean)):
-            out[f"imbalance_{when}"] = step_imbalance(mx, mean)
-    if isinstance(mean, (list, tuple)) and mean:
-        out["image_tokens_step_mean"] = sum(mean) / len(mean)
-    return out
-
-
-def summarize(entries: Iterable[dict]) -> Dict[str, float]:
-    """Mean of every numeric (possibly nested, dotted-key) entry over ``entries``,
-    after :func:`derive` (lists themselves are left out)."""
-    sums: Dict[str, float] = {}
-    counts: Dict[str, int] = {}
-
-    def visit(prefix, value):
-        if isinstance(value, bool):
-            value = int(value)
-        if isinstance(value, numbers.Number):
-            sums[prefix] = sums.get(prefix, 0.0) + float(value)
-            counts[prefix] = counts.get(prefix, 0) + 1
-        elif isinstance(value, dict):
-            for k, v in value.items():
-                visit(f"{prefix}.{k}" if prefix else str(k), v)
-
-    n = 0
-    for e in entries:
-        visit("", derive(e) if isinstance(e, dict) else e)
-        n += 1
-    out = {k: sums[k] / counts[k] for k in sorted(sums)}
-    if n:
-        out["global_batches"] = float(n)
+    entries = list(entries)
+    if not entries:
+        return {}
+    n = len(entries)
+    steps = sum(e.num_microbatches for e in entries)
+    plans = [e.plan for e in entries]
+    before = sum(p.microstep_cost_before for p in plans)
+    solved = sum(p.microstep_cost_after for p in plans)
+    mean_total = sum(p.rank_total_mean for p in plans)     # = sum over micro-steps of the step mean
+    rank_before = sum(p.rank_total_max_before for p in plans)
+    rank_solved = sum(p.rank_total_max_after for p in plans)
+    shadow = [e.shadow for e in entries]
+    after = sum(p.microstep_cost_before if s else p.microstep_cost_after for p, s in zip(plans, shadow))
+    rank_after = sum(p.rank_total_max_before if s else p.rank_total_max_after
+                     for p, s in zip(plans, shadow))
+    out = {
+        "global_batches": float(n),
+        "num_microbatches": steps / n,
+        "cost_step_max_before": before / steps,
+        "cost_step_max_after": after / steps,
+        "cost_step_mean": mean_total / steps,
+        "imbalance_before": _ratio(before, mean_total),
+        "imbalance_after": _ratio(after, mean_total),
+        "rank_imbalance_before": _ratio(rank_before, mean_total),
+        "rank_imbalance_after": _ratio(rank_after, mean_total),
+        "packs_moved": sum(e.packs_moved for e in entries) / n,
+    }
+    if any(shadow):
+        out.update({
+            "packs_would_move": sum(e.packs_would_move for e in entries) / n,
+            "cost_step_max_would_be": solved / steps,
+            "imbalance_would_be": _ratio(solved, mean_total),
+            "rank_imbalance_would_be": _ratio(rank_solved, mean_total),
+            "gain_would_be": 1.0 - _ratio(solved, before) if before else 0.0,
+        })
+    moving = [e for e in entries if e.mode != "sampler"]
+    if moving:
+        out["inter_node_packs"] = sum(e.inter_node_packs for e in moving) / len(moving)
+        for name in _TRANSFER:
+            out[name] = sum(getattr(e, name) for e in moving) / len(moving)
+        for name in _TIMES:
+            out[name] = sum(getattr(e, name) for e in moving) / len(moving)
+        out["prefetched"] = sum(bool(e.prefetched) for e in moving) / len(moving)
+    else:
+        out["solver_ms"] = sum(e.solver_ms for e in entries) / n
     return out
 
 
@@ -92,6 +116,13 @@ def resume_note(loaded_iteration: int) -> str:
             f"mm-balance compare-logs UNINTERRUPTED.log RESUMED.log recomputes it")
 
 
+def emit(line: str) -> None:
+    """Write one log line once: printed (flushed), as Megatron prints its own iteration
+    lines, so it reads the same in every log; not also sent through ``logging`` (Megatron
+    installs a root handler, which printed every line a second time)."""
+    print(line, flush=True)
+
+
 def _megatron_writers():
     try:
         from megatron.training.global_vars import get_tensorboard_writer, get_wandb_writer
@@ -101,64 +132,66 @@ def _megatron_writers():
 
 
 class Telemetry:
-    """Reports a balancer's stats; driven by ``on_item`` (each delivered micro-batch)."""
+    """Reports the statistics of one model chunk's balancer every ``interval`` iterations.
 
-    def __init__(self, balanced, args=None, *, interval: int = 100, group=None, chunk: int = 0,
-                 tb_writer=None, wandb_writer=None, reporter: Optional[bool] = None):
-        self.balanced = balanced
-        self.args = args
-        self.interval = max(1, int(interval))
+    Driven by :meth:`on_batch`, called when the training loop receives the first
+    micro-batch of each global batch. The iteration is counted, not read from
+    Megatron: one global batch per training iteration, from ``start_iteration``
+    (the iteration Megatron resumes from; the one its loop is at when global batch
+    ``b`` starts is ``start_iteration + b``). A report covers the global batches
+    delivered since the previous one (``stats_source.stats`` entries whose
+    ``global_batch`` lies between), never one read ahead but not yet trained on.
+    """
+
+    def __init__(self, stats_source, *, interval: int, start_iteration: int = 0, group=None,
+                 chunk: int = 0, tensorboard_dir: Optional[str] = None, tb_writer=None,
+                 wandb_writer=None, reporter: Optional[bool] = None):
+        self.stats_source = stats_source
+        self.interval = int(interval)
+        if self.interval < 1:
+            raise ValueError(f"interval must be >= 1, got {interval}")
+        self.start_iteration = int(start_iteration)
         self.chunk = chunk
-        self._last_entry = None
-        self._items = 0
-        self._last_iteration = None
+        self._reported = 0                  # global batches already covered by a report
         if reporter is None:
             reporter = chunk == 0 and _is_lowest_rank(group)
         self.reporter = reporter
         if tb_writer is None and wandb_writer is None and reporter:
             tb_writer, wandb_writer = _megatron_writers()
-            if (tb_writer is None and getattr(args, "tensorboard_dir", None)
-                    and _on_last_stage_cp0()):
-                tb_writer = _own_tensorboard_writer(args.tensorboard_dir)
+            if tb_writer is None and tensorboard_dir and _on_last_stage_cp0():
+                tb_writer = _own_tensorboard_writer(tensorboard_dir)
         self.tb_writer = tb_writer
         self.wandb_writer = wandb_writer
         self.lines = []   # the log lines written, newest last (bounded)
-        self._resume_note = resume_note(getattr(args, "iteration", 0) or 0)
+        self._resume_note = resume_note(self.start_iteration)
 
-    def _iteration(self) -> int:
-        it = getattr(self.args, "curr_iteration", None) if self.args is not None else None
-        return int(it) if it is not None else self._items
+    @classmethod
+    def for_config(cls, stats_source, cfg, *, group=None, chunk: int = 0) -> "Telemetry":
+        """The telemetry a run's :class:`~.config.MMBalanceConfig` asks for."""
+        return cls(stats_source, interval=cfg.log_interval, start_iteration=cfg.megatron.start_iteration,
+                   group=group, chunk=chunk, tensorboard_dir=cfg.tensorboard_dir)
 
-    def on_item(self) -> None:
-        self._items += 1
+    def on_batch(self, global_batch: int) -> None:
+        """Global batch ``global_batch`` (0-based) starts: report on an interval's iteration."""
         if not self.reporter:
             return
-        it = self._iteration()
-        if it != self._last_iteration:
-            self._last_iteration = it
-            if it > 0 and it % self.interval == 0:
-                self.report(it)
+        it = self.start_iteration + int(global_batch)
+        if it > 0 and it % self.interval == 0:
+            self.report(it, upto=int(global_batch))
 
-    def _new_entries(self) -> list:
-        entries = list(self.balanced.stats)
-        if self._last_entry is not None:
-            for i in range(len(entries) - 1, -1, -1):
-                if entries[i] is self._last_entry:
-                    entries = entries[i + 1:]
-                    break
-        if entries:
-            self._last_entry = entries[-1]
+    def _new_entries(self, upto: int) -> list:
+        entries = [s for s in self.stats_source.stats if self._reported <= s.global_batch < upto]
+        self._reported = max(self._reported, upto)
         return entries
 
-    def report(self, iteration: int) -> Dict[str, float]:
-        """Summarise the global batches since the last report and write them out."""
-        summary = summarize(self._new_entries())
+    def report(self, iteration: int, upto: int) -> Dict[str, float]:
+        """Summarise the global batches before ``upto`` not yet reported and write them out."""
+        summary = summarize(self._new_entries(upto))
         if not summary:
             return summary
         line = format_line(iteration, summary, self.chunk) + self._resume_note
         self._resume_note = ""                 # on the job's first line only
-        logger.info(line)
-        print(line, flush=True)
+        emit(line)
         self.lines = (self.lines + [line])[-64:]
         prefix = "mm-balance" if not self.chunk else f"mm-balance/chunk{self.chunk}"
         if self.tb_writer is not None:

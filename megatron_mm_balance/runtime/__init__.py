@@ -14,7 +14,8 @@ _HOME = {
     "plan_placement": "..solver.placement", "default_cost_fn": "..cost.pack",
     "ImageTokenCost": "..cost.pack", "ModelCost": "..cost.pack", "BalancerError": ".errors",
     "PeerFailure": ".errors", "InconsistentConfig": ".errors", "ExchangeThreadError": ".errors",
-    "SourceExhausted": ".engine",
+    "SourceExhausted": ".engine", "BalancerConfig": ".config", "SettingError": ".config", "BatchStats": ".stats",
+    "plan_batch": ".planner",
 }
 
 __all__ = list(_HOME)

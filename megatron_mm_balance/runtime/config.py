@@ -1,19 +1,41 @@
-"""The balanced iterator's settings, as one frozen object.
+"""The balanced iterator's settings, as one frozen object validated once.
 
 :class:`BalancerConfig` replaces the iterator's loose keyword arguments; the
 keywords still work (``BalancedDataIterator(src, num_microbatches=8, sync="step")``
-builds the config). No torch import: a framework's glue can build and check one
-before any process group exists.
+builds the config). Each field's default is written here once (the tolerance's
+is the solver's :data:`~megatron_mm_balance.solver.placement.DEFAULT_BALANCE_TOLERANCE`),
+each value is checked here once, and ``None`` for the tolerance means that
+default, resolved here. A framework's glue builds one (``megatron.config``) and
+passes it down; an invalid value raises :class:`SettingError`, which names the
+field, so the glue can name its own flag instead.
+
+No torch import: a framework's glue can build and check one before any process
+group exists.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Literal, Optional
 
-from ..solver.placement import SYNC_MODES
+from ..solver.placement import DEFAULT_BALANCE_TOLERANCE, SYNC_MODES
 
 #: seconds any wait on a peer may take before a clear error (the one default)
 DEFAULT_TIMEOUT_S = 300.0
+#: the tolerance's valid range, [0, TOLERANCE_BELOW): a fraction of the mean rank total
+TOLERANCE_BELOW = 1.0
+
+
+class SettingError(ValueError):
+    """An invalid :class:`BalancerConfig` value; ``field`` names the setting."""
+
+    def __init__(self, field: str, requirement: str, value):
+        super().__init__(f"{field} {requirement}, got {value!r}")
+        self.field = field
+        self.requirement = requirement
+        self.value = value
+
+    def __reduce__(self):
+        return type(self), (self.field, self.requirement, self.value)
 
 
 @dataclass(frozen=True)
@@ -31,10 +53,11 @@ class BalancerConfig:
     device: Any = None
     #: False: pure pass-through of the source, no collectives, no thread.
     enabled: bool = True
-    #: the solver's knob (None: the solver's default).
-    balance_tolerance: Optional[float] = None
-    #: True: gather costs and solve as usual, record the plan's statistics (the
-    #: predicted gain), but deliver every rank its own packs in their own order.
+    #: the solver's knob: how far (a fraction of the mean rank total) a rank's total may
+    #: end above the mean; larger keeps more packs home. None: the default.
+    balance_tolerance: Optional[float] = DEFAULT_BALANCE_TOLERANCE
+    #: True: gather costs and solve as usual, record the plan's statistics (what
+    #: balancing would do), but deliver every rank its own packs in their own order.
     shadow: bool = False
     #: how many global batches ``.stats`` keeps.
     stats_history: int = 1024
@@ -44,18 +67,22 @@ class BalancerConfig:
 
     def __post_init__(self):
         if self.sync not in SYNC_MODES:
-            raise ValueError(f"sync must be 'microstep' or 'step', got {self.sync!r}")
+            raise SettingError("sync", "must be 'microstep' or 'step'", self.sync)
         try:
             timeout_ok = float(self.timeout) > 0
         except (TypeError, ValueError):
             timeout_ok = False
         if not timeout_ok:
-            raise ValueError(f"timeout must be > 0 seconds, got {self.timeout!r}")
-        if self.balance_tolerance is not None and not self.balance_tolerance >= 0:
-            raise ValueError(f"balance_tolerance must be >= 0, got {self.balance_tolerance!r}")
-        if self.ranks_per_node is not None and (isinstance(self.ranks_per_node, bool) or
-                                                not isinstance(self.ranks_per_node, int) or
-                                                self.ranks_per_node < 1):
-            raise ValueError(f"ranks_per_node must be an integer >= 1, got {self.ranks_per_node!r}")
-        if int(self.stats_history) < 1:
-            raise ValueError(f"stats_history must be >= 1, got {self.stats_history!r}")
+            raise SettingError("timeout", "must be > 0 seconds", self.timeout)
+        if self.balance_tolerance is None:
+            object.__setattr__(self, "balance_tolerance", DEFAULT_BALANCE_TOLERANCE)
+        tol = self.balance_tolerance
+        if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not 0 <= tol < TOLERANCE_BELOW:
+            raise SettingError("balance_tolerance", f"must be in [0, {TOLERANCE_BELOW:g})", tol)
+        object.__setattr__(self, "balance_tolerance", float(tol))
+        rpn = self.ranks_per_node
+        if rpn is not None and (isinstance(rpn, bool) or not isinstance(rpn, int) or rpn < 1):
+            raise SettingError("ranks_per_node", "must be an integer >= 1", rpn)
+        hist = self.stats_history
+        if isinstance(hist, bool) or not isinstance(hist, int) or hist < 1:
+            raise SettingError("stats_history", "must be an integer >= 1", hist)

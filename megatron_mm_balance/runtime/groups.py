@@ -88,6 +88,17 @@ class ProgressBoard:
     def key(self, kind: str, rank: int) -> str:
         return f"{self.prefix}/{kind}/{rank}"
 
+    def clear(self, rank: int) -> None:
+        """Forget ``rank``'s own posts under this prefix (an earlier iterator's), best effort.
+        Each rank clears only its own keys, before posting, so no peer's post is lost."""
+        self.posted = False
+        if self.store is not None:
+            for kind in ("gb", "err"):
+                try:
+                    self.store.delete_key(self.key(kind, rank))
+                except Exception:
+                    pass
+
     def post_progress(self, rank: int, global_batch: int) -> None:
         if self.store is not None:
             try:

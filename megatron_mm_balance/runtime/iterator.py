@@ -52,14 +52,15 @@ import torch.distributed as dist
 from .config import BalancerConfig
 from ..cost.pack import cost_fn_identity, default_cost_fn
 from .device import resolve_device
-from .engine import Engine, Item, SourceExhausted
+from .engine import Engine, SourceExhausted
 from .errors import BalancerError, ExchangeThreadError
 from .groups import ProgressBoard, exchange_group_for, group_ranks
+from .stats import BatchStats
+from .transport import Item
 
 log = logging.getLogger(__name__)
 
 _LIVE: "weakref.WeakSet[BalancedDataIterator]" = weakref.WeakSet()
-_BOARD_COUNT: dict = collections.Counter()
 _QUEUE_DEPTH = 1          # micro-batches ready; one more may be in flight in the thread
 _POLL_S = 0.05
 
@@ -123,13 +124,9 @@ class _Worker:
                     gb, G = req
                 prefetched = self.requested < gb
                 plan = eng.start_batch(gb, G)
-                plan.stats["prefetched"] = prefetched
+                plan.prefetched = prefetched
                 for k in range(G):
-                    item = eng.step(plan, k)
-                    item.num_microbatches = G
-                    if k == G - 1:
-                        item.stats, item.state_after = plan.stats, plan.state_after
-                    if not self._put(item):
+                    if not self._put(eng.step(plan, k)):
                         return
         except BaseException as e:          # surfaces on the consumer's next next()
             self._put(_Failure(e))
@@ -150,7 +147,8 @@ class BalancedDataIterator:
 
     Args:
         source: this rank's iterator of packs (one per micro-batch): nested
-            dicts / lists / tuples of tensors and plain values.
+            dicts / lists / tuples of tensors and plain values. Read with ``next()``;
+            an iterable without ``__next__`` is read through ``iter()``.
         num_microbatches: int, or zero-argument callable read at the start of
             every global batch (Megatron's ``get_num_microbatches``).
         group: the data-parallel group (default: world). Only its ranks are read;
@@ -168,6 +166,10 @@ class BalancedDataIterator:
             here and then by whichever thread pulls, right after each global
             batch; :meth:`save_state` returns the state paired with the last
             consumed batch.
+        name: what distinguishes this iterator from others on the same exchange group
+            (e.g. the model chunk), the same on every rank: the progress board's store keys
+            are the group's name plus this, so every rank agrees on them whatever order
+            iterators are built in.
         predict_microbatches: with a callable ``num_microbatches`` and
             ``overlap=True``: zero-argument callable giving the counts of the
             global batches in order, ahead of time (Megatron's ramp-up schedule
@@ -180,7 +182,7 @@ class BalancedDataIterator:
 
     def __init__(self, source, *, num_microbatches, group=None, cost_fn=None, exchange_group=None,
                  config: BalancerConfig | None = None, state_fn=None, predict_microbatches=None,
-                 **settings):
+                 name: str = "", **settings):
         if not (callable(num_microbatches) or _is_count(num_microbatches)):
             raise ValueError(f"num_microbatches must be a positive int or a callable, got {num_microbatches!r}")
         if predict_microbatches is not None and not (callable(predict_microbatches)
@@ -199,7 +201,8 @@ class BalancedDataIterator:
             raise TypeError(f"state_fn must be callable, got {state_fn!r}")
         self._state_fn = state_fn
         self._state = None                  # the state matching what was consumed so far
-        self._source = iter(source)
+        # Read with next() (an object with only __next__ is enough, as for RerunDataIterator).
+        self._source = source if hasattr(source, "__next__") else iter(source)
         self.device = None
         self._num_mb = num_microbatches
         self.enabled = bool(config.enabled)
@@ -241,16 +244,13 @@ class BalancedDataIterator:
             elif sorted(group_ranks(exchange_group)) != sorted(ranks):
                 raise ValueError(f"exchange_group ranks {group_ranks(exchange_group)} differ from the "
                                  f"data-parallel group's {ranks}")
-            name = getattr(exchange_group, "group_name", None) or ",".join(map(str, ranks))
-            _BOARD_COUNT[name] += 1
-            board = ProgressBoard(f"mm_balance/{name}/{_BOARD_COUNT[name]}", ranks)
+            board = ProgressBoard(board_prefix(exchange_group, ranks, name), ranks)
+            board.clear(me)                 # this rank's posts of an earlier iterator of that name
         self._board = board
         self._engine = Engine(self._source, ranks=ranks, rank_index=ranks.index(me),
                               exchange_group=exchange_group, cost_fn=cost_fn,
-                              cost_identity=cost_fn_identity(cost_fn), sync=config.sync,
-                              balance_tolerance=config.balance_tolerance, device=self.device,
-                              timeout=self.timeout, board=board, shadow=config.shadow,
-                              ranks_per_node=config.ranks_per_node, state_fn=state_fn)
+                              cost_identity=cost_fn_identity(cost_fn), config=config,
+                              device=self.device, board=board, state_fn=state_fn)
         if self.overlap:
             fixed = None if callable(self._num_mb) else int(self._num_mb)
             self._worker = _Worker(self._engine, fixed, predict_microbatches)
@@ -314,8 +314,6 @@ class BalancedDataIterator:
             except BaseException as e:
                 self._fail(e)
             if item.last:
-                item.stats, item.state_after = self._plan.stats, self._plan.state_after
-                item.stats["prefetched"] = False
                 self._plan = None
             return item
         w = self._worker
@@ -342,9 +340,7 @@ class BalancedDataIterator:
         """Record and raise: exhaustion as StopIteration, anything else as the error."""
         if isinstance(exc, SourceExhausted):
             self._exhausted = exc
-            self.stats.append({"global_batch": exc.global_batch, "exhausted": True,
-                               "packs_pulled": list(exc.pulled), "not_delivered": sum(exc.pulled)})
-            if sum(exc.pulled):
+            if exc.not_delivered:
                 log.warning("mm-balance: %s", exc)
             raise StopIteration(*exc.args)
         if isinstance(exc, StopIteration):          # never leak a bare StopIteration from a bug
@@ -353,12 +349,10 @@ class BalancedDataIterator:
         raise exc
 
     def _finish_batch(self, item: Item) -> None:
-        st = item.stats
-        st["consumer_wait_ms"] = self._wait_ms
-        st["consumer_wait_first_ms"] = self._wait_first_ms
-        self.stats.append(st)
+        self.stats.append(item.batch.stats(consumer_wait_ms=self._wait_ms,
+                                           consumer_wait_first_ms=self._wait_first_ms))
         if self._state_fn is not None:
-            self._state = item.state_after          # the state before the next global batch
+            self._state = item.batch.state_after    # the state before the next global batch
 
     # -- checkpointing ------------------------------------------------------------
     @property
@@ -391,8 +385,15 @@ class BalancedDataIterator:
 
     # -- introspection ------------------------------------------------------------
     @property
-    def last_stats(self) -> dict | None:
+    def last_stats(self) -> BatchStats | None:
+        """The :class:`~.stats.BatchStats` of the last global batch delivered (None before)."""
         return self.stats[-1] if self.stats else None
+
+    @property
+    def exhaustion(self) -> SourceExhausted | None:
+        """Why iteration stopped, once a source could not fill a global batch: the batch and
+        the packs each rank had pulled for it, none of them delivered (None before)."""
+        return self._exhausted
 
     @property
     def global_batch(self) -> int:
@@ -449,6 +450,14 @@ class BalancedDataIterator:
             self.close(join_timeout=1.0)
         except Exception:
             pass
+
+
+def board_prefix(exchange_group, ranks, name: str = "") -> str:
+    """The progress board's store prefix: the exchange group's name (``new_group`` names
+    groups in creation order, which is the same on every rank) or, without one, its
+    ranks; then the caller's ``name``. Derived only from what every rank agrees on."""
+    group = getattr(exchange_group, "group_name", None) or ",".join(map(str, ranks))
+    return f"mm_balance/{group}" + (f"/{name}" if name else "")
 
 
 def _drain(q: queue.Queue) -> None:

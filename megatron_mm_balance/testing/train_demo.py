@@ -42,6 +42,8 @@ from functools import partial
 
 import numpy as np
 
+from megatron_mm_balance.cost.pack import DEFAULT_TOKENS_PER_TILE
+
 # Layouts: name -> (world, tp, pp, ep). "dp2_ep2" is 4 ranks with expert
 # parallel 2: dense data parallel 4, expert data parallel 2 (EP is carved out of DP).
 LAYOUTS = {
@@ -76,7 +78,7 @@ class DemoConfig:
     mixture: str = "mixed"
     mixture_samples: int = 6000        # for synthetic mixtures ("mixed" uses the full traces)
     pack_seq_len: int = 8192
-    tokens_per_tile: int = 256
+    tokens_per_tile: int = DEFAULT_TOKENS_PER_TILE
     max_tiles: int = 32
     vision_ms_per_tile: float = 0.0
     llm_ms_per_pack: float = 0.0
@@ -319,11 +321,9 @@ def _wrap(source, cfg: DemoConfig, layout: str, balance: bool):
     it = RerunDataIterator(source) if source is not None else None
     if not balance:
         return it, None
-    from megatron_mm_balance.megatron.groups import reset_exchange_groups
     from megatron_mm_balance.megatron.iterator import balancers, wrap_train_data_iterator
 
-    reset_exchange_groups()        # fresh groups for this layout's parallel state
-    it = wrap_train_data_iterator(it, args=mm_balance_args(cfg, layout))
+    it = wrap_train_data_iterator(it, args=mm_balance_args(cfg, layout))   # groups for this layout
     found = balancers(it) if it is not None else []
     return it, (found[0] if found else None)
 
@@ -536,9 +536,9 @@ def summarize(results: dict, layout: str, cfg: DemoConfig | None = None) -> dict
         return max(r["times"][s] for r in res)
 
     paired = statistics.median(slowest(off, s) / slowest(on, s) for s in timed)
-    waits = [max(on[i]["stats"][s].get("consumer_wait_ms", 0.0) for i in readers)
+    waits = [max(on[i]["stats"][s].consumer_wait_ms for i in readers)
              for s in range(steps) if all(len(on[i]["stats"]) > s for i in readers)]
-    runtime_moved = sum(st.get("packs_moved", 0) for st in on[readers[0]]["stats"])
+    runtime_moved = sum(st.packs_moved for st in on[readers[0]]["stats"])
     return {"layout": layout, "steps": steps, "loss_rel": loss_rel, "param_rel": param_rel,
             "consumed_off": consumed[False], "consumed_on": consumed[True], "same_packs": same_packs,
             "stages_agree": stages_agree,

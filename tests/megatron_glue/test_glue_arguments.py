@@ -5,7 +5,7 @@ import pytest
 
 from megatron_mm_balance.megatron.arguments import add_mm_balance_args, with_mm_balance_args
 from megatron_mm_balance.megatron.checks import check_args
-from megatron_mm_balance.megatron.config import log_interval, resolve_sync
+from megatron_mm_balance.megatron.config import MMBalanceConfig
 
 
 def _parse(argv, parser=None):
@@ -69,15 +69,37 @@ def test_with_mm_balance_args_chains_the_scripts_provider():
 
 @pytest.mark.parametrize("sync,ep,want", [("auto", 1, "step"), ("auto", None, "step"), ("auto", 4, "microstep"),
                                           ("step", 4, "step"), ("microstep", 1, "microstep")])
-def test_resolve_sync(sync, ep, want):
+def test_sync_resolved_when_the_config_is_built(sync, ep, want):
     args = argparse.Namespace(mm_balance_sync=sync, expert_model_parallel_size=ep)
-    assert resolve_sync(args) == want
+    cfg = MMBalanceConfig.from_args(args)
+    assert cfg.sync == want and cfg.runtime().sync == want
 
 
 def test_log_interval_defaults_to_megatrons():
-    assert log_interval(argparse.Namespace(mm_balance_log_interval=None, log_interval=10)) == 10
-    assert log_interval(argparse.Namespace(mm_balance_log_interval=3, log_interval=10)) == 3
-    assert log_interval(argparse.Namespace()) == 100
+    def interval(**kw):
+        return MMBalanceConfig.from_args(argparse.Namespace(**kw)).log_interval
+    assert interval(mm_balance_log_interval=None, log_interval=10) == 10
+    assert interval(mm_balance_log_interval=3, log_interval=10) == 3
+    assert interval() == 100
+
+
+def test_every_flag_is_a_config_field_with_its_default_once():
+    """The table: each flag's argparse default is its config field's default, and the
+    config built from the parsed defaults equals the default config (nothing set twice)."""
+    import dataclasses
+    from megatron_mm_balance.megatron.config import flag_fields
+    parser = add_mm_balance_args(argparse.ArgumentParser())
+    defaults = parser.parse_args([])
+    names = set()
+    for f, spec in flag_fields():
+        assert getattr(defaults, spec.dest) == f.default, spec.name
+        names.add(spec.name)
+    registered = {o for a in parser._actions for o in a.option_strings if o.startswith("--mm-balance")}
+    assert registered == names
+    assert MMBalanceConfig.from_args(defaults) == MMBalanceConfig(megatron=MMBalanceConfig.from_args(
+        defaults).megatron)
+    assert {f.name for f in dataclasses.fields(MMBalanceConfig)} - {f.name for f, _ in flag_fields()} == {
+        "megatron", "balancer"}
 
 
 def test_validate_is_noop_when_off():
@@ -86,21 +108,42 @@ def test_validate_is_noop_when_off():
 
 def test_config_built_once_from_args_resolves_auto_and_defaults():
     from megatron_mm_balance.megatron.checks import checked_config
-    from megatron_mm_balance.megatron.config import MMBalanceConfig
     from megatron_mm_balance.runtime.config import DEFAULT_TIMEOUT_S
+    from megatron_mm_balance.solver.placement import DEFAULT_BALANCE_TOLERANCE
     args = _parse(["--mm-balance"])
     args.expert_model_parallel_size, args.log_interval = 4, 10
     cfg = checked_config(args)
-    assert cfg == MMBalanceConfig(enabled=True, sync="microstep", log_interval=10)
+    assert (cfg.enabled, cfg.sync, cfg.log_interval) == (True, "microstep", 10)
+    assert cfg.megatron.expert_model_parallel_size == 4 and cfg.megatron.log_interval == 10
     assert cfg.timeout == DEFAULT_TIMEOUT_S == _parse([]).mm_balance_timeout
+    assert cfg.tolerance == DEFAULT_BALANCE_TOLERANCE == _parse([]).mm_balance_tolerance
     rt = cfg.runtime()
     assert (rt.sync, rt.overlap, rt.timeout, rt.device, rt.shadow) == ("microstep", True, 300.0, None, False)
+    assert rt.balance_tolerance == DEFAULT_BALANCE_TOLERANCE
     assert MMBalanceConfig.from_args(argparse.Namespace(mm_balance=True)).sync == "step"
+    # None (a partial namespace) means the default, resolved once by the runtime's config.
+    assert MMBalanceConfig.from_args(argparse.Namespace(mm_balance_tolerance=None)).tolerance == \
+        DEFAULT_BALANCE_TOLERANCE
     shadow = checked_config(_parse(["--mm-balance", "--mm-balance-mode", "shadow",
                                     "--mm-balance-tolerance", "0.01"]))
     assert shadow.runtime().shadow and shadow.runtime().balance_tolerance == 0.01
     with pytest.raises(Exception):
         cfg.timeout = 1.0                                     # frozen
+
+
+def test_megatron_arguments_are_read_once_into_the_config():
+    """Tokens per tile, the batch schedule, the start iteration, the tensorboard dir: typed
+    fields of the config, resolved when it is built."""
+    from megatron_mm_balance.megatron.config import BatchSchedule
+    args = _parse(["--mm-balance"])
+    args.__dict__.update(global_batch_size=16, micro_batch_size=1, data_parallel_size=2,
+                         rampup_batch_size=["4", "4", "40"], iteration=7, consumed_train_samples=12,
+                         tensorboard_dir="/tb")
+    cfg = MMBalanceConfig.from_args(args)
+    assert cfg.schedule == BatchSchedule(global_batch_size=16, micro_batch_size=1, data_parallel_size=2,
+                                         rampup_batch_size=(4, 4, 40), consumed_train_samples=12)
+    assert cfg.schedule.variable and cfg.megatron.start_iteration == 7 and cfg.tensorboard_dir == "/tb"
+    assert cfg.tokens_per_tile == 256                         # not a multimodal run: the default
 
 
 def test_sampler_mode_flag_error_is_a_config_error():

@@ -55,7 +55,8 @@ def test_global_aux_loss_is_refused(types, coeffs):
 def test_global_aux_loss_with_zero_coefficient_is_fine():
     args = make_args(num_experts=8, moe_router_load_balancing_type=["aux_loss", "global_aux_loss"],
                      moe_aux_loss_coeff=[1e-2, 0.0])
-    assert global_aux_loss_coeff(args) == 0.0
+    from megatron_mm_balance.megatron.config import MegatronArgs
+    assert global_aux_loss_coeff(MegatronArgs.read(args)) == 0.0
     check_args(args)
 
 
@@ -106,3 +107,16 @@ def test_upstream_balancers_off_are_fine():
     off = make_args(sequence_packing_scheduler="dp_balanced", hybrid_context_parallel=True)
     off.mm_balance = False
     check_args(off)
+
+
+def test_sampler_mode_refuses_a_cost_it_cannot_honour(tmp_path):
+    """The dataset reports image tokens by index only: sampler mode with another cost kind is
+    refused at start-up, naming both flags."""
+    from megatron_mm_balance.cost.model import CostModel
+    good = tmp_path / "cost.json"
+    CostModel(vision_ms_per_token=2e-3).save(str(good))
+    msg = refused(make_args("--mm-balance-mode", "sampler", "--mm-balance-cost", "model",
+                            "--mm-balance-cost-file", str(good), dataloader_type="single"))
+    assert "--mm-balance-mode sampler" in msg and "--mm-balance-cost model" in msg
+    check_args(make_args("--mm-balance-cost", "model", "--mm-balance-cost-file", str(good),
+                         dataloader_type="single"))                # auto: the exchange honours it

@@ -1,12 +1,12 @@
 """One image-token convention: the runtime's default and the glue's ``make_cost_fn`` agree
 on every batch shape the project produces, and the cost module imports without torch."""
-import argparse
 import subprocess
 import sys
 
 import pytest
 import torch
 
+from megatron_mm_balance.megatron.config import MMBalanceConfig
 from megatron_mm_balance.megatron.iterator import make_cost_fn
 from megatron_mm_balance.cost.pack import ImageTokenCost, default_cost_fn
 
@@ -40,14 +40,14 @@ def _batches():
 
 @pytest.mark.parametrize("name,batch,want", _batches(), ids=[b[0] for b in _batches()])
 def test_runtime_default_and_glue_agree(name, batch, want):
-    glue = make_cost_fn(argparse.Namespace(mm_balance_cost="image-tokens"))
+    glue = make_cost_fn(MMBalanceConfig())
     assert default_cost_fn(batch) == glue(batch) == want
     assert isinstance(glue(batch), int)
     assert glue.identity == default_cost_fn.identity
 
 
 def test_glue_cost_is_the_runtime_class():
-    assert type(make_cost_fn(argparse.Namespace(mm_balance_cost="image-tokens"))) is ImageTokenCost
+    assert type(make_cost_fn(MMBalanceConfig())) is ImageTokenCost
 
 
 def test_tokens_per_tile_must_be_positive():

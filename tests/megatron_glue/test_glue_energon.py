@@ -68,7 +68,15 @@ def test_batch_records_image_tokens_per_pack_and_cost_reads_them():
     enc = Encoder()
     # energon's batch() gets the packed samples of one micro-batch: here one pack, tiles 3 + 1.
     pack = Sample("s0+s3", [3, 1], 90)
-    raw = enc.encode_batch(enc.batch([pack]))
+    batch = enc.batch([pack])
+    # Declared fields of the batch type (a subclass of the base's, as energon extends types),
+    # not an attribute hidden on the instance.
+    assert isinstance(batch, Batch) and type(batch).__name__ == "BalancedBatch"
+    assert {f.name for f in dataclasses.fields(batch)} == {"num_tiles", "keys", "image_tokens",
+                                                          "image_token_counts"}
+    assert (batch.image_tokens, batch.image_token_counts) == ([40], [30, 10])
+    assert not [k for k in vars(batch) if k.startswith("_")]
+    raw = enc.encode_batch(batch)
     assert raw["image_tokens"].tolist() == [40]
     assert raw["image_token_counts"].tolist() == [30, 10]
     assert ImageTokenCost(10)(raw) == 40
@@ -98,7 +106,7 @@ def test_with_real_energon_default_task_encoder():
     energon = pytest.importorskip("megatron.energon", reason="megatron-energon not installed "
                                   "(pip install megatron-energon)")
     cls = balanced_task_encoder(energon.DefaultTaskEncoder)
-    assert issubclass(cls, energon.DefaultTaskEncoder) and cls.__mro__[1] is BalancedPackingMixin
+    assert issubclass(cls, energon.DefaultTaskEncoder) and issubclass(cls, BalancedPackingMixin)
 
     class TE(cls):
         packing_seq_length = 100
@@ -131,9 +139,13 @@ def test_unmarked_base_stays_unmarked_unless_declared():
     assert not _stateless(Encoder().batch) and not _stateless(Encoder().encode_batch)
     pytest.importorskip("megatron.energon", reason="megatron-energon not installed")
 
-    class Declared(BalancedPackingMixin, StockEncoder):
-        mm_balance_batch_stateless = True
+    from megatron_mm_balance.megatron.energon import stateless_balanced_packing_mixin
+
+    class Declared(stateless_balanced_packing_mixin(), StockEncoder):   # energon's @stateless
+        pass
     assert _stateless(Declared().batch) and _stateless(Declared().encode_batch)
+    raw = Declared().encode_batch(Declared().batch(samples()[:1]))
+    assert raw["image_tokens"].tolist() == [30]
 
     class Own(BalancedPackingMixin, StockEncoder):   # a class's own batch keeps its own marks
         def batch(self, samples):
@@ -151,6 +163,26 @@ def test_wrapped_methods_still_record_image_tokens():
     out = te.encode_batch(te.batch(samples()[:3]))
     assert out["image_tokens"].tolist() == [30, 0, 20]
     assert out["image_token_counts"].tolist() == [30, 10, 10]
+
+
+def test_dict_and_energon_batches_carry_the_fields():
+    """A dict batch gets the two keys; an energon Batch is extended with energon's ``extend``
+    (the balanced type pickles by name, as energon's worker processes may need)."""
+    import pickle
+    from megatron_mm_balance.megatron.energon import with_image_tokens
+    assert with_image_tokens({"a": 1}, image_tokens=[3], image_token_counts=[3]) == {
+        "a": 1, "image_tokens": [3], "image_token_counts": [3]}
+    energon = pytest.importorskip("megatron.energon", reason="megatron-energon not installed")
+
+    @dataclasses.dataclass
+    class EBatch(energon.Batch):
+        num_tiles: list
+
+    b = EBatch(__key__=["k"], __restore_key__=(), __subflavors__=[{}], num_tiles=[2])
+    out = with_image_tokens(b, image_tokens=[512], image_token_counts=[512])
+    assert isinstance(out, EBatch) and out.num_tiles == [2] and out.__key__ == ["k"]
+    assert out.image_tokens == [512]
+    assert pickle.loads(pickle.dumps(out)).image_token_counts == [512]
 
 
 def test_tokens_per_tile_has_no_silent_default():

@@ -50,18 +50,20 @@ def _consume(it):
 
 def explicit_layout_worker(rank, world):
     from megatron.core.rerun_state_machine import RerunDataIterator
-    from megatron_mm_balance.megatron.groups import exchange_group_ranks
+    from megatron_mm_balance.megatron.groups import init_exchange_groups
     from megatron_mm_balance.megatron.iterator import balancers, wrap_train_data_iterator
 
     holds = rank in (0, 1)
     layout = {"holds_data": holds, "dp_ranks": [0, 1] if holds else [rank]}
     loaders = [Loader(rank), Loader(rank)] if holds else [None, None]
     its = [RerunDataIterator(l) if l is not None else None for l in loaders]
-    out = wrap_train_data_iterator(its, _args(), num_microbatches=G, layout=layout)
+    groups = init_exchange_groups(layout, num_chunks=2, timeout=60)      # passed on explicitly
+    out = wrap_train_data_iterator(its, _args(), exchange_groups=groups, num_microbatches=G)
     assert isinstance(out, list) and len(out) == 2
     sampler_run = sampler_mode_phase(rank, layout)
     if not holds:
-        return {"none": out == [None, None], "groups": exchange_group_ranks(), "sampler": sampler_run}
+        return {"none": out == [None, None], "groups": [list(g) for g in groups.rank_lists],
+                "sampler": sampler_run}
     assert all(isinstance(o, RerunDataIterator) for o in out)
     chunks = [_consume(o) for o in out]
     bals = balancers(out)
@@ -70,9 +72,9 @@ def explicit_layout_worker(rank, world):
     while loaders[0].n <= STEPS * G and time.monotonic() < deadline:
         time.sleep(0.01)
     res = {"chunks": chunks, "state": out[0].iterable.save_state(), "sampler": sampler_run,
-           "loader_read": loaders[0].n, "prefetched": [s.get("prefetched") for s in bals[0].stats],
-           "moved": sum(s.get("packs_moved", 0) for s in bals[0].stats),
-           "steps_logged": len(bals[0].stats), "groups": exchange_group_ranks()}
+           "loader_read": loaders[0].n, "prefetched": [s.prefetched for s in bals[0].stats],
+           "moved": sum(s.packs_moved for s in bals[0].stats),
+           "steps_logged": len(bals[0].stats), "groups": [list(g) for g in groups.rank_lists]}
     for b in bals:
         b.close()
     return res
@@ -98,15 +100,12 @@ def sampler_mode_phase(rank, layout):
     import torch
     from megatron.core.rerun_state_machine import RerunDataIterator
     from megatron_mm_balance.megatron import sampler as sm
-    from megatron_mm_balance.megatron.groups import reset_exchange_groups
     from megatron_mm_balance.megatron.iterator import balancers, wrap_train_data_iterator
     from test_glue_sampler import MegatronPretrainingSampler
 
-    reset_exchange_groups()
     holds = layout["holds_data"]
     it = None
     args = _args(rampup_batch_size=None)
-    args.curr_iteration = 0
     if holds:
         ms = MegatronPretrainingSampler(400, 0, 1, rank, 2)
         bs = sm.maybe_balanced_sampler(ms, TokensDataset(), args)
@@ -116,13 +115,12 @@ def sampler_mode_phase(rank, layout):
     out = wrap_train_data_iterator(it, args, layout=layout)
     if not holds:
         return out is None
-    assert balancers(out) == [] and sm.train_sampler_installed(args)
+    assert balancers(out) == [] and sm.installed_train_samplers(args) == [bs]
     got, log = [], io.StringIO()
     with contextlib.redirect_stdout(log):
-        for step in range(1, STEPS + 1):
-            args.curr_iteration = step
+        for step in range(STEPS):
             got.append([int(next(out)[0]) for _ in range(G)])
-    return {"steps": got, "log": log.getvalue(), "moved": sum(s["packs_moved"] for s in bs.stats)}
+    return {"steps": got, "log": log.getvalue(), "moved": sum(s.packs_moved for s in bs.stats)}
 
 
 def test_explicit_layout_lists_none_and_identical_chunk_placements():
@@ -153,20 +151,21 @@ def test_explicit_layout_lists_none_and_identical_chunk_placements():
 def megatron_layout_worker(rank, world):
     from megatron.core import parallel_state as ps
     from megatron.core.rerun_state_machine import RerunDataIterator
-    from megatron_mm_balance.megatron.groups import exchange_group_ranks, reset_exchange_groups
+    from megatron_mm_balance.megatron.groups import init_exchange_groups
     from megatron_mm_balance.megatron.iterator import BalancedTrainIterable, balancers, wrap_train_data_iterator
     from megatron_mm_balance.testing.cpu_megatron import initialize
 
     initialize(tensor_model_parallel_size=2)
-    reset_exchange_groups()
+    groups = init_exchange_groups(timeout=60)           # the layout from parallel_state
     loader = Loader(rank)
-    it = wrap_train_data_iterator(RerunDataIterator(loader), _args(), num_microbatches=G)
+    it = wrap_train_data_iterator(RerunDataIterator(loader), _args(), exchange_groups=groups,
+                                  num_microbatches=G)
     tp = ps.get_tensor_model_parallel_rank()
     wrapped = isinstance(it.iterable, BalancedTrainIterable)
     steps = _consume(it) if tp == 0 else None
     for b in balancers(it):
         b.close()
-    return {"tp": tp, "wrapped": wrapped, "steps": steps, "groups": exchange_group_ranks()}
+    return {"tp": tp, "wrapped": wrapped, "steps": steps, "groups": [list(g) for g in groups.rank_lists]}
 
 
 def test_megatron_layout_balances_tensor_rank_zero_only():
@@ -211,8 +210,8 @@ def rampup_worker(rank, world, consumed0):
     while loader.n <= sum(counts) and time.monotonic() < deadline:
         time.sleep(0.01)
     res = {"steps": steps, "counts": counts, "state": out.iterable.save_state(), "loader_read": loader.n,
-           "prefetched": [s.get("prefetched") for s in bal.stats],
-           "moved": sum(s.get("packs_moved", 0) for s in bal.stats)}
+           "prefetched": [s.prefetched for s in bal.stats],
+           "moved": sum(s.packs_moved for s in bal.stats)}
     bal.close()
     return res
 

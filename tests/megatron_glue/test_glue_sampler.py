@@ -8,6 +8,7 @@ import pytest
 from megatron_mm_balance.megatron import sampler as sampler_mod
 from megatron_mm_balance.megatron.sampler import (
     BalancedPretrainingSampler, maybe_balanced_sampler, sampler_applies)
+from megatron_mm_balance.runtime.config import BalancerConfig
 from megatron_mm_balance.solver.placement import microstep_objective
 
 D, MBS, G = 4, 1, 6
@@ -32,7 +33,8 @@ def megatron_batches(total, consumed, mbs, rank, dp):
 def run_all_ranks(total, costs, consumed=0, mbs=MBS, sync="microstep", g=G):
     out = []
     for r in range(D):
-        s = BalancedPretrainingSampler(total, consumed, mbs, r, D, costs.__getitem__, g, sync=sync)
+        s = BalancedPretrainingSampler(total, consumed, mbs, r, D, costs.__getitem__, g,
+                                       config=BalancerConfig(sync=sync))
         out.append((list(s), s))
     return out
 
@@ -63,7 +65,8 @@ def test_same_samples_per_global_batch_and_better_balance(sync, mbs):
         moved += int((after != before).any())
     assert moved > 0
     stats = runs[0][1].stats
-    assert len(stats) == n_steps and all("packs_moved" in s for s in stats)
+    assert len(stats) == n_steps and [s.global_batch for s in stats] == list(range(n_steps))
+    assert sum(s.packs_moved for s in stats) > 0
 
 
 def test_resume_from_consumed_samples_continues_the_same_stream():
@@ -77,7 +80,8 @@ def test_resume_from_consumed_samples_continues_the_same_stream():
 
 def test_callable_microbatches_per_global_batch():
     counts = collections.deque([2, 4, 6, 6, 6])
-    s = BalancedPretrainingSampler(1000, 0, 1, 0, D, lambda i: i % 7, lambda: counts.popleft(), sync="step")
+    s = BalancedPretrainingSampler(1000, 0, 1, 0, D, lambda i: i % 7, lambda: counts.popleft(),
+                                   config=BalancerConfig(sync="step"))
     out = []
     for mb in s:
         out.append(mb)
@@ -145,11 +149,14 @@ def test_maybe_balanced_sampler_installs_only_for_train(monkeypatch):
         assert maybe_balanced_sampler(ms, Dataset(), args(mode="exchange")) is ms
         assert maybe_balanced_sampler(ms, Dataset(), args(mode="shadow")) is ms
         assert maybe_balanced_sampler(ms, object(), run) is ms            # auto: falls back
-        assert not sampler_mod.train_sampler_installed(run)
+        assert sampler_mod.installed_train_samplers(run) == []
         with pytest.raises(ValueError, match="--mm-balance-mode sampler does not apply"):
             maybe_balanced_sampler(ms, object(), args(mode="sampler"))
         bs = maybe_balanced_sampler(ms, Dataset(costs=list(range(100))), run)
-        assert isinstance(bs, BalancedPretrainingSampler) and sampler_mod.train_sampler_installed(run)
+        assert isinstance(bs, BalancedPretrainingSampler)
+        assert sampler_mod.installed_train_samplers(run) == [bs]        # recorded for this run only
+        assert not hasattr(run, "mm_balance_train_sampler")
+        assert sampler_mod.installed_train_samplers(args()) == []
         assert bs.data_parallel_rank == 1 and bs.data_parallel_size == 2
         first = list(bs)[:4]
         assert all(len(mb) == 1 for mb in first)

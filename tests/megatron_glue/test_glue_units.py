@@ -12,6 +12,16 @@ from megatron_mm_balance.cost.pack import ImageTokenCost, ModelCost, image_count
 from megatron_mm_balance.megatron.telemetry import Telemetry, format_line, summarize
 
 
+def _cfg(**args):
+    """The config built from a (partial) Megatron namespace."""
+    from megatron_mm_balance.megatron.config import MMBalanceConfig
+    return MMBalanceConfig.from_args(argparse.Namespace(**args))
+
+
+def _schedule(args):
+    return _cfg(**vars(args)).schedule
+
+
 # -- costs ---------------------------------------------------------------------------
 def stock_batch(tiles):
     """What examples/multimodal's TaskEncoder.encode_batch yields (micro-batch size 1)."""
@@ -55,10 +65,11 @@ def test_model_cost_under_expert_parallel_is_two_phase(tmp_path):
                       llm_ms_per_len_sq=1e-5, const_ms=2.0)
     path = tmp_path / "cost.json"
     model.save(str(path))
+    from megatron_mm_balance.megatron.config import MMBalanceConfig
     ep = argparse.Namespace(mm_balance_cost="model", mm_balance_cost_file=str(path),
                             mm_balance_sync="auto", expert_model_parallel_size=4)
     dp = argparse.Namespace(**{**vars(ep), "expert_model_parallel_size": 1})
-    two, one = make_cost_fn(ep), make_cost_fn(dp)
+    two, one = (make_cost_fn(MMBalanceConfig.from_args(a)) for a in (ep, dp))
     assert (two.components, one.components) == (2, 1) and two.identity != one.identity
     v, l = two(stock_batch([2, 1]))
     f = PackFeatures((512, 256), (3, 5))
@@ -90,7 +101,7 @@ def test_predicted_schedule_matches_megatrons_rampup():
     from megatron.core.num_microbatches_calculator import _build_num_microbatches_calculator as build
     base, var = RAMP_BASE, ramp_args(build)
     args = argparse.Namespace(**base, **var, consumed_train_samples=0)
-    schedule = MicrobatchSchedule(args, predict=True)
+    schedule = MicrobatchSchedule(_schedule(args), predict=True)
     # What the training loop does: update with consumed samples, run a step, add its batch.
     calc = build(rank=1, **base, **var)
     consumed, got, want = 0, [], []
@@ -107,7 +118,7 @@ def test_default_schedule_reads_get_num_microbatches():
     nmc.destroy_num_microbatches_calculator()
     nmc.init_num_microbatches_calculator(0, None, 12, 1, 4)
     try:
-        assert MicrobatchSchedule(argparse.Namespace(rampup_batch_size=None))() == 3
+        assert MicrobatchSchedule(_schedule(argparse.Namespace(rampup_batch_size=None)))() == 3
     finally:
         nmc.destroy_num_microbatches_calculator()
 
@@ -136,13 +147,17 @@ class FakeBalancer:
         pass
 
 
+def _iterable(items, source):
+    return BalancedTrainIterable(items, source, global_batch_of=lambda: 0, stats=items)
+
+
 def test_save_state_is_the_loaders_and_absent_when_it_has_none():
     loader = Loader()
-    it = BalancedTrainIterable(FakeBalancer(loader), loader)
+    it = _iterable(FakeBalancer(loader), loader)
     next(it), next(it)
     assert it.save_state() == {"read": 2} and it.delivered == 2
     plain = iter([{"a": 1}])
-    assert not hasattr(BalancedTrainIterable(FakeBalancer(plain), plain), "save_state")
+    assert not hasattr(_iterable(FakeBalancer(plain), plain), "save_state")
 
 
 class SavableLoader:
@@ -175,7 +190,7 @@ def test_save_state_is_the_balancers_paired_state_while_the_thread_reads_ahead()
     loader = SavableLoader()
     bal = BalancedDataIterator(iter(loader), num_microbatches=3, timeout=10,
                                state_fn=loader.save_state)
-    it = BalancedTrainIterable(bal, loader)
+    it = _iterable(bal, loader)
     try:
         assert it.save_state() == {"read": 0}
         for _ in range(6):
@@ -185,7 +200,7 @@ def test_save_state_is_the_balancers_paired_state_while_the_thread_reads_ahead()
             time.sleep(0.01)
         assert loader.n > 6                                   # read ahead into the next batch
         assert it.save_state() == {"read": 6}                 # but the state is the consumed one
-        assert all(s["prefetched"] for s in list(bal.stats)[1:])
+        assert all(s.prefetched for s in list(bal.stats)[1:])
         next(it)
         with pytest.raises(RuntimeError, match=r"inside global batch 2, after micro-step 0"):
             it.save_state()
@@ -201,15 +216,15 @@ def test_schedule_is_an_int_for_a_fixed_batch_size_even_with_save_state():
     nmc.destroy_num_microbatches_calculator()
     nmc.init_num_microbatches_calculator(0, None, 12, 1, 4)
     try:
-        got = _schedule_for(argparse.Namespace(rampup_batch_size=None), None)
+        got = _schedule_for(_cfg(rampup_batch_size=None), None)
         assert got == 3 and type(got) is int
-        ramp = _schedule_for(argparse.Namespace(rampup_batch_size=[4, 4, 40]), None)
+        ramp = _schedule_for(_cfg(rampup_batch_size=[4, 4, 40]), None)
         assert isinstance(ramp, MicrobatchSchedule) and ramp() == 3
     finally:
         nmc.destroy_num_microbatches_calculator()
-    assert _schedule_for(argparse.Namespace(), 5) == 5
+    assert _schedule_for(_cfg(), 5) == 5
     fn = lambda: 2  # noqa: E731
-    assert _schedule_for(argparse.Namespace(), fn) is fn
+    assert _schedule_for(_cfg(), fn) is fn
 
 
 def test_ramp_up_gets_a_predicting_schedule_for_the_thread():
@@ -218,7 +233,7 @@ def test_ramp_up_gets_a_predicting_schedule_for_the_thread():
     from megatron.core.num_microbatches_calculator import _build_num_microbatches_calculator as build
     from megatron_mm_balance.megatron.iterator import _predictor_for
     base, var = RAMP_BASE, ramp_args(build)
-    pred = _predictor_for(argparse.Namespace(**base, **var, consumed_train_samples=12), None)
+    pred = _predictor_for(_cfg(**base, **var, consumed_train_samples=12), None)
     calc = build(rank=1, **base, **var)
     consumed, want = 12, []
     for _ in range(6):
@@ -226,8 +241,8 @@ def test_ramp_up_gets_a_predicting_schedule_for_the_thread():
         want.append(calc.get())
         consumed += calc.get_current_global_batch_size()
     assert [pred() for _ in range(6)] == want
-    assert _predictor_for(argparse.Namespace(**base, rampup_batch_size=None), None) is None
-    assert _predictor_for(argparse.Namespace(**base, **var), 4) is None
+    assert _predictor_for(_cfg(**base, rampup_batch_size=None), None) is None
+    assert _predictor_for(_cfg(**base, **var), 4) is None
 
 
 def test_the_glue_hands_the_loaders_save_state_to_the_balancer():
@@ -239,7 +254,7 @@ def test_the_glue_hands_the_loaders_save_state_to_the_balancer():
     args = add_mm_balance_args(argparse.ArgumentParser()).parse_args(["--mm-balance"])
     args.__dict__.update(micro_batch_size=1, tensorboard_dir=None, rampup_batch_size=None)
     loader = SavableLoader()
-    coord = ExchangeCoordinator(checked_config(args), args, cost_fn=lambda p: int(p["image_tokens"]),
+    coord = ExchangeCoordinator(checked_config(args), cost_fn=lambda p: int(p["image_tokens"]),
                                 num_microbatches=2)
     wrapped = coord.wrap(loader, None, 0)
     [bal] = balancers(wrapped)
@@ -258,6 +273,22 @@ def test_wrap_is_identity_when_flag_off():
     assert wrap_train_data_iterator(marker, args) is marker
     assert wrap_train_data_iterator([marker, None], args) == [marker, None]
     assert wrap_train_data_iterator(None, args) is None
+
+
+def test_exchange_groups_are_an_explicit_object_one_group_per_chunk():
+    """init_exchange_groups returns ExchangeGroups (no module state); the wrapper takes it and
+    checks it has one group per model chunk."""
+    import megatron_mm_balance.megatron.groups as groups_mod
+    from megatron_mm_balance.megatron.groups import ExchangeGroups
+    groups = ExchangeGroups(chunks=(None, None), rank_lists=((0, 1),))
+    assert len(groups) == 2 and groups.chunk(1) is None and list(groups) == [None, None]
+    assert not [n for n in vars(groups_mod) if n.startswith("_") and n.isupper()]
+    args = argparse.Namespace(mm_balance=True)
+    with pytest.raises(ValueError, match="exchange_groups has 2 model chunks, the train iterators 1"):
+        wrap_train_data_iterator(object(), args, exchange_groups=groups)
+    # No group on this rank (it reads no data): its iterators come back as they are.
+    marker = [object(), object()]
+    assert wrap_train_data_iterator(marker, args, exchange_groups=groups) == marker
 
 
 # -- group lists -------------------------------------------------------------------------
@@ -288,66 +319,140 @@ class Writer:
         self.logged.append((values, step))
 
 
-def test_summarize_means_numeric_and_nested_entries():
-    s = summarize([{"packs_moved": 2, "x": {"y": 1.0}, "name": "a", "list": [1, 2]},
-                   {"packs_moved": 4, "x": {"y": 3.0}}])
-    assert s == {"global_batches": 2.0, "packs_moved": 3.0, "x.y": 2.0}
+def _batch(costs, sync="microstep", gb=0, mode="exchange", **fields):
+    """The BatchStats a mode records for a cost matrix (the planner's plan)."""
+    import numpy as np
+    from megatron_mm_balance.runtime.config import BalancerConfig
+    from megatron_mm_balance.runtime.planner import plan_batch
+    from megatron_mm_balance.runtime.stats import BatchStats
+    c = np.asarray(costs, dtype=np.int64)
+    _, plan = plan_batch(c, BalancerConfig(sync=sync))
+    return BatchStats(global_batch=gb, num_microbatches=c.shape[1], plan=plan, mode=mode, **fields)
+
+
+def test_imbalance_reads_right_when_the_step_maximum_drops():
+    """The case the old per-step ratio got wrong: the placement lowers the step maxima (576 ->
+    320 in total) but dividing each delivered step's maximum by the drawn step's mean said the
+    imbalance rose (2.0 -> 2.83). Ratio of sums: 576/288 -> 320/288."""
+    s = summarize([_batch([[0, 0, 0], [256, 64, 256]])])
+    assert s["cost_step_max_before"] == 192 and s["cost_step_max_after"] == pytest.approx(320 / 3)
+    assert s["cost_step_mean"] == 96
+    assert s["imbalance_before"] == pytest.approx(2.0) and s["imbalance_after"] == pytest.approx(320 / 288)
+    assert s["packs_moved"] > 0 and s["global_batches"] == 1
+
+
+@pytest.mark.parametrize("sync", ["microstep", "step"])
+def test_imbalance_after_is_at_most_before_exactly_when_the_step_maximum_does_not_rise(sync):
+    import numpy as np
+    rng = np.random.default_rng(7)
+    rose = 0
+    for trial in range(200):
+        D, G = int(rng.integers(2, 5)), int(rng.integers(2, 6))
+        batches = [_batch(rng.choice([0, 16, 64, 256, 2048], size=(D, G)), sync, gb=i)
+                   for i in range(int(rng.integers(1, 4)))]
+        s = summarize(batches)
+        assert (s["imbalance_after"] <= s["imbalance_before"]) == \
+            (s["cost_step_max_after"] <= s["cost_step_max_before"])
+        assert s["imbalance_after"] == pytest.approx(s["cost_step_max_after"] / s["cost_step_mean"])
+        rose += s["cost_step_max_after"] > s["cost_step_max_before"]
+        if sync == "microstep":                     # optimal per micro-step: never worse
+            assert s["imbalance_after"] <= s["imbalance_before"] + 1e-12
+        else:                                       # step mode evens rank totals
+            assert s["rank_imbalance_after"] <= s["rank_imbalance_before"] + 1e-12
+    assert sync == "microstep" or rose > 0         # step mode may raise the micro-step maxima
+
+
+def test_shadow_reports_what_was_delivered_and_what_would_be():
+    b = _batch([[0, 0, 0], [256, 64, 256]], mode="shadow")
+    s = summarize([b])
+    assert s["packs_moved"] == 0 and s["packs_would_move"] == b.plan.packs_moved > 0
+    assert s["cost_step_max_after"] == s["cost_step_max_before"]        # delivered as drawn
+    assert s["imbalance_after"] == s["imbalance_before"]
+    assert s["imbalance_would_be"] == pytest.approx(320 / 288)
+    assert s["gain_would_be"] == pytest.approx(1 - 320 / 576)
+    assert "packs_would_move" not in summarize([_batch([[0, 0, 0], [256, 64, 256]])])
+
+
+def test_sampler_batches_report_no_transfer():
+    s = summarize([_batch([[0, 5], [9, 1]], mode="sampler", solver_ms=0.5)])
+    assert "bytes_sent" not in s and "prefetched" not in s and s["solver_ms"] == 0.5
     assert summarize([]) == {}
     assert "iteration 5" in format_line(5, {"a": 1.0})
 
 
-def test_derived_imbalance_from_runtime_step_lists():
-    entry = {"step_max_before": [300, 100], "step_max_after": [150, 100],
-             "step_mean_before": [150.0, 100.0], "step_mean_after": [150.0, 100.0], "packs_moved": 2}
-    s = summarize([entry])
-    assert s["imbalance_before"] == pytest.approx((2.0 + 1.0) / 2)
-    assert s["imbalance_after"] == pytest.approx(1.0)
-    assert s["image_tokens_step_max_before"] == 200 and s["image_tokens_step_mean"] == 125
-    assert "step_max_before" not in s
+class Source:
+    def __init__(self):
+        self.stats = collections.deque()
 
 
 def test_telemetry_writes_every_interval_to_writers_and_log(capsys):
-    balancer = FakeBalancer(iter(()))
-    balancer.stats.clear()
-    args = argparse.Namespace(curr_iteration=0)
+    source = Source()
     tb, wb = Writer(), Writer()
-    tel = Telemetry(balancer, args, interval=2, tb_writer=tb, wandb_writer=wb, reporter=True)
+    tel = Telemetry(source, interval=2, tb_writer=tb, wandb_writer=wb, reporter=True)
+    tel.on_batch(0)
     for it in range(1, 7):
-        args.curr_iteration = it
-        balancer.stats.append({"packs_moved": it, "exposed_wait_ms": 0.5})
-        tel.on_item()
-        tel.on_item()         # a second micro-batch of the same iteration: no second report
-    steps = [s for tag, _, s in tb.scalars if tag == "mm-balance/packs_moved"]
+        source.stats.append(_batch([[it, 0], [0, 0]], gb=it - 1, packs_sent=it))
+        tel.on_batch(it)      # global batch `it` starts at iteration `it`
+    steps = [s for tag, _, s in tb.scalars if tag == "mm-balance/packs_sent"]
     assert steps == [2, 4, 6]
     # Iteration 4 averages the global batches since iteration 2: 3 and 4.
-    assert ("mm-balance/packs_moved", 3.5, 4) in tb.scalars
+    assert ("mm-balance/packs_sent", 3.5, 4) in tb.scalars
     assert [s for _, s in wb.logged] == [2, 4, 6]
     assert capsys.readouterr().out.count("[mm-balance] iteration") == 3
 
 
 def test_first_line_of_a_resumed_job_says_how_megatron_logs_it(capsys):
-    balancer = FakeBalancer(iter(()))
-    balancer.stats.clear()
-    args = argparse.Namespace(curr_iteration=3, iteration=3)      # loaded the iteration-3 checkpoint
-    tel = Telemetry(balancer, args, interval=1, tb_writer=Writer(), reporter=True)
-    for it in (3, 4, 5):
-        args.curr_iteration = it
-        balancer.stats.append({"packs_moved": it})
-        tel.on_item()
-    first, *rest = [l for l in capsys.readouterr().out.splitlines() if l.startswith("[mm-balance]")]
+    source = Source()
+    source.stats.extend(_batch([[1, 0], [0, 0]], gb=i) for i in range(3))
+    tel = Telemetry(source, interval=1, start_iteration=3, reporter=True, tb_writer=Writer())
+    for gb in (1, 2, 3):                              # loaded the iteration-3 checkpoint
+        tel.on_batch(gb)
+    first, *rest = tel.lines
     assert "| resumed_from: 3 | note: Megatron logs this job's first iteration (4) alone" in first
     assert "mm-balance compare-logs" in first and rest and not any("resumed_from" in l for l in rest)
-    fresh = Telemetry(balancer, argparse.Namespace(curr_iteration=1, iteration=0), interval=1,
-                      tb_writer=Writer(), reporter=True)
-    fresh.on_item()
-    assert "resumed_from" not in capsys.readouterr().out
+    fresh = Telemetry(source, interval=1, reporter=True, tb_writer=Writer())
+    fresh.on_batch(1)
+    assert fresh.lines and "resumed_from" not in fresh.lines[0]
+
+
+def test_a_resumed_run_counts_iterations_from_its_checkpoint(capsys):
+    source = Source()
+    tel = Telemetry(source, interval=5, start_iteration=8, reporter=True, tb_writer=Writer())
+    source.stats.extend(_batch([[1, 0], [0, 0]], gb=i) for i in range(3))
+    for gb in range(3):
+        tel.on_batch(gb)                            # iterations 8, 9, 10: one report, at 10
+    assert [line.split(" | ")[0] for line in tel.lines] == ["[mm-balance] iteration 10"]
+    assert "global_batches: 2 " in tel.lines[0] + " "     # batches 0 and 1, not 2 (in progress)
+
+
+def test_one_line_per_report_even_with_logging_set_up(capsys):
+    """Megatron's training.py installs a root logging handler at INFO; the report used to go
+    through logging and print, so every line appeared twice. It is printed once, not logged."""
+    import io
+    import logging
+    source = Source()
+    source.stats.append(_batch([[1, 0], [0, 0]]))
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    root = logging.getLogger()
+    old_level = root.level
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    try:
+        Telemetry(source, interval=1, reporter=True, tb_writer=Writer()).on_batch(1)
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(old_level)
+    assert capsys.readouterr().out.count("[mm-balance] iteration 1") == 1
+    assert "[mm-balance]" not in stream.getvalue()
 
 
 def test_non_reporting_rank_writes_nothing():
-    balancer = FakeBalancer(iter(()))
+    source = Source()
+    source.stats.append(_batch([[1, 0], [0, 0]]))
     tb = Writer()
-    tel = Telemetry(balancer, argparse.Namespace(curr_iteration=4), interval=1, tb_writer=tb, reporter=False)
-    tel.on_item()
+    tel = Telemetry(source, interval=1, start_iteration=4, tb_writer=tb, reporter=False)
+    tel.on_batch(1)
     assert tb.scalars == []
 
 
@@ -357,11 +462,11 @@ def test_make_cost_fn_knows_multimodal_tile_size():
                               vision_model_type="clip", disable_vision_class_token=True,
                               pixel_shuffle=False, use_tile_tags=False, max_num_tiles=1,
                               tokenizer_prompt_format="qwen2p5")
-    assert make_cost_fn(args)(stock_batch([2])) == 2 * 576            # (336/14)^2 patches per tile
+    assert make_cost_fn(_cfg(**vars(args)))(stock_batch([2])) == 2 * 576   # (336/14)^2 patches per tile
     args.pixel_shuffle = True
-    assert make_cost_fn(args)(stock_batch([2])) == 2 * 144
+    assert make_cost_fn(_cfg(**vars(args)))(stock_batch([2])) == 2 * 144
     # Not a multimodal run: the runtime's default tokens per tile.
-    assert make_cost_fn(argparse.Namespace(mm_balance_cost="image-tokens"))(stock_batch([2])) == 2 * 256
+    assert make_cost_fn(_cfg(mm_balance_cost="image-tokens"))(stock_batch([2])) == 2 * 256
 
 
 def test_importing_the_glue_pulls_in_no_megatron_energon_te_or_apex():

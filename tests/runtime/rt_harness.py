@@ -111,6 +111,26 @@ def checksum(obj) -> str:
     return h.hexdigest()
 
 
+def stats_rows(it, keys) -> list:
+    """``it.stats`` as plain dicts of ``keys`` (:class:`BatchStats` fields and properties, or
+    the plan's fields), then the exhaustion as ``{global_batch, exhausted, packs_pulled,
+    not_delivered}`` once the source ran out: picklable, for the parent process."""
+    rows = []
+    for s in it.stats:
+        row = {}
+        for k in keys:
+            if hasattr(s, k):
+                row[k] = getattr(s, k)
+            elif hasattr(s.plan, k):
+                row[k] = getattr(s.plan, k)
+        rows.append(row)
+    ex = it.exhaustion
+    if ex is not None:
+        rows.append({"global_batch": ex.global_batch, "exhausted": True,
+                     "packs_pulled": list(ex.pulled), "not_delivered": ex.not_delivered})
+    return rows
+
+
 def recording_source(rank: int, n: int, log: list, seed: int = 0, fail_at=None):
     """Yields ``n`` packs, appending ``(id, cost, checksum)`` as each is pulled."""
     for i in range(n):
@@ -153,12 +173,10 @@ def scenario_exactly_once(rank, world, configs, batches, extra=1, ranks_per_node
                 again = "no StopIteration"
             except StopIteration:
                 again = "StopIteration"
-            stats = list(it.stats)
+            stats = stats_rows(it, ("global_batch", "packs_moved", "bytes_received", "bytes_sent",
+                                    "inter_node_packs", "inter_node_bytes_sent"))
         res.append({"G": G, "overlap": overlap, "pulled": pulled, "delivered": got, "again": again,
-                    "stats": [{k: s[k] for k in ("global_batch", "packs_moved", "bytes_received",
-                                                 "bytes_sent", "exhausted", "not_delivered",
-                                                 "inter_node_packs", "inter_node_bytes_sent")
-                               if k in s} for s in stats]})
+                    "stats": stats})
     return {"configs": res}
 
 
@@ -230,7 +248,7 @@ def scenario_save_state(rank, world, configs, before=3, total=6, soak=30):
             except StopIteration:
                 r["after_end"] = "StopIteration"
             r["state_exhausted"] = it.save_state().next
-            r["moved"] = sum(s.get("packs_moved", 0) for s in it.stats if not s.get("exhausted"))
+            r["moved"] = sum(s.packs_moved for s in it.stats)
         src = SavableSource(rank, n, seed=ci)
         first = []
         with make(src, G, overlap, as_callable) as it:
@@ -241,7 +259,7 @@ def scenario_save_state(rank, world, configs, before=3, total=6, soak=30):
             r["pulled_at_save"] = src.pulls
             state = it.save_state()
             r["state_saved"] = state.next
-            r["prefetched"] = [bool(s.get("prefetched")) for s in it.stats]
+            r["prefetched"] = [s.prefetched for s in it.stats]
             next(it)
             try:
                 it.save_state()
@@ -298,8 +316,8 @@ def scenario_predict(rank, world, schedule, wrong_at=None):
             out["outcome"] = "ok"
         except Exception as e:
             out["outcome"] = f"{type(e).__name__}: {e}"
-        out["prefetched"] = [bool(s.get("prefetched")) for s in it.stats]
-        out["per_batch"] = [s.get("num_microbatches") for s in it.stats]
+        out["prefetched"] = [s.prefetched for s in it.stats]
+        out["per_batch"] = [s.num_microbatches for s in it.stats]
     out["delivered"] = got
     return out
 
@@ -328,8 +346,7 @@ def scenario_two_phase(rank, world, G=5, batches=3, overlap=True):
     with BalancedDataIterator(src(), num_microbatches=G, overlap=overlap, timeout=60,
                               cost_fn=cost) as it:
         _run_iterator(it, G, got)
-        stats = [{k: s[k] for k in ("global_batch", "packs_moved", "microstep_cost_after")
-                  if k in s} for s in it.stats]
+        stats = stats_rows(it, ("global_batch", "packs_moved", "microstep_cost_after"))
     return {"pulled": pulled, "delivered": got, "stats": stats}
 
 
@@ -360,7 +377,7 @@ def scenario_soak(rank, world, batches, G=4, warmup=50):
                            os_threads_warm=len(os.listdir("/proc/self/task")))
         out.update(threads_end=threading.active_count(), rss_end=rss_mb(),
                    os_threads_end=len(os.listdir("/proc/self/task")),
-                   moved=sum(s["packs_moved"] for s in it.stats))
+                   moved=sum(s.packs_moved for s in it.stats))
     out["threads_closed"] = threading.active_count()
     out["exchange_threads_closed"] = sum(t.name == "mm-balance-exchange" for t in threading.enumerate())
     return out
@@ -394,10 +411,10 @@ def scenario_shadow(rank, world, G=4, batches=3):
     with BalancedDataIterator(src, num_microbatches=G,
                               config=BalancerConfig(shadow=True, timeout=60)) as it:
         _run_iterator(it, G, got)
-        stats = [{k: s[k] for k in ("shadow", "packs_moved", "packs_sent", "packs_received",
-                                     "bytes_sent", "bytes_received", "predicted_gain",
-                                     "microstep_cost_before", "microstep_cost_after") if k in s}
-                 for s in it.stats if not s.get("exhausted")]
+        stats = [row for row in stats_rows(it, (
+            "shadow", "packs_moved", "packs_would_move", "packs_sent", "packs_received", "bytes_sent",
+            "bytes_received", "predicted_gain", "microstep_cost_before", "microstep_cost_after"))
+            if not row.get("exhausted")]
     return {"pulled": [p[0] for p in pulled], "costs": [p[1] for p in pulled],
             "delivered": [row[2] for row in got], "stats": stats}
 
@@ -457,7 +474,7 @@ def scenario_misc(rank, world, G=2):
         except StopIteration:
             pass
         out["ramp"] = {"pulled": pulled, "delivered": got, "calls": len(calls),
-                       "per_batch": [s.get("num_microbatches") for s in it.stats]}
+                       "per_batch": [s.num_microbatches for s in it.stats]}
 
     # e. the cost function raises inside the background thread on rank 0.
     def bad_cost(p):
@@ -468,13 +485,26 @@ def scenario_misc(rank, world, G=2):
                               timeout=20) as it:
         out["thread_error"] = _outcome(lambda: consume(it))
 
+    # g. iterators built in a different order on different ranks over one exchange group:
+    #    the store keys come from the group's name and the caller's name, not from how many
+    #    iterators this process built, so rank 1's posted error still reaches its peers.
+    from megatron_mm_balance.runtime import new_exchange_groups
+    shared = new_exchange_groups([list(range(world))], timeout=20)
+    if rank == 0:
+        BalancedDataIterator(recording_source(rank, 4, []), num_microbatches=G, timeout=20,
+                             exchange_group=shared, name="other").close()
+    src = recording_source(rank, 50, [], fail_at=G + 1 if rank == 1 else None)
+    with BalancedDataIterator(src, num_microbatches=G, timeout=20, exchange_group=shared,
+                              name="train") as it:
+        out["keys_by_name"] = _outcome(lambda: consume(it))
+
     # f. one rank's source ends mid-batch: all ranks stop at the same boundary.
     n = 3 * G - (1 if rank == 1 else 0)
     with BalancedDataIterator(recording_source(rank, n, []), num_microbatches=G, timeout=20) as it:
         got = []
         out["short"] = _outcome(lambda: [got.append(next(it)["id"]) for _ in range(100)])
         out["short"]["delivered"] = len(got)
-        out["short"]["stats"] = it.last_stats
+        out["short"]["stats"] = stats_rows(it, ())[-1]
     return out
 
 

@@ -32,6 +32,24 @@ def test_peer_source_raises(misc):
         assert misc[r]["raise_again"]["type"] == "BalancerError"
 
 
+def test_store_keys_do_not_depend_on_the_order_iterators_are_built_in(misc):
+    """Rank 0 built an extra iterator on the shared group first; its peers' diagnosis still
+    reads rank 1's posted error (keys: group name + the caller's name)."""
+    assert misc[1]["keys_by_name"]["type"] == "ValueError"
+    for r in (0, 2):
+        out = misc[r]["keys_by_name"]
+        assert out["type"] == "PeerFailure" and "boom in the data source of rank 1" in out["msg"], out
+
+
+def test_board_prefix_is_the_group_name_and_the_callers_name():
+    from megatron_mm_balance.runtime.iterator import board_prefix
+
+    class Group:
+        group_name = "7"
+    assert board_prefix(Group(), [0, 1], "chunk1") == "mm_balance/7/chunk1"
+    assert board_prefix(None, [2, 3]) == "mm_balance/2,3"
+
+
 def test_inconsistent_num_microbatches(misc):
     for r in range(3):
         out = misc[r]["mismatch_G"]
@@ -49,7 +67,7 @@ def test_rampup_callable(misc):
     pulled = [x["ramp"]["pulled"] for x in misc]
     delivered = [x["ramp"]["delivered"] for x in misc]
     for x in misc:
-        assert x["ramp"]["per_batch"] == [1, 2, 3, 3, 5, None]     # last entry: exhaustion
+        assert x["ramp"]["per_batch"] == [1, 2, 3, 3, 5]           # then the source ran out
         assert x["ramp"]["calls"] == 6                          # read once per global batch
         assert Counter(gb for gb, *_ in x["ramp"]["delivered"]) == {0: 1, 1: 2, 2: 3, 3: 3, 4: 5}
     want = Counter((pid, ck) for p in pulled for pid, _, ck in p)

@@ -35,8 +35,9 @@ def test_world_one_delivers_in_order_and_stops_at_boundary(overlap):
     with BalancedDataIterator(iter(items), num_microbatches=3, overlap=overlap) as it:
         got = list(it)
         assert [g["s"] for g in got] == [f"p{i}" for i in range(6)]
-        assert it.last_stats["exhausted"] and it.last_stats["not_delivered"] == 2
-        assert it.stats[0]["num_microbatches"] == 3 and it.stats[0]["packs_moved"] == 0
+        assert it.exhaustion.global_batch == 2 and it.exhaustion.not_delivered == 2
+        assert it.last_stats.global_batch == 1 and len(it.stats) == 2
+        assert it.stats[0].num_microbatches == 3 and it.stats[0].packs_moved == 0
     assert _exchange_threads() == 0
 
 
@@ -136,27 +137,25 @@ def test_wire_round_trip_is_bit_identical():
                            b.contiguous().reshape(-1).view(torch.uint8) if b.numel() else b)
 
 
-def _engine(device=None):
-    from megatron_mm_balance.runtime.engine import Engine
-    return Engine(iter(()), ranks=[0], rank_index=0, exchange_group=None, cost_fn=default_cost_fn,
-                  cost_identity="x", sync="microstep", balance_tolerance=None, device=device,
-                  timeout=1.0, board=None)
+def _transport(device=None):
+    from megatron_mm_balance.runtime.transport import PackTransport
+    return PackTransport(None, [0], 0, timeout=1.0, device=device)
 
 
 def test_cuda_tagged_tensors_use_the_mover_and_keep_host_tensors():
-    """The device branch of the engine, with a stand-in for the CUDA side stream."""
+    """The device branch of the transport, with a stand-in for the CUDA side stream."""
     import dataclasses
 
     class FakeMover:
         def to_device(self, buf):
             return buf.clone(), "event"
 
-    eng = _engine()
+    eng = _transport()
     eng.cuda_mover = FakeMover()
     pack = {"on_gpu": torch.arange(6.0), "on_cpu": torch.ones(3, dtype=torch.int8), "k": "v"}
     header, data = wire.encode(pack)
     header["on_gpu"] = dataclasses.replace(header["on_gpu"], device_type="cuda")
-    item = eng._place(header, data)
+    item = eng.place(header, data)
     assert item.event == "event" and len(item.buffers) == 1
     assert item.pack["on_gpu"].data_ptr() == item.buffers[0].data_ptr()     # on the "device" buffer
     assert item.pack["on_cpu"].untyped_storage().data_ptr() == data.untyped_storage().data_ptr()
@@ -167,8 +166,8 @@ def test_cuda_tensors_without_cuda_is_a_clear_error():
     import dataclasses
     if torch.cuda.is_available():
         pytest.skip("CUDA present")
-    eng = _engine()
+    eng = _transport()
     header, data = wire.encode({"x": torch.zeros(2)})
     header["x"] = dataclasses.replace(header["x"], device_type="cuda")
     with pytest.raises(RuntimeError, match="CUDA is not available"):
-        eng._place(header, data)
+        eng.place(header, data)

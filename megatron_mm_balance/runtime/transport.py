@@ -1,0 +1,192 @@
+"""Moving data between the ranks of one exchange group: the transport under the exchange.
+
+:class:`PackTransport` is everything of the exchange that touches the network or
+a device, and nothing that decides what moves: the fixed-size all-gather of the
+agreement records and costs, the point-to-point transfer of a pack (gloo
+``isend``/``irecv`` in the :mod:`.wire` format), and placing a received (or
+local) pack on the target device (through :class:`~.device.CudaMover`'s side
+stream). Every wait is bounded by ``timeout``; a failure names the global batch,
+the micro-step and the peer, with what the :class:`~.groups.ProgressBoard` knows
+about the peers.
+
+A moved pack is three kinds of messages from its owner to its computer, matched
+in order: a 3-int64 record (header bytes, data bytes, tensor count), the pickled
+header, then each non-empty tensor's bytes.
+"""
+from __future__ import annotations
+
+import datetime
+import time
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from . import wire
+from .device import CudaMover
+from .errors import PeerFailure
+
+#: bytes of the per-pack record (3 int64) that precedes every moved pack
+PACK_RECORD_BYTES = 24
+
+
+@dataclass
+class Item:
+    """One delivered micro-batch, plus what the consumer must wait on."""
+
+    pack: object
+    event: object = None
+    buffers: tuple = ()
+    #: on the global batch's last micro-batch: the engine's plan of the batch, from which the
+    #: consumer completes the batch's statistics (and takes the source state paired with it)
+    batch: object = None
+    num_microbatches: int = 0          # the global batch's G, as the thread ran it
+
+    @property
+    def last(self) -> bool:
+        return self.batch is not None
+
+
+@dataclass
+class PendingSend:
+    """A posted send: wait on ``works``; ``buffers`` stay alive until then."""
+
+    peer: int
+    works: list
+    buffers: tuple
+    nbytes: int
+
+
+class PackTransport:
+    """Collectives and point-to-point transfers on one exchange group (see module docstring).
+
+    ``ranks``: the group's global ranks in group order; ``me``: this rank's index in
+    them. ``device``: where delivered packs go (None: each tensor keeps its device
+    type). ``board``: the progress board that names the peer behind a failure (or None).
+    """
+
+    def __init__(self, group, ranks: Sequence[int], me: int, *, timeout: float,
+                 device: Optional[torch.device] = None, board=None):
+        self.group = group
+        self.ranks = list(ranks)
+        self.me = me
+        self.world = len(self.ranks)
+        self.timeout = float(timeout)
+        self.device = device
+        self.board = board
+        self.cuda_mover = CudaMover(device) if device is not None and device.type == "cuda" else None
+
+    @property
+    def my_rank(self) -> int:
+        return self.ranks[self.me]
+
+    # -- bounded waits ------------------------------------------------------------
+    def wait(self, work, what: str, gb: int, peers=(), step=None) -> None:
+        """Wait for ``work`` at most ``timeout``; on failure raise :class:`PeerFailure`
+        naming the global batch, the micro-step and the peers, and post it on the board."""
+        t0 = time.monotonic()
+        try:
+            work.wait(datetime.timedelta(seconds=self.timeout))
+        except Exception as e:
+            where = f"global batch {gb}" + (f", micro-step {step}" if step is not None else "")
+            peer_txt = (" with rank " + ", ".join(str(p) for p in peers)) if peers else ""
+            me = self.my_rank
+            diag = self.board.diagnose(me, gb) if self.board else ""
+            first = (str(e).splitlines() or [""])[0][:300]
+            msg = (f"rank {me}: {what}{peer_txt} failed at {where} after "
+                   f"{time.monotonic() - t0:.1f}s ({type(e).__name__}: {first}); {diag}")
+            if self.board:                           # lets peers name the root cause
+                self.board.post_error(me, f"{what}{peer_txt} failed at {where}")
+            raise PeerFailure(msg, global_batch=gb, peers=peers) from e
+
+    # -- collectives ----------------------------------------------------------------
+    def all_gather(self, t: torch.Tensor, what: str, gb: int) -> torch.Tensor:
+        """``[world, t.numel()]``: every rank's ``t`` (same size on every rank)."""
+        out = torch.empty(self.world * t.numel(), dtype=t.dtype)
+        outs = list(out.view(self.world, -1).unbind(0))
+        work = dist.all_gather(outs, t, group=self.group, async_op=True)
+        self.wait(work, what, gb)
+        return out.view(self.world, -1)
+
+    # -- point to point ---------------------------------------------------------------
+    def send(self, pack, peer: int) -> PendingSend:
+        """Post the messages of ``pack`` to group rank ``peer`` (see module docstring)."""
+        sp = wire.split(pack)
+        parts = [p.cpu() if p.is_cuda else p for p in sp.parts if p.numel()]
+        header = torch.frombuffer(bytearray(sp.header), dtype=torch.uint8)
+        meta = torch.tensor([len(sp.header), sp.data_nbytes, len(parts)], dtype=torch.int64)
+        dst = self.ranks[peer]
+        works = [dist.isend(t, dst=dst, group=self.group) for t in [meta, header] + parts]
+        nbytes = PACK_RECORD_BYTES + len(sp.header) + sum(p.numel() for p in parts)
+        return PendingSend(dst, works, (meta, header, parts), nbytes)
+
+    def finish(self, pending: PendingSend, gb: int, step: int) -> None:
+        for w in pending.works:
+            self.wait(w, "sending a pack", gb, (pending.peer,), step)
+
+    def receive(self, peer: int, gb: int, step: int):
+        """``(item, nbytes)``: the pack group rank ``peer`` sends at micro-step ``step``,
+        placed on the target device."""
+        src = self.ranks[peer]
+
+        def recv(t, what):
+            self.wait(dist.irecv(t, src=src, group=self.group), what, gb, (src,), step)
+
+        meta = torch.empty(3, dtype=torch.int64)
+        recv(meta, "receiving a pack record")
+        hlen, nbytes, nparts = (int(x) for x in meta)
+        if hlen <= 0 or nbytes < 0:
+            raise PeerFailure(f"rank {self.my_rank}: corrupt pack record {meta.tolist()} from "
+                              f"rank {src} at global batch {gb}, micro-step {step}",
+                              global_batch=gb, peers=(src,))
+        raw = torch.empty(hlen, dtype=torch.uint8)
+        recv(raw, "receiving a pack header")
+        header = wire.read_header(raw)
+        refs = [r for r in wire.refs_of(header) if r.nbytes]
+        if len(refs) != nparts or (refs and refs[-1].offset + refs[-1].nbytes > nbytes):
+            raise PeerFailure(f"rank {self.my_rank}: pack header from rank {src} does not match "
+                              f"its record at global batch {gb}, micro-step {step}",
+                              global_batch=gb, peers=(src,))
+        data = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.cuda_mover is not None)
+        works = [dist.irecv(data[r.offset: r.offset + r.nbytes], src=src, group=self.group)
+                 for r in refs]
+        for w in works:
+            self.wait(w, "receiving a pack", gb, (src,), step)
+        return self.place(header, data), PACK_RECORD_BYTES + hlen + sum(r.nbytes for r in refs)
+
+    # -- device placement ----------------------------------------------------------------
+    def local(self, pack) -> Item:
+        """A pack this rank drew and computes itself, on the target device."""
+        if self.device is None or _all_on(pack, self.device):
+            return Item(pack)
+        header, data = wire.encode(pack, pin_memory=self.device.type == "cuda")
+        return self.place(header, data)
+
+    def place(self, header, data) -> Item:
+        """Decode a host data buffer onto the target device(s)."""
+        if self.device is not None:
+            target_cuda = self.device.type == "cuda"
+        else:                                        # keep each tensor's device type
+            target_cuda = "cuda" in wire.device_types(header)
+        if not target_cuda:
+            return Item(wire.decode(header, lambda ref: data))
+        dev, event = self._cuda().to_device(data)
+        if self.device is not None:
+            return Item(wire.decode(header, lambda ref: dev), event, (dev,))
+        return Item(wire.decode(header, lambda ref: dev if ref.device_type == "cuda" else data),
+                    event, (dev,))
+
+    def _cuda(self) -> CudaMover:
+        if self.cuda_mover is None:
+            if not torch.cuda.is_available():
+                raise RuntimeError("a peer sent CUDA tensors but CUDA is not available on this rank; "
+                                   "pass device='cpu' to receive them on the host")
+            self.cuda_mover = CudaMover(torch.device("cuda", torch.cuda.current_device()))
+            self.cuda_mover.enter_thread()
+        return self.cuda_mover
+
+
+def _all_on(pack, device: torch.device) -> bool:
+    return all(d.type == device.type and (device.index is None or d.index == device.index)
+               for d in wire.tensor_devices(pack))

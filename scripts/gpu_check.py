@@ -214,7 +214,7 @@ def main(argv=None) -> int:
     report["calibration_s"] = time.perf_counter() - t0
     report["cost_model"] = model.to_json()
     log(f"  fitted: {model.vision_ms_per_token:.3e} ms/token + {model.vision_ms_per_token_sq:.3e} "
-        f"ms/token^2 + {model.const_ms:.3f} ms, backward/forward {model.backward_ratio:.2f}")
+        f"ms/token^2 + {model.const_ms:.3f} ms, backward/forward {model.vision_backward_ratio:.2f}")
 
     log("== 2. BalancedDataIterator overlap on a dedicated stream (world size 1)")
     ov = overlap_check(device=device, steps=8 if on_gpu else 3, ga=4,

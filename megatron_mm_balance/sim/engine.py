@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..cost.model import FeatureArrays, image_token_costs
 from .pool import PackPool, draw_indices
 from .strategies import (STRATEGIES, exchange_times, inter_node_mask, local_order,
                          redistribute_order)
@@ -83,31 +84,34 @@ def resolve_balance_cost(balance_cost: str, t: TimingModel) -> str:
     return "two-phase" if vision and llm else "time"
 
 
+def pool_features(pool: PackPool, t: TimingModel) -> FeatureArrays:
+    """The cost estimator's features of every pack in ``pool`` (positions: the sequence
+    length when the timing model computes padding, else each pack's own tokens)."""
+    positions = np.broadcast_to(np.asarray(pool.seq_len if t.llm_compute_padding else pool.tokens,
+                                           dtype=np.float64), pool.tokens.shape)
+    return FeatureArrays(image_tokens=pool.image_tokens, image_sq=pool.image_sq,
+                         has_images=pool.num_images > 0, positions=positions,
+                         len_sq=pool.sample_len_sq)
+
+
 def pack_phases(pool: PackPool, t: TimingModel, *, pp: int = 1,
                 balance_cost: str = "time") -> PackPhases:
-    """Vectorised timing of every pack in ``pool`` under timing model ``t``."""
+    """Timing of every pack in ``pool`` under timing model ``t``, through the project's cost
+    estimator (:class:`~megatron_mm_balance.cost.model.CostModel`, which also gives the
+    placement's integer costs: the runtime's own ``--mm-balance-cost model`` arithmetic)."""
     balance_cost = resolve_balance_cost(balance_cost, t)
-    has_img = pool.num_images > 0
-    vf = (t.vision_ms_per_token * pool.image_tokens + t.vision_ms_per_token_sq * pool.image_sq
-          + t.vision_ms_per_pack * has_img)
-    positions = pool.seq_len if t.llm_compute_padding else pool.tokens
-    lf = t.llm_ms_per_token * positions + t.llm_ms_per_token_sq * pool.sample_len_sq
-    lf = np.broadcast_to(np.asarray(lf, dtype=np.float64), vf.shape)
-    lm_full = lf * (1.0 + t.llm_bwd_fwd_ratio)
-    lm = lm_full / pp
-    vb = vf * t.vision_bwd_fwd_ratio
+    if balance_cost not in BALANCE_COSTS:
+        raise ValueError(f"balance cost must be one of {BALANCE_COSTS}, got {balance_cost!r}")
+    model, feats = t.cost_model(), pool_features(pool, t)
+    ph = model.phase_ms(feats)
+    vf, vb = ph.vision_forward, ph.vision_backward
+    lm = ph.llm / pp
     nbytes = (t.bytes_per_image_token * pool.image_tokens
               + t.bytes_per_text_token * pool.text_tokens).astype(np.float64)
-    if balance_cost == "two-phase":
-        # Vision forward + backward and the language phase, integer microseconds.
-        cost = np.stack([np.rint((vf + vb) * 1000.0), np.rint(lm * 1000.0)], axis=1).astype(np.int64)
-    elif balance_cost == "time":
-        # Integer microseconds: identical on every rank, fine enough to rank packs.
-        cost = np.rint((vf + lm + vb) * 1000.0).astype(np.int64)
-    elif balance_cost == "image-tokens":
-        cost = pool.image_tokens.astype(np.int64)
-    else:
-        raise ValueError(f"balance cost must be one of {BALANCE_COSTS}, got {balance_cost!r}")
+    if balance_cost == "image-tokens":
+        cost = image_token_costs(feats)
+    else:        # two-phase: (vision, language) microseconds; time: their sum
+        cost = model.integer_costs(feats, balance_cost, llm_divisor=pp, phases=ph)
     bubble = (pp - 1) * float(lm.mean()) if pp > 1 else 0.0
     return PackPhases(vf.astype(np.float64), lm.astype(np.float64), vb.astype(np.float64),
                       nbytes, cost, pool.tokens.astype(np.float64), bubble)
@@ -170,15 +174,24 @@ def _reorder(arrs, order):
 
 def simulate_dp(cfg: SimConfig, D: int, timing: TimingModel, pool: PackPool,
                 budget_pools: dict[int, PackPool], *, progress=None,
-                keep_heatmap: bool = False) -> tuple[list[dict], dict | None]:
-    """All strategies at one DP size; returns (runs, heat maps of batch 0 or None)."""
+                keep_heatmap: bool = False, indices: np.ndarray | None = None
+                ) -> tuple[list[dict], dict | None]:
+    """All strategies at one DP size; returns (runs, heat maps of batch 0 or None).
+
+    ``indices`` ``[B, D, G]`` (pool indices): the global batches as a run laid them out
+    (``mm-balance simulate RUN_DIR``) instead of the seeded resampling of the pool."""
     G, B, sync = cfg.ga, cfg.batches, cfg.sync
     want = set(cfg.strategies)
     ph = pack_phases(pool, timing, pp=cfg.pp, balance_cost=cfg.balance_cost)
     ov = timing.step_overhead_ms
     if ov <= 0 and not (ph.vf.any() or ph.lm.any()):
         raise ValueError(f"timing model {timing.name!r} gives every pack zero time")
-    idx_all = draw_indices(len(pool), B, D, G, seed=cfg.seed, mode=cfg.draw)
+    if indices is None:
+        idx_all = draw_indices(len(pool), B, D, G, seed=cfg.seed, mode=cfg.draw)
+    else:
+        idx_all = np.asarray(indices, dtype=np.int64)
+        if idx_all.shape != (B, D, G):
+            raise ValueError(f"layout indices have shape {idx_all.shape}, expected {(B, D, G)}")
     acc = {s: _Acc() for s in ("none", "local", "redistribute-sync", "redistribute-overlap")}
     heat = {} if keep_heatmap else None
     chunk = max(1, CHUNK_ELEMENTS // (D * G))

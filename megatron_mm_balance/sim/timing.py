@@ -11,6 +11,15 @@ A pack's phases, in the order a rank runs them:
   lengths of the pack's samples (variable-length attention);
 * backward of each part = its ``bwd_fwd_ratio`` x its forward.
 
+These are the terms of the project's one cost estimator,
+:class:`megatron_mm_balance.cost.model.CostModel`: :meth:`TimingModel.cost_model`
+converts (``bwd_fwd_ratio`` is the cost model's ``*_backward_ratio``, backward
+milliseconds = ratio x the same phase's forward milliseconds), and the simulator
+computes every pack's phase times and integer costs through it. What the timing
+model adds is the cluster around the compute: the fixed per-step overhead, the
+exchange link, and whether padding is computed (the positions the language model
+processes).
+
 Moving a pack costs ``bytes_per_image_token * image_tokens + bytes_per_text_token
 * text_tokens`` bytes over a link of ``link_gbps`` GB/s, plus ``latency_ms`` per
 micro-step in which a rank sends or receives anything.
@@ -64,6 +73,18 @@ class TimingModel:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def cost_model(self):
+        """The compute terms as the project's cost estimator
+        (:class:`~megatron_mm_balance.cost.model.CostModel`, same meaning of every term)."""
+        from ..cost.model import CostModel
+        return CostModel(vision_ms_per_token=self.vision_ms_per_token,
+                         vision_ms_per_token_sq=self.vision_ms_per_token_sq,
+                         vision_ms_per_pack=self.vision_ms_per_pack,
+                         vision_backward_ratio=self.vision_bwd_fwd_ratio,
+                         llm_ms_per_token=self.llm_ms_per_token,
+                         llm_ms_per_len_sq=self.llm_ms_per_token_sq,
+                         llm_backward_ratio=self.llm_bwd_fwd_ratio)
 
     def with_llm_params(self, params_b: float) -> "TimingModel":
         """The same model with an LLM of ``params_b`` active parameters (billions).

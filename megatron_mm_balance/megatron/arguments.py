@@ -42,8 +42,19 @@ def add_mm_balance_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                             "'step' balances per-rank totals (pure data parallel). 'auto' picks "
                             "microstep when --expert-model-parallel-size > 1, else step.")
     group.add_argument("--mm-balance-cost", choices=COST_CHOICES, default=_DEFAULTS.cost,
-                       help="Cost of a pack: its image tokens, or a calibrated cost model read "
-                            "from --mm-balance-cost-file.")
+                       help="Cost of a pack: its image tokens, a calibrated cost model read "
+                            "from --mm-balance-cost-file, or 'auto': a cost model fitted from the "
+                            "job's own per-pack timings of its first --mm-balance-calibration-iters "
+                            "iterations (image tokens until then; saved beside the checkpoints).")
+    group.add_argument("--mm-balance-calibration-iters", type=int, default=_DEFAULTS.calibration_iters,
+                       help="Iterations --mm-balance-cost auto calibrates on (the first is dropped).")
+    group.add_argument("--mm-balance-timing", action="store_true",
+                       help="Time the vision encoder and the language model, forward and backward, "
+                            "for every micro-batch (module hooks; works with --mm-balance off); "
+                            "logged per --log-interval.")
+    group.add_argument("--mm-balance-timing-dir", type=str, default=None,
+                       help="Also write the per-pack timings as JSON Lines, one file per rank, "
+                            "into this directory (implies --mm-balance-timing).")
     group.add_argument("--mm-balance-cost-file", type=str, default=None,
                        help="Cost file (JSON, format mm-balance-cost/v1) for --mm-balance-cost model.")
     group.add_argument("--mm-balance-mode", choices=MODE_CHOICES, default=_DEFAULTS.mode,

@@ -85,6 +85,18 @@ def check_args(args) -> None:
             fail(f"--mm-balance-cost-file: {exc}")
     elif cost_file:
         fail("--mm-balance-cost-file is only read with --mm-balance-cost model")
+    if cost == "auto":
+        iters = getattr(args, "mm_balance_calibration_iters", MMBalanceConfig.calibration_iters)
+        if iters is None or iters < 2:
+            fail(f"--mm-balance-calibration-iters must be >= 2, got {iters}")
+        for flag, name in (("--pipeline-model-parallel-size", "pipeline_model_parallel_size"),
+                           ("--context-parallel-size", "context_parallel_size")):
+            if (getattr(args, name, 1) or 1) > 1:
+                fail(f"--mm-balance-cost auto needs {flag} 1 (every data-holding rank must fit "
+                     "the same costs; with several exchange groups they would fit their own)")
+    if cost != "image-tokens" and mode == "sampler":
+        fail(f"--mm-balance-mode sampler balances the dataset's image tokens; it cannot honour "
+             f"--mm-balance-cost {cost} (use --mm-balance-mode exchange)")
     interval = getattr(args, "mm_balance_log_interval", None)
     if interval is not None and interval < 1:
         fail(f"--mm-balance-log-interval must be >= 1, got {interval}")

@@ -18,7 +18,8 @@ from ..runtime.config import DEFAULT_TIMEOUT_S, BalancerConfig
 from ..solver.topology import ranks_per_node_from_env
 
 SYNC_CHOICES = ("auto", "microstep", "step")
-COST_CHOICES = ("image-tokens", "model")
+COST_CHOICES = ("image-tokens", "model", "auto")
+DEFAULT_CALIBRATION_ITERS = 10
 MODE_CHOICES = ("auto", "exchange", "sampler", "shadow")
 DEFAULT_LOG_INTERVAL = 100
 
@@ -38,8 +39,16 @@ class MMBalanceConfig:
     sync: Literal["microstep", "step"] = "step"
     #: ``--mm-balance-overlap``: exchange on a background thread.
     overlap: bool = True
-    #: ``--mm-balance-cost``: image tokens, or a calibrated cost model.
-    cost: Literal["image-tokens", "model"] = "image-tokens"
+    #: ``--mm-balance-cost``: image tokens, a calibrated cost model (file), or ``auto``:
+    #: fitted online from the job's own per-pack timings.
+    cost: Literal["image-tokens", "model", "auto"] = "image-tokens"
+    #: ``--mm-balance-calibration-iters``: iterations ``auto`` calibrates on.
+    calibration_iters: int = DEFAULT_CALIBRATION_ITERS
+    #: ``--mm-balance-timing`` (or ``--mm-balance-timing-dir``, or ``--mm-balance-cost
+    #: auto``): per-pack timing hooks on the model.
+    timing: bool = False
+    #: ``--mm-balance-timing-dir``: JSON Lines of the per-pack timings, one file per rank.
+    timing_dir: Optional[str] = None
     #: ``--mm-balance-cost-file``: the cost model of ``--mm-balance-cost model``.
     cost_file: Optional[str] = None
     #: ``--mm-balance-log-interval``, resolved (default ``--log-interval``, else 100).
@@ -67,6 +76,9 @@ class MMBalanceConfig:
             overlap=bool(flag("overlap", d.overlap)),
             cost=flag("cost", d.cost),
             cost_file=flag("cost_file", None),
+            calibration_iters=int(flag("calibration_iters", d.calibration_iters)),
+            timing=wants_timing(args),
+            timing_dir=flag("timing_dir", None),
             log_interval=log_interval(args),
             tolerance=flag("tolerance", None),
             timeout=float(flag("timeout", d.timeout)),
@@ -78,6 +90,12 @@ class MMBalanceConfig:
         return BalancerConfig(sync=self.sync, overlap=self.overlap, timeout=self.timeout,
                               device=None, balance_tolerance=self.tolerance,
                               shadow=self.mode == "shadow", ranks_per_node=self.ranks_per_node)
+
+
+def wants_timing(args) -> bool:
+    """Whether the per-pack timing hooks are asked for (they run with ``--mm-balance`` off too)."""
+    return bool(getattr(args, "mm_balance_timing", False) or getattr(args, "mm_balance_timing_dir", None)
+                or (getattr(args, "mm_balance", False) and getattr(args, "mm_balance_cost", None) == "auto"))
 
 
 def resolve_sync(args) -> str:

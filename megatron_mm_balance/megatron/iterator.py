@@ -188,10 +188,13 @@ class ExchangeCoordinator(Coordinator):
     """Exchange (and shadow) mode: a :class:`~megatron_mm_balance.runtime.BalancedDataIterator`
     per chunk moves packed micro-batches between ranks (shadow: solves, logs, moves nothing)."""
 
-    def __init__(self, cfg, args, *, cost_fn=None, num_microbatches=None):
+    def __init__(self, cfg, args, *, cost_fn=None, num_microbatches=None, timing=None):
         super().__init__(cfg, args)
         self.mode = cfg.mode if cfg.mode == "shadow" else "exchange"
-        self.cost_fn = make_cost_fn(args) if cost_fn is None else cost_fn
+        self.timing = timing            # the per-pack timings (``--mm-balance-cost auto`` fits them)
+        if cost_fn is None and cfg.cost != "auto":
+            cost_fn = make_cost_fn(args)
+        self.cost_fn = cost_fn          # None: auto, one per exchange group (it agrees on the group)
         self.num_microbatches = num_microbatches
 
     def wrap(self, source, group, chunk: int):
@@ -203,9 +206,16 @@ class ExchangeCoordinator(Coordinator):
         if not hasattr(source, "__next__"):
             source = iter(source)
         reader = source if hasattr(source, "__iter__") else _NextOnly(source)
+        cost_fn = self.cost_fn
+        if cost_fn is None:
+            from ..cost.pack import DEFAULT_TOKENS_PER_TILE
+            from .timing import auto_cost_fn
+            tpt = _tokens_per_tile(self.args)
+            cost_fn = auto_cost_fn(self.cfg, self.args, self.timing, group,
+                                   DEFAULT_TOKENS_PER_TILE if tpt is None else tpt)
         # Packs stay where the loader put them (device None); get_batch moves them.
         balanced = BalancedDataIterator(reader, num_microbatches=schedule, group=group,
-                                        exchange_group=group, cost_fn=self.cost_fn,
+                                        exchange_group=group, cost_fn=cost_fn,
                                         config=self.cfg.runtime(),
                                         state_fn=state_fn if callable(state_fn) else None,
                                         predict_microbatches=_predictor_for(self.args,
@@ -248,17 +258,30 @@ class SamplerCoordinator(Coordinator):
         return RerunDataIterator(_Reporting(source, self._telemetry(self.sampler, group, chunk)))
 
 
-def coordinator_for(cfg: MMBalanceConfig, args, *, cost_fn=None, num_microbatches=None) -> Coordinator:
+def coordinator_for(cfg: MMBalanceConfig, args, *, cost_fn=None, num_microbatches=None,
+                    timing=None) -> Coordinator:
     """Sampler mode when :func:`~.sampler.maybe_balanced_sampler` installed a sampler for
     ``args`` (it runs first, when the loaders are built), else the exchange."""
     sampler = installed_train_sampler(args)
     if sampler is not None:
         return SamplerCoordinator(cfg, args, sampler)
-    return ExchangeCoordinator(cfg, args, cost_fn=cost_fn, num_microbatches=num_microbatches)
+    return ExchangeCoordinator(cfg, args, cost_fn=cost_fn, num_microbatches=num_microbatches,
+                               timing=timing)
+
+
+def _install_timing(model, args):
+    """``--mm-balance-timing`` (``-dir``, or ``--mm-balance-cost auto``): the timing hooks on
+    ``model``'s chunks, on every rank; None when not asked for or without a model."""
+    from .config import log_interval, wants_timing
+    if model is None or not wants_timing(args):
+        return None
+    from .timing import install_timing
+    return install_timing(model, out_dir=getattr(args, "mm_balance_timing_dir", None),
+                          interval=log_interval(args), args=args)
 
 
 def wrap_train_data_iterator(train_data_iterator, args=None, *, num_microbatches=None,
-                             cost_fn=None, layout=None):
+                             cost_fn=None, layout=None, model=None):
     """Wrap Megatron's train iterator(s) for ``--mm-balance``; a no-op when the flag is off.
 
     Call on **every** rank at the same point (it creates the exchange groups,
@@ -270,11 +293,14 @@ def wrap_train_data_iterator(train_data_iterator, args=None, *, num_microbatches
     ``num_microbatches`` (int or zero-arg callable, default :class:`MicrobatchSchedule`),
     ``cost_fn`` (default :func:`make_cost_fn`), ``layout`` (this rank's
     :class:`~.groups.RankLayout`, or the same as a ``{"holds_data", "dp_ranks"}`` dict;
-    default from ``megatron.core.parallel_state``).
+    default from ``megatron.core.parallel_state``), ``model`` (the model chunks, for the
+    per-pack timing hooks of ``--mm-balance-timing`` and ``--mm-balance-cost auto``, which
+    are installed here, with ``--mm-balance`` off too).
     """
     if args is None:
         from megatron.training import get_args
         args = get_args()
+    timing = _install_timing(model, args)
     if not getattr(args, "mm_balance", False):
         return train_data_iterator
     from .groups import init_exchange_groups
@@ -283,7 +309,8 @@ def wrap_train_data_iterator(train_data_iterator, args=None, *, num_microbatches
     is_list = isinstance(train_data_iterator, list)
     iterators = train_data_iterator if is_list else [train_data_iterator]
     groups = init_exchange_groups(layout, num_chunks=len(iterators), timeout=cfg.timeout)
-    coordinator = coordinator_for(cfg, args, cost_fn=cost_fn, num_microbatches=num_microbatches)
+    coordinator = coordinator_for(cfg, args, cost_fn=cost_fn, num_microbatches=num_microbatches,
+                                  timing=timing)
     wrapped = [it if it is None or group is None else coordinator.wrap(_unwrap(it), group, chunk)
                for chunk, (it, group) in enumerate(zip(iterators, groups))]
     return wrapped if is_list else wrapped[0]

@@ -150,8 +150,8 @@ def maybe_balanced_sampler(batch_sampler, dataset, args=None):
     if not getattr(args, "mm_balance", False):
         return batch_sampler
     cfg = MMBalanceConfig.from_args(args)      # checked by Megatron's validate_args (patch)
-    if cfg.mode in ("exchange", "shadow"):
-        return batch_sampler
+    if cfg.mode in ("exchange", "shadow") or cfg.cost != "image-tokens":
+        return batch_sampler           # the sampler can only balance the dataset's image tokens
     split = getattr(dataset, "split", getattr(dataset, "index_split", None))
     if split is not None and getattr(split, "name", str(split)) != "train":
         return batch_sampler

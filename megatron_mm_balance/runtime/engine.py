@@ -172,7 +172,18 @@ class Engine:
     # -- start of a global batch ---------------------------------------------
     def start_batch(self, gb: int, G: int) -> BatchPlan:
         """Pull, agree and solve global batch ``gb``; with a ``state_fn`` the plan also
-        carries the source's state right after the pull (before batch ``gb + 1``)."""
+        carries the source's state right after the pull (before batch ``gb + 1``).
+
+        A ``cost_fn`` with ``for_batch(gb)`` (``--mm-balance-cost auto``) gives this batch's
+        cost function, called here on every rank at the same batch (it may agree on a
+        calibration over the exchange group first)."""
+        cpu0 = time.thread_time()
+        plan = self._start_batch(gb, G)
+        plan.stats["exchange_cpu_ms"] = (time.thread_time() - cpu0) * 1e3
+        return plan
+
+    def _start_batch(self, gb: int, G: int) -> BatchPlan:
+        cost_fn = self.cost_fn.for_batch(gb) if hasattr(self.cost_fn, "for_batch") else self.cost_fn
         self._beat("pulling packs from the data source")
         packs, costs, status, err, state_after = [], [], OK, None, None
         try:
@@ -191,7 +202,7 @@ class Engine:
             status, err = SOURCE_ERROR, e
         if status == OK:
             try:
-                costs = [to_int_costs(self.cost_fn(p), self.components,
+                costs = [to_int_costs(cost_fn(p), self.components,
                                       f" for a pack at global batch {gb}") for p in packs]
             except Exception as e:
                 status, err = COST_ERROR, e
@@ -317,7 +328,7 @@ class Engine:
     # matched in order: a 3-int64 record (header bytes, data bytes, tensor
     # count), the pickled header, then each non-empty tensor's bytes.
     def step(self, plan: BatchPlan, k: int) -> Item:
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.thread_time()
         gb, P, me = plan.global_batch, plan.placement, self.me
         st = plan.stats
         src_r, src_i = int(P.src_rank[me, k]), int(P.src_index[me, k])
@@ -338,6 +349,9 @@ class Engine:
             for w in works:
                 self._wait(w, "sending a pack", gb, (peer,), k)
         st["exchange_ms"] += (time.perf_counter() - t0) * 1e3
+        # CPU time of the thread that ran it (the exchange thread with overlap): its share of
+        # the core the training thread also needs.
+        st["exchange_cpu_ms"] = st.get("exchange_cpu_ms", 0.0) + (time.thread_time() - cpu0) * 1e3
         item.last = k == plan.num_microbatches - 1
         self._beat("idle")
         return item

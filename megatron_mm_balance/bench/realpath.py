@@ -3,13 +3,16 @@
 Runs ``scripts/pretrain_vlm_moe.sh --config configs/megatron/vision_heavy_cpu.sh`` (the
 user's launcher and Megatron-LM's ``examples/multimodal/train.py``, real vision-encoder
 and language-model compute) on a ``make-dataset --mix vision-heavy`` dataset, in
-interleaved rounds of these modes, on identical data:
+interleaved rounds of these modes, on identical data (every other round in reverse
+order, so that load drifting over the rounds falls on every mode alike):
 
 * ``off``: ``MM_BALANCE=0``;
 * ``sync``: ``--mm-balance --no-mm-balance-overlap`` (the exchange inside ``next()``);
 * ``overlap``: ``--mm-balance`` (the exchange on its background thread);
 * ``auto``: ``--mm-balance --mm-balance-cost auto`` (costs fitted from the job's own
-  timings after ``--calibration-iters`` iterations).
+  timings after ``--calibration-iters`` iterations);
+* ``untimed`` (only when asked for in ``--modes``): ``off`` without the timing hooks,
+  which measures what the hooks cost.
 
 Every run has ``--mm-balance-timing-dir`` (per-pack timings, JSON Lines per rank). From
 Megatron's log: the median ``elapsed time per iteration`` and its spread per mode, after
@@ -27,6 +30,8 @@ from __future__ import annotations
 
 import argparse
 import json
+
+import numpy as np
 import os
 import re
 import signal
@@ -42,6 +47,8 @@ REPO = Path(__file__).resolve().parents[2]
 LAUNCHER = REPO / "scripts" / "pretrain_vlm_moe.sh"
 CONFIG = REPO / "configs" / "megatron" / "vision_heavy_cpu.sh"
 MODES = ("off", "sync", "overlap", "auto")
+#: Not in the default rounds: ``off`` without the timing hooks, to measure what they cost.
+EXTRA_MODES = ("untimed",)
 DEFAULTS = dict(rounds=3, iters=6, warmup=2, calibration_iters=3, samples=512, seed=0,
                 timeout=1800.0, loss_tolerance=1e-5)
 #: Megatron's per-iteration log line.
@@ -119,7 +126,7 @@ def _field(rec: dict, meaning: str) -> Optional[float]:
 
 def mode_flags(mode: str, calibration_iters: int) -> tuple:
     """(MM_BALANCE, extra Megatron flags) of a mode."""
-    if mode == "off":
+    if mode in ("off", "untimed"):
         return "0", []
     if mode == "sync":
         return "1", ["--no-mm-balance-overlap"]
@@ -132,7 +139,7 @@ def mode_flags(mode: str, calibration_iters: int) -> tuple:
 
 def run_launcher(mode: str, rnd: int, *, megatron_lm: str, data: dict, out: Path, train_iters: int,
                  calibration_iters: int, env_overrides: dict, timeout: float, python: str,
-                 config: Path = CONFIG, log=print) -> RunResult:
+                 config: Path = CONFIG, log=lambda m: print(m, flush=True)) -> RunResult:
     """One launcher run, as a user runs it; its whole process group is killed at ``timeout``."""
     run_dir = out / f"round{rnd}-{mode}"
     if run_dir.exists():
@@ -146,8 +153,8 @@ def run_launcher(mode: str, rnd: int, *, megatron_lm: str, data: dict, out: Path
                MASTER_PORT=str(free_port()),
                PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     env.update(env_overrides)
-    cmd = ["bash", str(LAUNCHER), "--config", str(config), "--mm-balance-timing-dir",
-           str(run_dir / "timing"), *extra]
+    timing = [] if mode == "untimed" else ["--mm-balance-timing-dir", str(run_dir / "timing")]
+    cmd = ["bash", str(LAUNCHER), "--config", str(config), *timing, *extra]
     log_path = run_dir / "train.log"
     t0 = time.monotonic()
     with open(log_path, "w") as logf:
@@ -200,14 +207,10 @@ def measured_window(res: RunResult, warmup: int, switch: Optional[int] = None) -
     return [i for i in sorted(res.elapsed_ms) if i >= first]
 
 
-def _switch_iteration(res: RunResult) -> Optional[int]:
-    m = re.search(r"from iteration (\d+)", res.fit_line)
-    return int(m.group(1)) if m else None
-
-
-def analyze(results: List[RunResult], *, warmup: int, loss_tolerance: float) -> dict:
+def analyze(results: List[RunResult], *, warmup: int, loss_tolerance: float,
+            auto_switch: Optional[int] = None) -> dict:
     """Everything the table and ``--json`` report (see the module docstring)."""
-    from ..sim.run_trace import load_run, predicted_times, vision_share
+    from ..sim.run_trace import load_run, placement_order, predicted_times, time_breakdown, vision_share
     by_mode: Dict[str, List[RunResult]] = {}
     for r in results:
         by_mode.setdefault(r.mode, []).append(r)
@@ -217,7 +220,7 @@ def analyze(results: List[RunResult], *, warmup: int, loss_tolerance: float) -> 
     for mode, runs in by_mode.items():
         its, waits, exch, cpu, moved = [], [], [], [], []
         for r in runs:
-            window = measured_window(r, warmup, _switch_iteration(r) if mode == "auto" else None)
+            window = measured_window(r, warmup, auto_switch if mode == "auto" else None)
             its += [r.elapsed_ms[i] for i in window]
             for i in window:
                 t = r.telemetry.get(i)
@@ -253,9 +256,9 @@ def analyze(results: List[RunResult], *, warmup: int, loss_tolerance: float) -> 
     # Predicted from the per-pack timings.
     pred = {}
     for mode, runs in by_mode.items():
-        laid, perfect, span, shares = [], [], [], []
+        laid, perfect, span, shares, placed, parts = [], [], [], [], [], []
         for r in runs:
-            switch = _switch_iteration(r) if mode == "auto" else None
+            switch = auto_switch if mode == "auto" else None
             try:
                 trace = load_run(r.timing_dir, skip_iterations=warmup)
             except ValueError:
@@ -268,15 +271,24 @@ def analyze(results: List[RunResult], *, warmup: int, loss_tolerance: float) -> 
             perfect += [float(p["perfect_ms"][k]) for k in keep]
             span += [float(p["measured_span_ms"][k]) for k in keep]
             shares.append(vision_share(trace))
+            parts.append(time_breakdown(trace))
+            if mode == "off":        # the same measured packs, laid out by the runtime's placement
+                q = predicted_times(trace, order=placement_order(trace))
+                placed += [float(q["laid_out_ms"][k]) for k in keep]
         if laid:
             pred[mode] = {"laid_out_ms": statistics.median(laid), "perfect_ms": statistics.median(perfect),
                           "timed_span_ms": statistics.median(span),
-                          "vision_share": statistics.median(shares)}
+                          "vision_share": statistics.median(shares),
+                          "where_the_time_goes_ms": {k: statistics.mean(x[k] for x in parts) for k in parts[0]}}
+            if placed:
+                pred[mode]["placed_ms"] = statistics.median(placed)
     if "off" in pred:
         off_p = pred["off"]["laid_out_ms"]
         report["predicted"] = {
             "unbalanced_ms": off_p, "perfect_ms": pred["off"]["perfect_ms"],
             "perfect_gain": off_p / pred["off"]["perfect_ms"] - 1.0,
+            "placement_ms": pred["off"].get("placed_ms"),
+            "placement_gain": (off_p / pred["off"]["placed_ms"] - 1.0) if pred["off"].get("placed_ms") else None,
             "vision_share_at_mean_pack": pred["off"]["vision_share"],
             **{f"{mode}_placement_ms": v["laid_out_ms"] for mode, v in pred.items() if mode != "off"},
             **{f"{mode}_placement_gain": off_p / v["laid_out_ms"] - 1.0 for mode, v in pred.items()
@@ -287,30 +299,39 @@ def analyze(results: List[RunResult], *, warmup: int, loss_tolerance: float) -> 
 
 def simulate_against(results: List[RunResult], report: dict, *, warmup: int) -> dict:
     """The simulator on each round's ``off`` layout, with a timing model fitted from that
-    run's timings and the ``sync`` runs' measured exchange time per micro-step."""
-    from ..sim.run_trace import fit_timing_model, load_run, simulate_layout
-    from ..sim.timing import apply_overrides, model_from_dict
-    from ..sim.run_trace import timing_file
-    sync = report["modes"].get("sync", {})
-    exch = sync.get("exchange_ms_per_iteration", {}).get("median")
+    run's timings, and the synchronous exchange's costs measured on the ``sync`` runs
+    against the ``off`` runs: the longer iteration tail (the first ``next()`` of a global
+    batch pulls it, all-gathers and solves) per batch, and the longer host gaps between
+    micro-batches spread over the micro-steps whose packs move."""
+    from ..sim.run_trace import fit_timing_model, load_run, placement_order, simulate_layout
+    per_mode = report.get("predicted", {}).get("per_mode", {})
+
+    def part(mode, key):
+        return per_mode.get(mode, {}).get("where_the_time_goes_ms", {}).get(key)
+
+    sync_batch = latency = None
+    if part("sync", "tail_ms") is not None and part("off", "tail_ms") is not None:
+        sync_batch = max(0.0, part("sync", "tail_ms") - part("off", "tail_ms"))
+        extra_gaps = max(0.0, part("sync", "host_gap_ms") - part("off", "host_gap_ms"))
     sims = {"none": [], "redistribute-sync": [], "redistribute-overlap": []}
     fits = []
     for r in results:
         if r.mode != "off":
             continue
         trace = load_run(r.timing_dir, skip_iterations=warmup)
-        G = trace.shape[2]
-        t, fit = fit_timing_model(trace)
-        if exch is not None:
-            t = model_from_dict(apply_overrides(timing_file(t), [f"exchange.latency_ms={exch / G}"]),
-                                name="run")
+        if sync_batch is not None:
+            order = placement_order(trace)
+            home = np.arange(trace.shape[1])[None, :, None] * trace.shape[2]
+            moved_steps = float(((order // trace.shape[2]) != home // trace.shape[2]).any(axis=1).sum(axis=1).mean())
+            latency = extra_gaps / max(moved_steps, 1.0)
+        t, fit = fit_timing_model(trace, exchange_latency_ms=latency or 0.0, sync_batch_ms=sync_batch or 0.0)
         fits.append(fit)
         for run in simulate_layout(trace, t, strategies=tuple(sims)):
             sims[run["strategy"]].append(run["time_per_batch_ms"])
     if not fits:
         return {}
     names = {"none": "off", "redistribute-sync": "sync", "redistribute-overlap": "overlap"}
-    out = {"timing_fit": fits}
+    out = {"timing_fit": fits, "exchange_latency_ms": latency, "sync_batch_ms": sync_batch}
     off_meas = report["modes"].get("off", {}).get("iteration_ms", {}).get("median")
     off_sim = statistics.median(sims["none"]) if sims["none"] else None
     for strat, mode in names.items():
@@ -343,12 +364,22 @@ def format_report(rep: dict) -> str:
     p = rep.get("predicted") or {}
     if p:
         lines.append("")
-        lines.append(f"predicted from the per-pack timings (ms per iteration): unbalanced {p['unbalanced_ms']:.0f}, "
-                     + ", ".join(f"{k[:-len('_placement_ms')]} placement {v:.0f}" for k, v in p.items()
-                                 if k.endswith("_placement_ms"))
-                     + f", perfect balance {p['perfect_ms']:.0f}; perfect-balance gain "
-                       f"{100 * p['perfect_gain']:+.1f}%; vision share of a micro-batch at the mean pack "
-                       f"{100 * p['vision_share_at_mean_pack']:.0f}%")
+        lines.append(f"predicted from the off runs' per-pack timings (ms per iteration): unbalanced "
+                     f"{p['unbalanced_ms']:.0f}, our placement {f(p['placement_ms'], '.0f')} "
+                     f"({f(None if p['placement_gain'] is None else 100 * p['placement_gain'], '+.1f')}%), "
+                     f"perfect balance {p['perfect_ms']:.0f} ({100 * p['perfect_gain']:+.1f}%); vision share "
+                     f"of a micro-batch at the mean pack {100 * p['vision_share_at_mean_pack']:.0f}%")
+        lines.append("  each mode's own timings laid out as it ran: "
+                     + ", ".join(f"{k[:-len('_placement_ms')]} {v:.0f}" for k, v in p.items()
+                                 if k.endswith("_placement_ms")))
+        lines.append("where the time goes (ms per iteration and rank; vision per 1k image tokens):")
+        lines.append(f"  {'mode':<8} {'vision':>8} {'per 1k':>7} {'LM compute':>10} {'waiting':>8} "
+                     f"{'host gaps':>9} {'tail':>6}")
+        for mode, v in p["per_mode"].items():
+            w = v["where_the_time_goes_ms"]
+            lines.append(f"  {mode:<8} {w['vision_ms']:>8.0f} {w['vision_ms_per_1k_image_tokens']:>7.0f} "
+                         f"{w['lm_compute_ms']:>10.0f} {w['waiting_ms']:>8.0f} {w['host_gap_ms']:>9.0f} "
+                         f"{w['tail_ms']:>6.0f}")
     s = rep.get("simulated") or {}
     if s:
         lines.append("simulated (mm-balance simulate OFF_RUN/timing --timing run) vs measured:")
@@ -375,8 +406,8 @@ def run_bench(a) -> dict:
         raise BenchError(f"{megatron_lm}: no examples/multimodal/train.py")
     modes = [m.strip() for m in a.modes.split(",") if m.strip()]
     for m in modes:
-        if m not in MODES:
-            raise BenchError(f"--modes: unknown mode {m!r} (choose from {', '.join(MODES)})")
+        if m not in MODES + EXTRA_MODES:
+            raise BenchError(f"--modes: unknown mode {m!r} (choose from {', '.join(MODES + EXTRA_MODES)})")
     if "off" not in modes:
         raise BenchError("--modes must include off (gains and losses are measured against it)")
     if a.rounds < 1 or a.iters < 1 or a.warmup < 2:
@@ -400,21 +431,47 @@ def run_bench(a) -> dict:
     t0 = time.monotonic()
     results = []
     for rnd in range(1, a.rounds + 1):
-        for mode in modes:
+        for mode in (modes if rnd % 2 else modes[::-1]):
             results.append(run_launcher(mode, rnd, megatron_lm=megatron_lm, data=data, out=out,
                                         train_iters=train_iters, calibration_iters=a.calibration_iters,
                                         env_overrides=overrides, timeout=a.timeout, python=a.python,
                                         config=Path(a.config)))
-    rep = analyze(results, warmup=a.warmup, loss_tolerance=a.loss_tolerance)
+    # --mm-balance-cost auto decides at iteration K + 2 (cost/calibration.py): its speed is read
+    # from there on, whether the fit was accepted or refused.
+    return report_of(results, a, modes, megatron_lm=megatron_lm, data=data, overrides=overrides,
+                     wall_s=time.monotonic() - t0, train_iters=train_iters)
+
+
+def report_of(results, a, modes, **meta) -> dict:
+    """Analysis, simulation and metadata of finished runs."""
+    rep = analyze(results, warmup=a.warmup, loss_tolerance=a.loss_tolerance,
+                  auto_switch=a.calibration_iters + 2)
     try:
         rep["simulated"] = simulate_against(results, rep, warmup=a.warmup)
     except ValueError as exc:
         rep["simulated"] = {"error": str(exc)}
-    rep["meta"] = {"rounds": a.rounds, "modes": modes, "train_iters": train_iters, "warmup": a.warmup,
-                   "calibration_iters": a.calibration_iters, "config": str(a.config), "overrides": overrides,
-                   "megatron_lm": str(megatron_lm), "data": data, "wall_s": time.monotonic() - t0,
+    rep["meta"] = {"rounds": a.rounds, "modes": modes, "warmup": a.warmup,
+                   "calibration_iters": a.calibration_iters, "config": str(a.config), **meta,
                    "load_after": _uptime()}
     return rep
+
+
+def reanalyze(a) -> dict:
+    """``--reanalyze``: the report of the runs already in ``--out`` (``roundR-MODE/``)."""
+    out = Path(a.out)
+    results = []
+    for d in sorted(out.glob("round*-*")):
+        m = re.fullmatch(r"round(\d+)-(.+)", d.name)
+        log_path = d / "train.log"
+        if not m or not log_path.is_file():
+            continue
+        elapsed, losses, tele, fit = parse_log(log_path.read_text(errors="replace"))
+        results.append(RunResult(m.group(2), int(m.group(1)), 0, 0.0, str(d), elapsed, losses, tele, fit))
+    if not results:
+        raise BenchError(f"--reanalyze: no roundN-MODE/train.log under {out}")
+    order = [m for m in MODES + EXTRA_MODES if any(r.mode == m for r in results)]
+    results.sort(key=lambda r: (order.index(r.mode), r.round))
+    return report_of(results, a, order, reanalyzed=True, runs=len(results))
 
 
 def _uptime() -> str:
@@ -445,11 +502,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--loss-tolerance", type=float, default=DEFAULTS["loss_tolerance"])
     p.add_argument("--python", default=sys.executable, help="interpreter for the ranks")
     p.add_argument("--json", default=None, metavar="FILE", help="write the whole report as JSON")
+    p.add_argument("--reanalyze", action="store_true",
+                   help="run nothing: report the runs already in --out")
 
 
 def cmd(a) -> int:
     try:
-        rep = run_bench(a)
+        rep = reanalyze(a) if a.reanalyze else run_bench(a)
     except BenchError as exc:
         print(f"mm-balance bench-realpath: {exc}", file=sys.stderr)
         return 1

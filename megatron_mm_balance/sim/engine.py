@@ -166,6 +166,26 @@ def _gather(ph: PackPhases, idx: np.ndarray):
     return ph.vf[idx], ph.lm[idx], ph.vb[idx]
 
 
+def _noise_field(timing: TimingModel, shape, seed: int, b0: int):
+    """Per timeline slot factors ``(vision [B, D, G], language [B, 1, G])`` of the timing
+    model's compute noise, the same for every strategy at the same slot; None without."""
+    if not (timing.vision_noise_cv or timing.llm_noise_cv):
+        return None
+    B, D, G = shape
+    rng = np.random.default_rng([seed, D, G, b0, 7919])
+    zv = np.maximum(0.0, 1.0 + timing.vision_noise_cv * rng.standard_normal((B, D, G)))
+    zl = np.maximum(0.0, 1.0 + timing.llm_noise_cv * rng.standard_normal((B, 1, G)))
+    return zv, zl
+
+
+def _timeline(vf, lm, vb, noise, **kw):
+    """:func:`.timeline.simulate_timeline` of phases in compute order, with the noise field."""
+    if noise is not None:
+        zv, zl = noise
+        vf, lm, vb = vf * zv, lm * zl, vb * zv
+    return simulate_timeline(vf, lm, vb, **kw)
+
+
 def _reorder(arrs, order):
     B, D, G = order.shape
     flat = order.reshape(B, -1)
@@ -202,7 +222,8 @@ def simulate_dp(cfg: SimConfig, D: int, timing: TimingModel, pool: PackPool,
         nb = len(idx)
         vf, lm, vb = _gather(ph, idx)
         tok = ph.tokens[idx]
-        res = simulate_timeline(vf, lm, vb, sync=sync, bubble=ph.bubble, overhead=ov)
+        noise = _noise_field(timing, (nb, D, G), cfg.seed, b0)
+        res = _timeline(vf, lm, vb, noise, sync=sync, bubble=ph.bubble, overhead=ov)
         acc["none"].add(res, tok, D, ov)
         if heat is not None and b0 == 0:
             heat["none"] = (vf + lm + vb)[0]
@@ -210,7 +231,7 @@ def simulate_dp(cfg: SimConfig, D: int, timing: TimingModel, pool: PackPool,
             lc = ph.cost[idx]
             order = local_order(lc.sum(axis=-1) if lc.ndim == 4 else lc)
             lvf, llm, lvb = _reorder((vf, lm, vb), order)
-            acc["local"].add(simulate_timeline(lvf, llm, lvb, sync=sync, bubble=ph.bubble,
+            acc["local"].add(_timeline(lvf, llm, lvb, noise, sync=sync, bubble=ph.bubble,
                                                overhead=ov), tok, D, ov)
             if heat is not None and b0 == 0:
                 heat["local"] = (lvf + llm + lvb)[0]
@@ -232,8 +253,11 @@ def simulate_dp(cfg: SimConfig, D: int, timing: TimingModel, pool: PackPool,
             inter_bytes, inter_moved = float(b_in[inter].sum()), int(inter.sum())
             for name, mode in (("redistribute-sync", "sync"), ("redistribute-overlap", "overlap")):
                 if name in want:
-                    r = simulate_timeline(rvf, rlm, rvb, sync=sync, exchange=mode, x=x,
-                                          bubble=ph.bubble, overhead=ov,
+                    # the synchronous balancer also waits for each batch's pull, all-gather
+                    # and solve (the overlapped one hides them)
+                    r = _timeline(rvf, rlm, rvb, noise, sync=sync, exchange=mode, x=x,
+                                  bubble=ph.bubble,
+                                  overhead=ov + (timing.sync_batch_ms if mode == "sync" else 0.0),
                                           prefetch=cfg.prefetch and mode == "overlap")
                     acc[name].add(r, tok, D, ov, moved_bytes, moved, inter_bytes, inter_moved)
             if heat is not None and b0 == 0:

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..cost.calibration import fit_phases
+from ..cost.model import FeatureArrays, PackFeatures
 from .pool import PackPool
 from .timeline import simulate_timeline
 from .timing import TimingModel
@@ -160,11 +161,40 @@ def measured_phases(run: RunTrace) -> MeasuredPhases:
     return MeasuredPhases(run.vf + gap, lm, run.vb.copy(), gap, tail)
 
 
-def predicted_times(run: RunTrace, *, sync: str = "microstep") -> dict:
+def placement_order(run: RunTrace, *, sync: str = "microstep") -> np.ndarray:
+    """``[I, D, G]`` flat ``d * G + g`` indices: where the runtime's placement (image-token
+    costs, :func:`~megatron_mm_balance.solver.placement.plan_placement`) puts each iteration's
+    packs. The balanced jobs computed exactly these layouts of the same global batches."""
+    from ..solver.placement import plan_placement
+    I, D, G = run.shape
+    tokens = run.image_tokens().astype(np.int64)
+    order = np.empty((I, D, G), dtype=np.int64)
+    for i in range(I):
+        pl = plan_placement(tokens[i], sync=sync)
+        order[i] = pl.src_rank * G + pl.src_index
+    return order
+
+
+def _permute(a: np.ndarray, order: np.ndarray) -> np.ndarray:
+    I = a.shape[0]
+    return np.take_along_axis(a.reshape(I, -1), order.reshape(I, -1), axis=1).reshape(a.shape)
+
+
+def predicted_times(run: RunTrace, *, sync: str = "microstep", order: np.ndarray | None = None) -> dict:
     """Per iteration (ms): the measured packs as laid out in the timeline, perfectly
-    balanced (each micro-step's maximum = its mean), both with the median measured tail."""
+    balanced (each micro-step's maximum = its mean), both with the median measured tail.
+
+    ``order`` (:func:`placement_order`): lay the same measured packs out as that placement
+    does first; each pack keeps its vision times (and the host gap before it), and every
+    micro-step gets the iteration's mean language phase (the language work of a pack of
+    the fixed length hardly differs; what was measured per micro-step is mostly its
+    noise, which a maximum over re-paired micro-steps would inflate)."""
     ph = measured_phases(run)
     tail = float(np.median(ph.tail_ms)) if len(ph.tail_ms) else 0.0
+    if order is not None:
+        vf, vb = _permute(ph.vf, order), _permute(ph.vb, order)
+        lm = np.broadcast_to(ph.lm.mean(axis=(1, 2), keepdims=True), ph.lm.shape).copy()
+        ph = MeasuredPhases(vf, lm, vb, ph.gap, ph.tail_ms)
     laid_out = simulate_timeline(ph.vf, ph.lm, ph.vb, sync=sync)["time"] + tail
     if sync == "microstep":
         perfect = ((ph.vf + ph.vb).mean(axis=1) + ph.lm.mean(axis=1)).sum(axis=1) + tail
@@ -184,15 +214,17 @@ def vision_share(run: RunTrace) -> float:
 
 
 def fit_timing_model(run: RunTrace, *, seq_len: int | None = None, exchange_latency_ms: float = 0.0,
-                     name: str = "run") -> tuple[TimingModel, dict]:
+                     sync_batch_ms: float = 0.0, name: str = "run") -> tuple[TimingModel, dict]:
     """A timing model fitted from the run's own timings; returns it and the fit's report.
 
     Vision and language terms come from :func:`~megatron_mm_balance.cost.calibration.fit_phases`
     (the same fit ``--mm-balance-cost auto`` uses); the language phase is charged per
     pack as the fitted compute at the run's mean positions plus the measured host gap
     before each micro-batch (``compute_padding``: the same for every pack); the step
-    overhead is the measured median tail of an iteration. Exchange: the example's bytes
-    per token and ``exchange_latency_ms`` per micro-step with traffic."""
+    overhead is the measured median tail of an iteration; the spread of the measured
+    vision and language times around the fit becomes the model's ``noise_cv``. Exchange:
+    the example's bytes per token, ``exchange_latency_ms`` per micro-step with traffic and
+    ``sync_batch_ms`` per batch of a synchronous exchange (measure them on a ``sync`` run)."""
     flat = [r for row in run.records for rr in row for r in rr]
     fit = fit_phases(flat, min_records=1, r2_floor=-np.inf)
     if fit.model is None:
@@ -206,6 +238,13 @@ def fit_timing_model(run: RunTrace, *, seq_len: int | None = None, exchange_late
     # forward per position such that the language phase = compute (1 + ratio) + gap
     per_token = (lm_fwd + gap / (1.0 + m.llm_backward_ratio)) / L
     tail = float(np.median(ph.tail_ms)) if len(ph.tail_ms) else 0.0
+    # the measured spread around the fit: what no placement on the features can balance
+    feats = FeatureArrays.of([PackFeatures(tuple(r["images"]), tuple(r["lengths"])) for r in flat])
+    fitted = m.phase_ms(feats).vision_forward
+    seen = np.array([r["vision_forward_ms"] for r in flat])
+    has = fitted > 0
+    v_cv = float(np.std(seen[has] - fitted[has]) / np.mean(fitted[has])) if has.any() else 0.0
+    lm_cv = float(np.std(ph.lm[:, 0, :]) / np.mean(ph.lm[:, 0, :])) if ph.lm.size else 0.0
     t = TimingModel(name=name, vision_ms_per_token=m.vision_ms_per_token,
                     vision_ms_per_token_sq=m.vision_ms_per_token_sq,
                     vision_ms_per_pack=m.vision_ms_per_pack,
@@ -214,9 +253,10 @@ def fit_timing_model(run: RunTrace, *, seq_len: int | None = None, exchange_late
                     llm_bwd_fwd_ratio=m.llm_backward_ratio, llm_compute_padding=True,
                     step_overhead_ms=tail, bytes_per_image_token=PIXEL_BYTES_PER_IMAGE_TOKEN,
                     bytes_per_text_token=BYTES_PER_TEXT_TOKEN, link_gbps=10.0,
-                    latency_ms=float(exchange_latency_ms))
+                    latency_ms=float(exchange_latency_ms), sync_batch_ms=float(sync_batch_ms),
+                    vision_noise_cv=v_cv, llm_noise_cv=lm_cv)
     report = {"r2_vision": fit.r2_vision, "r2_language": fit.r2_language, "records": fit.records,
-              "seq_len": L, "gap_ms": gap, "tail_ms": tail}
+              "seq_len": L, "gap_ms": gap, "tail_ms": tail, "vision_noise_cv": v_cv, "llm_noise_cv": lm_cv}
     return t, report
 
 
@@ -225,13 +265,15 @@ def timing_file(t: TimingModel) -> dict:
     return {
         "name": t.name,
         "vision": {"ms_per_token": t.vision_ms_per_token, "ms_per_token_sq": t.vision_ms_per_token_sq,
-                   "ms_per_pack": t.vision_ms_per_pack, "bwd_fwd_ratio": t.vision_bwd_fwd_ratio},
+                   "ms_per_pack": t.vision_ms_per_pack, "bwd_fwd_ratio": t.vision_bwd_fwd_ratio,
+                   "noise_cv": t.vision_noise_cv},
         "llm": {"ms_per_token": t.llm_ms_per_token, "ms_per_token_sq": t.llm_ms_per_token_sq,
-                "bwd_fwd_ratio": t.llm_bwd_fwd_ratio, "compute_padding": t.llm_compute_padding},
+                "bwd_fwd_ratio": t.llm_bwd_fwd_ratio, "compute_padding": t.llm_compute_padding,
+                "noise_cv": t.llm_noise_cv},
         "step": {"overhead_ms": t.step_overhead_ms},
         "exchange": {"bytes_per_image_token": t.bytes_per_image_token,
                      "bytes_per_text_token": t.bytes_per_text_token, "link_gbps": t.link_gbps,
-                     "latency_ms": t.latency_ms},
+                     "latency_ms": t.latency_ms, "sync_batch_ms": t.sync_batch_ms},
     }
 
 
@@ -281,3 +323,25 @@ def simulate_layout(run: RunTrace, timing: TimingModel, *, sync: str = "microste
                     ranks_per_node=ranks_per_node, prefetch=prefetch)
     runs, _ = simulate_dp(cfg, D, timing, pool, {}, indices=idx)
     return runs
+
+
+def time_breakdown(run: RunTrace) -> dict:
+    """Where an iteration's time goes, per rank and iteration (ms): the vision encoder's
+    compute (and per 1,000 image tokens), the language-model compute phase (from the rank
+    that reached it last), waiting for the other ranks inside the language model (a rank's
+    measured language forward minus that compute), the host gaps between micro-batches, and
+    the per-iteration tail."""
+    ph = measured_phases(run)
+    I, D, G = run.shape
+    tokens = run.image_tokens()
+    vision = run.vf + run.vb
+    lm_compute = ph.lm[:, 0, :]                                   # [I, G]
+    wait = np.maximum(run.lf + run.lb - ph.lm, 0.0)
+    return {
+        "vision_ms": float(vision.sum(axis=2).mean()),
+        "vision_ms_per_1k_image_tokens": float(1000.0 * vision.sum() / max(tokens.sum(), 1.0)),
+        "lm_compute_ms": float(lm_compute.sum(axis=1).mean()),
+        "waiting_ms": float(wait.sum(axis=2).mean()),
+        "host_gap_ms": float(ph.gap.sum(axis=2).mean()),
+        "tail_ms": float(np.median(ph.tail_ms)) if len(ph.tail_ms) else 0.0,
+    }

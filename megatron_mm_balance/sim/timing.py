@@ -9,7 +9,10 @@ A pack's phases, in the order a rank runs them:
   sequence length when padding is computed (fixed-length packed tensors, the
   Megatron default) or the pack's real tokens otherwise, and ``len_j`` the
   lengths of the pack's samples (variable-length attention);
-* backward of each part = its ``bwd_fwd_ratio`` x its forward.
+* backward of each part = its ``bwd_fwd_ratio`` x its forward;
+* optionally ``noise_cv`` (vision, llm): the relative spread of the measured compute
+  around these terms (a fit's residual), applied to each timeline slot with a seeded
+  normal draw after the placement, which sees only the terms (default 0: none).
 
 These are the terms of the project's one cost estimator,
 :class:`megatron_mm_balance.cost.model.CostModel`: :meth:`TimingModel.cost_model`
@@ -22,7 +25,9 @@ processes).
 
 Moving a pack costs ``bytes_per_image_token * image_tokens + bytes_per_text_token
 * text_tokens`` bytes over a link of ``link_gbps`` GB/s, plus ``latency_ms`` per
-micro-step in which a rank sends or receives anything.
+micro-step in which a rank sends or receives anything; a synchronous exchange also
+exposes ``sync_batch_ms`` per global batch (pulling the batch, the all-gather, the
+solve: what the overlapped one hides).
 
 Files are YAML (or JSON) with the sections ``vision``, ``llm``, ``exchange`` and
 optional ``gpu`` and ``step``; see ``configs/timing_*.yaml``. Coefficients may be
@@ -70,6 +75,11 @@ class TimingModel:
     bytes_per_text_token: float = 0.0
     link_gbps: float = 1.0                  # GB/s per rank for the pack exchange
     latency_ms: float = 0.0                 # per micro-step with any traffic
+    sync_batch_ms: float = 0.0              # synchronous exchange: exposed pull + all-gather + solve
+    #: relative spread of a pack's compute around the model (machine noise no placement can
+    #: see): each slot's vision time x (1 + cv * z), each micro-step's language phase likewise
+    vision_noise_cv: float = 0.0
+    llm_noise_cv: float = 0.0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -169,6 +179,8 @@ def model_from_dict(cfg: dict, *, name: str = "timing") -> TimingModel:
         vision_ms_per_token_sq=vb,
         vision_ms_per_pack=_num(v, "ms_per_pack", "vision", default=0.0),
         vision_bwd_fwd_ratio=_num(v, "bwd_fwd_ratio", "vision", default=2.0),
+        vision_noise_cv=_num(v, "noise_cv", "vision", default=0.0),
+        llm_noise_cv=_num(l, "noise_cv", "llm", default=0.0),
         llm_ms_per_token=la,
         llm_ms_per_token_sq=lc,
         llm_bwd_fwd_ratio=_num(l, "bwd_fwd_ratio", "llm", default=2.0),
@@ -179,6 +191,7 @@ def model_from_dict(cfg: dict, *, name: str = "timing") -> TimingModel:
         bytes_per_text_token=_num(x, "bytes_per_text_token", "exchange", default=0.0),
         link_gbps=_num(x, "link_gbps", "exchange", minimum=1e-9),
         latency_ms=_num(x, "latency_ms", "exchange", default=0.0),
+        sync_batch_ms=_num(x, "sync_batch_ms", "exchange", default=0.0),
     )
 
 

@@ -123,3 +123,37 @@ def test_bad_run_directories(tmp_path):
     d = two_by_two(tmp_path / "t")
     with pytest.raises(RunTraceError, match="no complete iteration"):
         load_run(str(d), skip_iterations=5)
+
+
+def test_noise_and_sync_batch_terms(tmp_path):
+    """The timing model's noise spreads every slot's compute (the same draw for every
+    strategy, deterministic, none at 0) and the synchronous exchange's per-batch cost lands
+    on the synchronous run only."""
+    from dataclasses import replace
+
+    from megatron_mm_balance.sim.run_trace import placement_order, time_breakdown
+    from megatron_mm_balance.sim.timing import load_timing, model_from_dict
+
+    run = load_run(str(two_by_two(tmp_path / "t")), skip_iterations=0)
+    t, _ = fit_timing_model(run)
+    base = {r["strategy"]: r["time_per_batch_ms"] for r in simulate_layout(run, replace(t, vision_noise_cv=0.0,
+                                                                                     llm_noise_cv=0.0))}
+    noisy = replace(t, vision_noise_cv=0.3, llm_noise_cv=0.3)
+    a = {r["strategy"]: r["time_per_batch_ms"] for r in simulate_layout(run, noisy)}
+    b = {r["strategy"]: r["time_per_batch_ms"] for r in simulate_layout(run, noisy)}
+    assert a == b and a != base
+    slow = {r["strategy"]: r["time_per_batch_ms"]
+            for r in simulate_layout(run, replace(t, vision_noise_cv=0.0, llm_noise_cv=0.0, sync_batch_ms=500.0))}
+    assert slow["redistribute-sync"] == pytest.approx(base["redistribute-sync"] + 500.0)
+    assert slow["redistribute-overlap"] == base["redistribute-overlap"] and slow["none"] == base["none"]
+    d = load_timing("default")
+    assert (d.vision_noise_cv, d.llm_noise_cv, d.sync_batch_ms) == (0.0, 0.0, 0.0)
+    parsed = model_from_dict({"vision": {"ms_per_token": 1.0, "noise_cv": 0.2}, "llm": {"ms_per_token": 1.0},
+                              "exchange": {"bytes_per_image_token": 1, "link_gbps": 1, "sync_batch_ms": 9}})
+    assert (parsed.vision_noise_cv, parsed.sync_batch_ms) == (0.2, 9.0)
+    # the runtime's placement of each iteration: a permutation of its slots
+    order = placement_order(run)
+    assert all(sorted(o.reshape(-1)) == list(range(4)) for o in order)
+    parts = time_breakdown(run)
+    assert parts["lm_compute_ms"] == pytest.approx(300.0) and parts["host_gap_ms"] == pytest.approx(10.0)
+    assert parts["waiting_ms"] == pytest.approx((0 + 400) / 2)        # rank 1 waited 200 ms twice

@@ -11,7 +11,15 @@ Run through ``scripts/gpu_check.sh`` (which sets up paths). On a GPU it:
    copied on the dedicated stream) around a matmul-heavy stand-in for compute,
    ``overlap=True`` vs ``overlap=False``: the consumer's wait per micro-step, and
    a bit-identity check of every delivered tensor;
-3. installs nothing, and says what it skipped when a package is missing.
+3. the per-pack timing hooks of ``--mm-balance-timing`` (CUDA events) on a LLaVA-shaped
+   model (that encoder body, a projection and a language-model stand-in) over packs of
+   0 to 8 images, and the online fit of ``--mm-balance-cost auto`` from those records
+   (coefficients, R^2; ``timing.jsonl`` and ``online_fit.json``);
+4. installs nothing, and says what it skipped when a package is missing.
+
+``scripts/gpu_check.sh`` then, with two or more visible GPUs and a patched Megatron-LM
+in ``MEGATRON_LM_DIR``, runs ``mm-balance bench-realpath`` (NCCL, transformer-engine):
+Megatron's own iteration time off vs on, one round.
 
 Without a GPU the same code runs on CPU with a tiny encoder and small payloads
 (``--cpu``, also what the test suite runs), so every line is exercised in CI.
@@ -174,6 +182,102 @@ def overlap_check(*, device, steps: int, ga: int, mbytes: float, compute_n: int,
     return results
 
 
+def llava_shaped(shape, *, lm_hidden: int, lm_layers: int, vocab: int, device, dtype):
+    """A model with LLaVAModel's attributes and call (``vision_model``, ``vision_projection``,
+    ``language_model`` with ``embedding``), so the timing hooks find what they find there."""
+    import torch
+    from torch import nn
+
+    from megatron_mm_balance.cost.calibration import build_torch_encoder
+
+    class LM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embedding = nn.Embedding(vocab, lm_hidden)
+            self.body = nn.Sequential(*[nn.Sequential(nn.LayerNorm(lm_hidden), nn.Linear(lm_hidden, 4 * lm_hidden),
+                                                      nn.GELU(), nn.Linear(4 * lm_hidden, lm_hidden))
+                                        for _ in range(lm_layers)])
+            self.head = nn.Linear(lm_hidden, vocab)
+
+        def forward(self, decoder_input=None, labels=None, **_):
+            logits = self.head(self.body(decoder_input)).float()
+            return nn.functional.cross_entropy(logits.transpose(1, 2), labels, reduction="none")
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.vision_model = build_torch_encoder(shape, device, dtype)
+            self.vision_projection = nn.Linear(shape.hidden, lm_hidden)
+            self.language_model = LM()
+            self.img_seq_len = 0          # set per call below: tokens per tile
+
+        def forward(self, images, input_ids, position_ids, attention_mask, labels, loss_mask,
+                    num_image_tiles=None, packed_seq_params=None):
+            text = self.language_model.embedding(input_ids)
+            if images is not None and images.shape[0] > 0:
+                img = self.vision_projection(self.vision_model(images)).reshape(1, -1, text.shape[-1])
+                combined = torch.cat([img, text], dim=1)
+                labels = torch.cat([torch.zeros(1, img.shape[1], dtype=labels.dtype, device=labels.device),
+                                    labels], dim=1)
+            else:
+                combined = text
+            return self.language_model(decoder_input=combined, labels=labels), loss_mask
+
+    return Model().to(device=device, dtype=dtype)
+
+
+def timing_check(*, device, out: str, shape, tile_tokens: int, seq_len: int, lm_hidden: int,
+                 lm_layers: int, iterations: int, microbatches: int, log) -> dict:
+    """The timing hooks on the LLaVA-shaped model, then the online two-phase fit."""
+    import random
+    from types import SimpleNamespace
+
+    import torch
+
+    from megatron_mm_balance.cost.calibration import fit_phases
+    from megatron_mm_balance.megatron.timing import TimingRecorder, _CpuClock, _CudaClock, install_hooks
+
+    cuda = device.startswith("cuda")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    torch.manual_seed(0)
+    model = llava_shaped(shape, lm_hidden=lm_hidden, lm_layers=lm_layers, vocab=1024, device=device, dtype=dtype)
+    model.img_seq_len = tile_tokens
+    rec = TimingRecorder(rank=0, clock=_CudaClock() if cuda else _CpuClock(), out_dir=out)
+    install_hooks([model], rec)
+    rng = random.Random(0)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    for it in range(1, iterations + 1):
+        rec.set_iteration(it)
+        opt.zero_grad()
+        for m in range(microbatches):
+            tiles = [rng.randint(1, 12) for _ in range(rng.choice((0, 1, 2, 4, 8)))]
+            while tiles and sum(tiles) * tile_tokens > seq_len - 16:     # a pack holds seq_len
+                tiles.pop()
+            n_img = sum(tiles) * tile_tokens
+            n_text = max(16, seq_len - n_img)
+            images = torch.randn(sum(tiles), tile_tokens, shape.hidden, device=device, dtype=dtype)
+            ids = torch.randint(0, 1024, (1, n_text), device=device)
+            cu = torch.tensor([0, (n_img + n_text) // 2, n_img + n_text], dtype=torch.int32)
+            loss, _ = model(images, ids, None, None, ids, None,
+                            num_image_tiles=torch.tensor(tiles, dtype=torch.int32),
+                            packed_seq_params=SimpleNamespace(cu_seqlens_q=cu))
+            loss.mean().backward()
+        opt.step()
+    rec.set_iteration(iterations + 1)
+    if cuda:
+        torch.cuda.synchronize()
+    rec.close()
+    with open(rec.path) as f:
+        records = [json.loads(line) for line in f]
+    fit = fit_phases([r for r in records if r["iteration"] > 1], first_iteration=2,
+                     last_iteration=iterations, effective_iteration=iterations + 2)
+    with open(os.path.join(out, "online_fit.json"), "w") as f:
+        json.dump(fit.to_json(), f, indent=1)
+    log(f"  {len(records)} micro-batches timed ({iterations} x {microbatches}); " + fit.line())
+    return {"records": len(records), "expected": iterations * microbatches, "fit": fit.to_json(),
+            "with_vision": sum(1 for r in records if r["vision_forward_ms"] > 0)}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="GPU validation for megatron-mm-balance")
     ap.add_argument("--out", default=os.environ.get("OUT") or "./gpu_results")
@@ -206,24 +310,33 @@ def main(argv=None) -> int:
         report["mcore_clip"] = try_mcore_clip(log)
     t0 = time.perf_counter()
     cal = calibration.calibrate(
-        device=device, quick=not on_gpu, max_tokens=8192 if on_gpu else 256,
-        repeats=args.repeats or (10 if on_gpu else 3), warmup=3 if on_gpu else 1,
+        device=device, quick=not on_gpu, max_tokens=8192 if on_gpu else 1024,
+        repeats=args.repeats or (10 if on_gpu else 5), warmup=3 if on_gpu else 1,
         log=lambda m: log(m))
     model = calibration.save_results(cal, os.path.join(args.out, "cost_model.json"),
                                      os.path.join(args.out, "calibration.json"))
     report["calibration_s"] = time.perf_counter() - t0
     report["cost_model"] = model.to_json()
     log(f"  fitted: {model.vision_ms_per_token:.3e} ms/token + {model.vision_ms_per_token_sq:.3e} "
-        f"ms/token^2 + {model.const_ms:.3f} ms, backward/forward {model.backward_ratio:.2f}")
+        f"ms/token^2 + {model.const_ms:.3f} ms, backward/forward {model.vision_backward_ratio:.2f}")
 
     log("== 2. BalancedDataIterator overlap on a dedicated stream (world size 1)")
     ov = overlap_check(device=device, steps=8 if on_gpu else 3, ga=4,
                        mbytes=64.0 if on_gpu else 0.5, compute_n=8192 if on_gpu else 256, log=log)
     report["overlap"] = ov
 
+    log("== 3. per-pack timing hooks (--mm-balance-timing) and the online fit (--mm-balance-cost auto)")
+    tc = timing_check(device=device, out=args.out,
+                      shape=calibration.EncoderShape() if on_gpu else calibration.EncoderShape.tiny(),
+                      tile_tokens=256 if on_gpu else 16, seq_len=8192 if on_gpu else 512,
+                      lm_hidden=2048 if on_gpu else 64, lm_layers=8 if on_gpu else 2,
+                      iterations=6 if on_gpu else 3, microbatches=8 if on_gpu else 6, log=log)
+    report["timing"] = tc
+
     with open(os.path.join(args.out, "gpu_check.json"), "w") as f:
         json.dump(report, f, indent=1)
-    ok = ov["sync"]["bit_identical"] and ov["overlap"]["bit_identical"]
+    ok = (ov["sync"]["bit_identical"] and ov["overlap"]["bit_identical"]
+          and tc["records"] == tc["expected"])
     print()
     print(f"{'check':<44} {'value':>14}")
     print(f"{'device':<44} {env['device_name'][:14]:>14}")
@@ -234,7 +347,12 @@ def main(argv=None) -> int:
     print(f"{'consumer wait ms/step, overlap=False':<44} {ov['sync']['wait_ms_mean']:>14.3f}")
     print(f"{'consumer wait ms/step, overlap=True':<44} {ov['overlap']['wait_ms_mean']:>14.3f}")
     print(f"{'exposed wait / synchronous wait':<44} {ov['exposed_wait_ratio']:>14.3f}")
-    print(f"{'delivered tensors bit-identical':<44} {str(ok):>14}")
+    print(f"{'delivered tensors bit-identical':<44} {str(ov['sync']['bit_identical'] and ov['overlap']['bit_identical']):>14}")
+    print(f"{'micro-batches timed by the hooks / run':<44} {tc['records']:>7} / {tc['expected']:<5}")
+    fit = tc["fit"]
+    print(f"{'online fit: R^2 vision / language':<44} {fit['r2_vision']:>6.3f} / {fit['r2_language']:<6.3f}")
+    if fit["model"]:
+        print(f"{'online fit: vision ms per image token':<44} {fit['model']['vision_ms_per_token']:>14.3e}")
     print(f"results in {os.path.abspath(args.out)}")
     return 0 if ok else 1
 

@@ -1,4 +1,14 @@
-"""Calibrate the cost model on real kernels: time a vision encoder against image tokens.
+"""Calibrate the cost model: online, from a training job's own per-pack timings
+(``--mm-balance-cost auto``), or offline, by timing a vision encoder against image tokens.
+
+Online (:func:`fit_phases`, :class:`AutoCost`): the timing hooks
+(:mod:`megatron_mm_balance.megatron.timing`) record every micro-batch's vision and
+language-model forward and backward time with the pack's features; after the first
+K iterations the records of every rank are fitted into a :class:`~.model.CostModel`
+(two-phase under micro-step synchronisation), agreed on by all ranks, and the
+balancer switches to it at a global-batch boundary. Degenerate fits are refused.
+
+Offline (:func:`calibrate`):
 
 A CLIP ViT-L/14-sized encoder (24 layers, hidden 1024, 16 heads, MLP 4096) runs
 forward and backward on packs of images of different sizes and counts; medians of
@@ -14,11 +24,25 @@ a plain PyTorch encoder of the same shape, attention computed per image with
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from typing import Callable, List, Optional, Sequence
 
-from .model import CostModel
+import numpy as np
+
+from .model import CostModel, FeatureArrays, PackFeatures, nonnegative_lstsq
+from .pack import DEFAULT_TOKENS_PER_TILE, ImageTokenCost, check_tokens_per_tile, pack_features
+
+#: Cost-fit file beside the checkpoints (``--save``), read back on ``--load``.
+FIT_FILE = "mm_balance_cost_fit.json"
+FIT_FORMAT = "mm-balance-cost-fit/v1"
+DEFAULT_CALIBRATION_ITERS = 10
+#: Fewest records with images a vision fit accepts.
+MIN_RECORDS = 8
+#: Lowest R^2 of the vision fit that is accepted (below: image tokens stay the cost).
+R2_FLOOR = 0.5
 
 
 @dataclass(frozen=True)
@@ -144,3 +168,261 @@ def save_results(results: dict, cost_path: str, records_path: str | None = None)
         with open(records_path, "w", encoding="utf-8") as f:
             json.dump(results, f, indent=1)
     return model
+
+
+# ---------------------------------------------------------------------------------------
+# online calibration from a training job's timings
+
+@dataclass(frozen=True)
+class FitResult:
+    """The outcome of one calibration, identical on every rank (decided on one, broadcast).
+
+    ``ok``: the balancer uses ``model`` from global batch ``effective_iteration`` on;
+    otherwise image tokens stay the cost and ``reason`` says why."""
+
+    ok: bool
+    model: Optional[CostModel]
+    r2_vision: float
+    r2_language: float
+    records: int
+    first_iteration: int
+    last_iteration: int
+    effective_iteration: int
+    reason: str = ""
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["model"] = None if self.model is None else self.model.to_json()
+        return {"format": FIT_FORMAT, **d}
+
+    @staticmethod
+    def from_json(data: dict, where: str = "cost fit") -> "FitResult":
+        if not isinstance(data, dict) or data.get("format") != FIT_FORMAT:
+            raise ValueError(f"{where}: not a cost-fit file (expected \"format\": \"{FIT_FORMAT}\")")
+        d = {k: v for k, v in data.items() if k != "format"}
+        try:
+            d["model"] = None if d.get("model") is None else CostModel.from_json(d["model"], where)
+            return FitResult(**d)
+        except TypeError as exc:
+            raise ValueError(f"{where}: malformed cost fit ({exc})") from None
+
+    def line(self) -> str:
+        """One log line: the coefficients, R^2, records used, and from when."""
+        span = f"{self.records} records of iterations {self.first_iteration}-{self.last_iteration}"
+        if not self.ok:
+            return (f"[mm-balance] cost auto: fit refused ({self.reason}; {span}): "
+                    f"balancing with image tokens")
+        m = self.model
+        return (f"[mm-balance] cost auto: fitted from {span} (R^2 vision {self.r2_vision:.3f}, "
+                f"language {self.r2_language:.3f}): vision {m.vision_ms_per_token:.4g} ms/token + "
+                f"{m.vision_ms_per_token_sq:.3g} ms/token^2 + {m.vision_ms_per_pack:.3g} ms/pack, "
+                f"backward x{m.vision_backward_ratio:.3f}; language {m.llm_ms_per_token:.4g} ms/token + "
+                f"{m.llm_ms_per_len_sq:.3g} ms/len^2 + {m.const_ms:.4g} ms, backward "
+                f"x{m.llm_backward_ratio:.3f}; balancing with it from iteration {self.effective_iteration}")
+
+
+def _r2(y: np.ndarray, pred: np.ndarray) -> float:
+    ss_tot = float(((y - y.mean()) ** 2).sum())
+    if ss_tot <= 0:
+        return float("nan")
+    return 1.0 - float(((y - pred) ** 2).sum()) / ss_tot
+
+
+def language_compute_records(records: Sequence[dict]) -> List[dict]:
+    """One record per micro-step: the rank that reached the language model last.
+
+    Under expert parallelism the ranks meet in every MoE layer, so a rank's measured
+    language time includes waiting for the others at the first all-to-all. The rank
+    that arrived last waited least, and its time is the compute. A rank arrives after
+    its vision backward of the previous micro-step, the host gap before this
+    micro-batch (``start_s`` - previous ``end_s``) and its vision forward. Records are
+    grouped by ``(iteration, microbatch)``; ties go to the lowest rank."""
+    prev = {}
+    for r in sorted(records, key=lambda r: (r["rank"], r["iteration"], r["microbatch"])):
+        prev[(r["rank"], r["iteration"], r["microbatch"])] = r
+
+    def arrival(r):
+        before = prev.get((r["rank"], r["iteration"], r["microbatch"] - 1))
+        t = float(r["vision_forward_ms"])
+        if before is not None:
+            t += float(before["vision_backward_ms"])
+            if "start_s" in r and "end_s" in before:
+                t += max(0.0, (r["start_s"] - before["end_s"]) * 1e3)
+        return t
+
+    best = {}
+    for r in records:
+        key = (r["iteration"], r["microbatch"])
+        cur = best.get(key)
+        if cur is None or (-arrival(r), r["rank"]) < (-arrival(cur), cur["rank"]):
+            best[key] = r
+    return [best[k] for k in sorted(best)]
+
+
+def fit_phases(records: Sequence[dict], *, first_iteration: int = 0, last_iteration: int = 0,
+               effective_iteration: int = 0, min_records: int = MIN_RECORDS,
+               r2_floor: float = R2_FLOOR) -> FitResult:
+    """Fit the two-phase :class:`~.model.CostModel` from timing records (all ranks').
+
+    Vision: ``vision_forward_ms ~ a*sum(n) + b*sum(n^2) + f*[has images]`` over every
+    record (text-only packs pin ``f``), backward ratio ``sum(backward) / sum(forward)``;
+    language: ``lm_forward_ms ~ t*tokens + c*sum(len^2) + const`` over
+    :func:`language_compute_records`, its own backward ratio. Coefficients >= 0.
+    Refused (``ok=False``, a reason) with fewer than ``min_records`` records with images,
+    no variation in vision time, or a vision R^2 below ``r2_floor``."""
+    recs = list(records)
+    span = dict(first_iteration=first_iteration, last_iteration=last_iteration,
+                effective_iteration=effective_iteration)
+    with_images = [r for r in recs if r["images"]]
+
+    def refuse(reason, r2v=float("nan"), r2l=float("nan")):
+        return FitResult(False, None, r2v, r2l, len(recs), reason=reason, **span)
+
+    if len(with_images) < min_records:
+        return refuse(f"{len(with_images)} records with images, fewer than {min_records}")
+    f = FeatureArrays.of([PackFeatures(tuple(r["images"]), tuple(r["lengths"])) for r in recs])
+    Xv = np.stack([f.image_tokens, f.image_sq, f.has_images.astype(np.float64)], axis=1)
+    yv = np.array([float(r["vision_forward_ms"]) for r in recs])
+    a, b, fix = nonnegative_lstsq(Xv, yv)
+    r2v = _r2(yv, Xv @ np.array([a, b, fix]))
+    if math.isnan(r2v):
+        return refuse("no variation in vision time")
+    vb = sum(float(r["vision_backward_ms"]) for r in recs)
+    rv = vb / float(yv.sum()) if yv.sum() > 0 else 2.0
+
+    lang = language_compute_records(recs)
+    fl = FeatureArrays.of([PackFeatures(tuple(r["images"]), tuple(r["lengths"])) for r in lang])
+    Xl = np.stack([fl.positions, fl.len_sq, np.ones(len(lang))], axis=1)
+    yl = np.array([float(r["lm_forward_ms"]) for r in lang])
+    t, c, const = nonnegative_lstsq(Xl, yl)
+    r2l = _r2(yl, Xl @ np.array([t, c, const]))
+    lb = sum(float(r["lm_backward_ms"]) for r in lang)
+    rl = lb / float(yl.sum()) if yl.sum() > 0 else 2.0
+    if r2v < r2_floor:
+        return refuse(f"R^2 of the vision fit {r2v:.3f} below the floor {r2_floor}", r2v, r2l)
+    model = CostModel(vision_ms_per_token=float(a), vision_ms_per_token_sq=float(b),
+                      vision_ms_per_pack=float(fix), vision_backward_ratio=float(rv),
+                      llm_ms_per_token=float(t), llm_ms_per_len_sq=float(c), const_ms=float(const),
+                      llm_backward_ratio=float(rl))
+    return FitResult(True, model, r2v, r2l, len(recs), **span)
+
+
+@dataclass(frozen=True)
+class CalibrationConfig:
+    """``--mm-balance-cost auto``: calibrate on the job's first ``iterations`` iterations
+    (its very first dropped: start-up costs), then balance with the fit."""
+
+    iterations: int = DEFAULT_CALIBRATION_ITERS
+    phases: bool = True
+    tokens_per_tile: int = DEFAULT_TOKENS_PER_TILE
+    min_records: int = MIN_RECORDS
+    r2_floor: float = R2_FLOOR
+    wait_s: float = 300.0
+
+    def __post_init__(self):
+        if isinstance(self.iterations, bool) or not isinstance(self.iterations, int) or self.iterations < 2:
+            raise ValueError(f"calibration iterations must be an int >= 2, got {self.iterations!r}")
+        check_tokens_per_tile(self.tokens_per_tile)
+
+
+class AutoCost:
+    """The balancer's cost function under ``--mm-balance-cost auto``.
+
+    The engine calls :meth:`for_batch` with each global batch's job-local index on the
+    thread that drives it (the exchange thread), before computing that batch's costs,
+    so the switch is keyed on the global batch, identical on every rank whatever the
+    prefetch. Global batch ``gb`` is Megatron's iteration ``start_iteration + gb + 1``.
+
+    * Until the fit, packs cost their image tokens (``(tokens, 0)`` when two-phase).
+    * At iteration ``start + K + 2`` (``K`` = ``config.iterations``): ``collect(first,
+      last)`` returns this rank's records of iterations ``start + 2 .. start + K`` (waiting
+      until they are complete), ``agree(records, fit)`` gathers every rank's records,
+      fits on one rank and returns that :class:`FitResult` on all (the glue does the
+      collectives), ``on_fit(result)`` logs and saves it. From that batch on the fit's
+      integer costs are used, or image tokens if it was refused.
+    * A ``saved`` fit (restored beside the checkpoint) is used as is from its
+      ``effective_iteration``: a resumed job balances exactly as the job that saved it.
+    """
+
+    def __init__(self, config: CalibrationConfig, *, start_iteration: int = 0,
+                 collect: Callable[[int, int], list], agree: Callable[[list, Callable], FitResult],
+                 on_fit: Optional[Callable[[FitResult], None]] = None,
+                 saved: Optional[FitResult] = None):
+        self.config = config
+        self.start_iteration = int(start_iteration)
+        self.collect, self.agree, self.on_fit = collect, agree, on_fit
+        self.fit: Optional[FitResult] = saved
+        self.components = 2 if config.phases else 1
+        self.tokens = ImageTokenCost(config.tokens_per_tile)
+        self.switch_iteration = (saved.effective_iteration if saved is not None
+                                 else self.start_iteration + config.iterations + 2)
+
+    @property
+    def identity(self) -> str:
+        c = self.config
+        return (f"megatron_mm_balance.auto_cost(iterations={c.iterations}, tokens_per_tile="
+                f"{c.tokens_per_tile}, min_records={c.min_records}, r2_floor={c.r2_floor}"
+                + (", phases)" if c.phases else ")"))
+
+    def iteration_of(self, gb: int) -> int:
+        return self.start_iteration + int(gb) + 1
+
+    def for_batch(self, gb: int) -> Callable:
+        """The cost function of job-local global batch ``gb`` (may calibrate first)."""
+        it = self.iteration_of(gb)
+        if self.fit is None and it >= self.switch_iteration:
+            self._calibrate(it)
+        if self.fit is not None and self.fit.ok and it >= self.fit.effective_iteration:
+            return self._model_cost
+        return self._token_cost
+
+    def _calibrate(self, it: int) -> None:
+        first, last = self.start_iteration + 2, it - 2
+        local = self.collect(first, last)
+        c = self.config
+
+        def fit(records):
+            return fit_phases(records, first_iteration=first, last_iteration=last,
+                              effective_iteration=it, min_records=c.min_records, r2_floor=c.r2_floor)
+
+        self.fit = self.agree(local, fit)
+        if self.on_fit is not None:
+            self.on_fit(self.fit)
+
+    def _token_cost(self, pack):
+        n = self.tokens(pack)
+        return (n, 0) if self.components == 2 else n
+
+    def _model_cost(self, pack):
+        f = pack_features(pack, self.config.tokens_per_tile)
+        c = self.fit.model.integer_costs(FeatureArrays.of([f]), "two-phase" if self.components == 2
+                                         else "time")[0]
+        return (int(c[0]), int(c[1])) if self.components == 2 else int(c)
+
+    def __call__(self, pack):
+        """Outside the engine's per-batch protocol: the cost the latest decision gives."""
+        if self.fit is not None and self.fit.ok:
+            return self._model_cost(pack)
+        return self._token_cost(pack)
+
+
+def read_fit(path: str) -> FitResult:
+    """A fit written by :func:`write_fit`; one-line errors."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise ValueError(f"{path}: no such cost-fit file") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not valid JSON ({exc.msg})") from None
+    return FitResult.from_json(data, where=path)
+
+
+def write_fit(result: FitResult, path: str) -> None:
+    """Write atomically (a resumed job must never read half a file)."""
+    import os
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(result.to_json(), f, indent=1)
+        f.write("\n")
+    os.replace(tmp, path)

@@ -118,15 +118,22 @@ class ModelCost:
                 + (", phases)" if self.phases else ")"))
 
     def __call__(self, pack) -> int:
-        from .model import PackFeatures
         if not isinstance(pack, Mapping):
-            return 0
-        images = tuple(image_counts(pack, self.tokens_per_tile))
-        cu = flatten_ints(pack.get("cu_lengths"), "cu_lengths")
-        lengths = tuple(b - a for a, b in zip(cu, cu[1:]) if b > a)
+            return (0, 0) if self.phases else 0
+        f = pack_features(pack, self.tokens_per_tile)
         if self.phases:
-            return self.model.phase_costs(PackFeatures(images, lengths))
-        return self.model.cost(PackFeatures(images, lengths))
+            return self.model.phase_costs(f)
+        return self.model.cost(f)
+
+
+def pack_features(pack, tokens_per_tile: int = DEFAULT_TOKENS_PER_TILE):
+    """The cost model's features of a pack: per-image tokens (:func:`image_counts`) and
+    per-sample lengths (from ``cu_lengths``; the pack's positions are their sum)."""
+    from .model import PackFeatures
+    images = tuple(image_counts(pack, tokens_per_tile))
+    cu = flatten_ints(pack.get("cu_lengths"), "cu_lengths")
+    lengths = tuple(b - a for a, b in zip(cu, cu[1:]) if b > a)
+    return PackFeatures(images, lengths)
 
 
 default_cost_fn = ImageTokenCost()

@@ -22,6 +22,11 @@ cuts 1, 2, 3 or 4 tiles from them: image-token counts differ per sample and per 
 which is what the balancer acts on. Light samples (one tile, long text) and
 image-heavy ones (four tiles, short text) are both common.
 
+``--mix vision-heavy`` (the real-speed benchmark's data, ``configs/megatron/vision_heavy_cpu.sh``):
+images of 1 to 12 tiles (``--max-num-tiles 12``), multi-image documents of 2-4 images,
+and about 30% text-only conversations, so packs range from no image at all to
+hundreds of image tokens. The default mix is unchanged by it (same seed, same bytes).
+
 The output is a function of the seed alone: same seed, byte-identical files (tar
 headers carry no times or owners, energon's index is built by one worker, and the
 dataset UUID energon would draw at random is derived from the shard contents).
@@ -59,6 +64,12 @@ SHAPES_BY_TILES: Dict[int, Tuple[Tuple[int, int], ...]] = {
     3: ((3, 1), (1, 3)),
     4: ((2, 2), (4, 1), (1, 4)),
 }
+#: ``--mix vision-heavy``: shapes of 1 to 12 tiles (``--max-num-tiles 12``); every shape of
+#: area <= 12 is cut into exactly its own tiles by the example's tiling.
+SHAPES_UP_TO_12: Dict[int, Tuple[Tuple[int, int], ...]] = {
+    n: tuple((w, n // w) for w in range(1, n + 1) if n % w == 0) for n in range(1, 13)
+}
+MIXES = ("default", "vision-heavy")
 SAMPLES_PER_SHARD = 64
 DEFAULT_SAMPLES = 512
 DEFAULT_SEED = 1234
@@ -116,6 +127,8 @@ class Summary:
     tokenizer_dir: Path
     prompt_format: str
     tile_size: int = DEFAULT_TILE_SIZE
+    max_num_tiles: int = 4
+    text_only: int = 0                                                # text-only samples (train)
     counts: Dict[str, Dict[str, int]] = field(default_factory=dict)   # split -> kind -> samples
     tiles: Dict[int, int] = field(default_factory=dict)               # tiles per image -> images (train)
     images_per_sample: Dict[int, int] = field(default_factory=dict)   # images per sample -> samples (train)
@@ -128,13 +141,14 @@ class Summary:
             f"wrote {self.out_dir}: train {train.get('captions', 0)} captions + "
             f"{train.get('conversations', 0)} conversations, val {val.get('captions', 0)} + "
             f"{val.get('conversations', 0)}",
-            f"train images by tiles (tiles:images): {tiles}; samples by images: {imgs}",
+            f"train images by tiles (tiles:images): {tiles}; samples by images: {imgs}"
+            + (f" ({self.text_only} text-only)" if self.text_only else ""),
             f"DATA_PATH={self.data_path}",
             f"TOKENIZER_MODEL={self.tokenizer_dir}",
             f"TOKENIZER_PROMPT_FORMAT={self.prompt_format}",
             f"use: --data-path $DATA_PATH --tokenizer-type MultimodalTokenizer --tokenizer-model "
             f"$TOKENIZER_MODEL --tokenizer-prompt-format {self.prompt_format} --use-tiling "
-            f"--max-num-tiles 4 --img-h {self.tile_size} --img-w {self.tile_size}",
+            f"--max-num-tiles {self.max_num_tiles} --img-h {self.tile_size} --img-w {self.tile_size}",
         ]
 
 
@@ -191,6 +205,64 @@ def _conversation_sample(rng: random.Random) -> Tuple[List[SyntheticImage], List
         ))
         turns.append({"from": "human", "value": q})
         turns.append({"from": "gpt", "value": a})
+    return images, turns
+
+
+# ``--mix vision-heavy``: 1-12 tiles per image, multi-image documents, ~30% text-only samples.
+#: Sample kinds of the vision-heavy mix and their shares (text-only and documents are
+#: conversations; a text-only conversation has no image).
+VISION_HEAVY_SHARES = (("text", 30), ("caption", 40), ("document", 30))
+
+
+def _tiles_vision_heavy(rng: random.Random) -> int:
+    # every count from 1 to 12; the heavy end (8-12 tiles) about as common as the light one
+    return rng.choices(range(1, 13), weights=(8, 8, 7, 9, 6, 9, 6, 9, 7, 8, 6, 10))[0]
+
+
+def _random_image_up_to_12(rng: random.Random, tiles: int) -> SyntheticImage:
+    tw, th = rng.choice(SHAPES_UP_TO_12[tiles])
+    n = rng.randint(1, min(6, 1 + tiles))
+    bg = rng.choice(_COLORS)
+    shapes = [Shape(rng.choice(_SHAPES), rng.choice([c for c in _COLORS if c != bg]), rng.choice(_PLACES))
+              for _ in range(n)]
+    return SyntheticImage(tw, th, bg, shapes)
+
+
+def _paragraph(rng: random.Random, sentences: int) -> str:
+    """Image-free text: statements about shapes and colours, and the filler sentences."""
+    out = []
+    for _ in range(sentences):
+        if rng.random() < 0.6:
+            out.append(f"A {rng.choice(_COLORS)} {rng.choice(_SHAPES)} is often drawn at the "
+                       f"{rng.choice(_PLACES)} of a picture.")
+        else:
+            out.append(rng.choice(_FILLER))
+    return " ".join(out)
+
+
+def _vision_heavy_text_sample(rng: random.Random) -> Tuple[List[SyntheticImage], List[Dict[str, str]]]:
+    """A text-only conversation, long enough to fill a large part of a pack."""
+    turns: List[Dict[str, str]] = []
+    for _ in range(rng.randint(2, 4)):
+        turns.append({"from": "human", "value": f"Tell me about the {rng.choice(_COLORS)} "
+                                                 f"{rng.choice(_SHAPES)}."})
+        turns.append({"from": "gpt", "value": _paragraph(rng, rng.randint(4, 16))})
+    return [], turns
+
+
+def _vision_heavy_caption_sample(rng: random.Random) -> Tuple[List[SyntheticImage], str]:
+    img = _random_image_up_to_12(rng, _tiles_vision_heavy(rng))
+    return [img], _describe(img, rng, rng.randint(2, 6))
+
+
+def _vision_heavy_document_sample(rng: random.Random) -> Tuple[List[SyntheticImage], List[Dict[str, str]]]:
+    """A multi-image document: 2-4 images of 1-12 tiles, questions about each."""
+    images = [_random_image_up_to_12(rng, _tiles_vision_heavy(rng)) for _ in range(rng.randint(2, 4))]
+    turns: List[Dict[str, str]] = []
+    for i, img in enumerate(images):
+        s = rng.choice(img.shapes)
+        turns.append({"from": "human", "value": f"Where is the {s.color} {s.kind} in image {i + 1}?"})
+        turns.append({"from": "gpt", "value": f"It is at the {s.place}. " + _describe(img, rng, 2)})
     return images, turns
 
 
@@ -363,13 +435,30 @@ def _check_out_dir(out: Path) -> None:
                                    f"or one written by make-dataset)")
 
 
+def _vision_heavy_kinds(n: int) -> List[str]:
+    """``n`` sample kinds of the vision-heavy mix in their shares (shuffled by the caller)."""
+    total = sum(w for _, w in VISION_HEAVY_SHARES)
+    counts = {k: round(n * w / total) for k, w in VISION_HEAVY_SHARES}
+    counts["document"] = max(MIN_CONVERSATIONS, counts["document"])
+    counts["caption"] = n - counts["text"] - counts["document"]
+    return [k for k, _ in VISION_HEAVY_SHARES for _ in range(counts[k])]
+
+
+#: Which energon dataset each sample kind is written to.
+_DATASET_OF = {"captions": "captions", "conversations": "conversations", "caption": "captions",
+               "text": "conversations", "document": "conversations"}
+
+
 def make_dataset(out_dir, samples: int = DEFAULT_SAMPLES, seed: int = DEFAULT_SEED,
-                 tile_size: int = DEFAULT_TILE_SIZE) -> Summary:
+                 tile_size: int = DEFAULT_TILE_SIZE, mix: str = "default") -> Summary:
     """Write the dataset, its metadataset and the tokenizer under ``out_dir``; return a summary.
 
     ``samples`` training samples (captions and conversations together) plus a
     validation split of ``max(16, samples // 8)``; an existing directory written by
-    this function is replaced.
+    this function is replaced. ``mix``: ``default`` (1-4 tiles, one to three images per
+    conversation) or ``vision-heavy`` (1-12 tiles per image for ``--max-num-tiles 12``,
+    multi-image documents of 2-4 images, about 30% text-only conversations: packs that
+    differ widely in image tokens). Both are byte-reproducible from the seed.
     """
     if isinstance(samples, bool) or not isinstance(samples, int) or samples < MIN_SAMPLES:
         raise MakeDatasetError(f"--samples must be an integer >= {MIN_SAMPLES}, got {samples!r}")
@@ -377,6 +466,8 @@ def make_dataset(out_dir, samples: int = DEFAULT_SAMPLES, seed: int = DEFAULT_SE
         raise MakeDatasetError(f"--seed must be an integer >= 0, got {seed!r}")
     if not isinstance(tile_size, int) or not 14 <= tile_size <= 1024:
         raise MakeDatasetError(f"--tile-size must be an integer between 14 and 1024, got {tile_size!r}")
+    if mix not in MIXES:
+        raise MakeDatasetError(f"--mix must be one of {', '.join(MIXES)}, got {mix!r}")
     out = Path(out_dir).absolute()
     _check_out_dir(out)
     for name in ("captions", "conversations", "tokenizer", "dataset.yaml"):
@@ -388,30 +479,37 @@ def make_dataset(out_dir, samples: int = DEFAULT_SAMPLES, seed: int = DEFAULT_SE
     out.mkdir(parents=True, exist_ok=True)
 
     rng = random.Random(seed)
-    summary = Summary(out, out / "dataset.yaml", out / "tokenizer", PROMPT_FORMAT, tile_size)
+    summary = Summary(out, out / "dataset.yaml", out / "tokenizer", PROMPT_FORMAT, tile_size,
+                      max_num_tiles=4 if mix == "default" else 12)
     texts: List[str] = []
     records: Dict[str, Dict[str, List[Dict[str, bytes]]]] = {"captions": {}, "conversations": {}}
     for split, n in (("train", samples), ("val", max(MIN_SAMPLES, samples // 8))):
-        n_conv = max(MIN_CONVERSATIONS, round(n * CONVERSATION_SHARE))
-        kinds = ["conversations"] * n_conv + ["captions"] * (n - n_conv)
+        if mix == "default":
+            n_conv = max(MIN_CONVERSATIONS, round(n * CONVERSATION_SHARE))
+            kinds = ["conversations"] * n_conv + ["captions"] * (n - n_conv)
+        else:
+            kinds = _vision_heavy_kinds(n)
         rng.shuffle(kinds)
         for kind in records:
             records[kind][split] = []
         for i, kind in enumerate(kinds):
             key = f"{split}_{i:06d}".encode()
-            if kind == "captions":
-                images, caption = _caption_sample(rng)
+            if kind in ("captions", "caption"):
+                images, caption = (_caption_sample(rng) if kind == "captions"
+                                   else _vision_heavy_caption_sample(rng))
                 rec = {"__key__": key, "png": _render_png(images[0], tile_size), "txt": caption.encode()}
                 texts.append(caption)
             else:
-                images, turns = _conversation_sample(rng)
+                images, turns = {"conversations": _conversation_sample, "text": _vision_heavy_text_sample,
+                                 "document": _vision_heavy_document_sample}[kind](rng)
                 rec = {"__key__": key,
                        "json": json.dumps({"num_images": len(images), "texts": turns}, sort_keys=True).encode()}
                 for j, img in enumerate(images):
                     rec[f"img{j}.png"] = _render_png(img, tile_size)
                 texts.extend(t["value"] for t in turns)
-            records[kind][split].append(rec)
+            records[_DATASET_OF[kind]][split].append(rec)
             if split == "train":
+                summary.text_only += not images
                 for img in images:
                     summary.tiles[img.tiles] = summary.tiles.get(img.tiles, 0) + 1
                 summary.images_per_sample[len(images)] = summary.images_per_sample.get(len(images), 0) + 1
@@ -435,11 +533,16 @@ def add_arguments(parser) -> None:
     parser.add_argument("--seed", type=int, default=DEFAULT_SEED, help="same seed, byte-identical output")
     parser.add_argument("--tile-size", type=int, default=DEFAULT_TILE_SIZE,
                         help=f"pixels per image tile, the example's --img-h/--img-w (default {DEFAULT_TILE_SIZE})")
+    parser.add_argument("--mix", default="default", choices=MIXES,
+                        help="default: 1-4 tiles per image, 20%% conversations of 1-3 images; vision-heavy: "
+                             "1-12 tiles (--max-num-tiles 12), multi-image documents, ~30%% text-only "
+                             "samples (the real-speed benchmark's data)")
 
 
 def run(args) -> int:
     try:
-        summary = make_dataset(args.out_dir, samples=args.samples, seed=args.seed, tile_size=args.tile_size)
+        summary = make_dataset(args.out_dir, samples=args.samples, seed=args.seed, tile_size=args.tile_size,
+                               mix=args.mix)
     except ImportError as exc:
         raise MakeDatasetError(f"make-dataset needs {exc.name or exc} (pip install megatron-energon "
                                f"pillow tokenizers)") from None

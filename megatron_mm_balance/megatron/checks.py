@@ -21,7 +21,7 @@ that breaks this and one kept out conservatively:
   ``sinkhorn`` and the aux-loss-free expert bias (a sum over the whole step)
   are invariant and allowed.
 
-plus two that keep a mode from silently not doing what it was asked:
+plus those that keep a mode from silently not doing what it was asked:
 
 * Megatron-LM's own data rebalancing (``--hybrid-context-parallel``, and after
   core_v0.19.0 ``--dynamic-context-parallel`` and ``--sequence-packing-scheduler``):
@@ -30,7 +30,9 @@ plus two that keep a mode from silently not doing what it was asked:
 * ``--mm-balance-mode sampler`` without ``--dataloader-type single`` (the sampler
   replaces Megatron's own batch sampler), or with a ``--mm-balance-cost`` other
   than ``image-tokens`` (the dataset reports only a sample's image tokens by index,
-  so no other cost can be honoured there; ``auto`` then uses the exchange).
+  so no other cost can be honoured there; ``auto`` then uses the exchange);
+* ``--mm-balance-cost auto`` with pipeline or context parallelism (several exchange
+  groups would each fit their own costs).
 
 The checks read the typed :class:`~.config.MegatronArgs` of a built
 :class:`~.config.MMBalanceConfig`, never ``args``: :func:`checked_config` is the
@@ -73,6 +75,13 @@ def refuse_loss_changing(cfg: MMBalanceConfig) -> None:
     if cfg.mode == "sampler" and m.dataloader_type not in (None, "single"):
         raise MMBalanceConfigError(f"--mm-balance-mode sampler needs --dataloader-type single (got "
                                    f"{m.dataloader_type}); use --mm-balance-mode exchange")
+    if cfg.cost == "auto":
+        for flag, size in (("--pipeline-model-parallel-size", m.pipeline_model_parallel_size),
+                           ("--context-parallel-size", m.context_parallel_size)):
+            if size > 1:
+                raise MMBalanceConfigError(
+                    f"--mm-balance-cost auto needs {flag} 1 (every data-holding rank must fit the "
+                    "same costs; with several exchange groups they would fit their own)")
     if cfg.mode == "sampler" and cfg.cost != "image-tokens":
         raise MMBalanceConfigError(f"--mm-balance-mode sampler cannot honour --mm-balance-cost "
                                    f"{cfg.cost}: the dataset reports only a sample's image tokens "

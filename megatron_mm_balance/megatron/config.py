@@ -34,7 +34,8 @@ from ..solver.placement import DEFAULT_BALANCE_TOLERANCE
 from ..solver.topology import ranks_per_node_from_env
 
 SYNC_CHOICES = ("auto", "microstep", "step")
-COST_CHOICES = ("image-tokens", "model")
+COST_CHOICES = ("image-tokens", "model", "auto")
+DEFAULT_CALIBRATION_ITERS = 10
 MODE_CHOICES = ("auto", "exchange", "sampler", "shadow")
 #: the statistics interval when neither --mm-balance-log-interval nor --log-interval is set
 DEFAULT_LOG_INTERVAL = 100
@@ -141,6 +142,11 @@ class MegatronArgs:
     tensorboard_dir: Optional[str] = None
     #: image embeddings per tile from the examples/multimodal flags (None: not a VLM run)
     tokens_per_tile: Optional[int] = None
+    pipeline_model_parallel_size: int = 1
+    context_parallel_size: int = 1
+    #: ``--load`` and ``--save`` (``--mm-balance-cost auto`` keeps its fit beside the checkpoints)
+    load: Optional[str] = None
+    save: Optional[str] = None
     #: the iteration training starts from (``args.iteration``: a resumed run's checkpoint)
     start_iteration: int = 0
     schedule: BatchSchedule = field(default_factory=BatchSchedule)
@@ -169,6 +175,10 @@ class MegatronArgs:
             log_interval=get("log_interval"),
             tensorboard_dir=get("tensorboard_dir"),
             tokens_per_tile=_multimodal_tokens_per_tile(args),
+            pipeline_model_parallel_size=int(get("pipeline_model_parallel_size", 1)),
+            context_parallel_size=int(get("context_parallel_size", 1)),
+            load=get("load"),
+            save=get("save"),
             start_iteration=int(get("iteration", 0)),
             schedule=BatchSchedule(
                 global_batch_size=get("global_batch_size"), micro_batch_size=mbs,
@@ -222,9 +232,22 @@ class MMBalanceConfig:
                      "micro-step), 'step' balances per-rank totals (pure data parallel). 'auto' "
                      "picks microstep when --expert-model-parallel-size > 1, else step.",
                      type=str, choices=SYNC_CHOICES)
-    cost: str = flag("image-tokens", "--mm-balance-cost", "Cost of a pack: its image tokens, or a "
-                     "calibrated cost model read from --mm-balance-cost-file (exchange and shadow "
-                     "mode; sampler mode reads image tokens only).", type=str, choices=COST_CHOICES)
+    cost: str = flag("image-tokens", "--mm-balance-cost", "Cost of a pack: its image tokens, a "
+                     "calibrated cost model read from --mm-balance-cost-file, or 'auto': a cost model "
+                     "fitted from the job's own per-pack timings of its first "
+                     "--mm-balance-calibration-iters iterations (image tokens until then; saved "
+                     "beside the checkpoints). Exchange and shadow mode; sampler mode reads image "
+                     "tokens only.", type=str, choices=COST_CHOICES)
+    calibration_iters: int = flag(DEFAULT_CALIBRATION_ITERS, "--mm-balance-calibration-iters",
+                                  "Iterations --mm-balance-cost auto calibrates on (the first is "
+                                  "dropped); default %(default)s.", type=int, minimum=2)
+    #: resolved: also on with --mm-balance-timing-dir, or --mm-balance with --mm-balance-cost auto
+    timing: bool = flag(False, "--mm-balance-timing", "Time the vision encoder and the language "
+                        "model, forward and backward, for every micro-batch (module hooks; works "
+                        "with --mm-balance off); logged per --log-interval.")
+    timing_dir: Optional[str] = flag(None, "--mm-balance-timing-dir", "Also write the per-pack "
+                                     "timings as JSON Lines, one file per rank, into this directory "
+                                     "(implies --mm-balance-timing).", type=str, metavar="DIR")
     cost_file: Optional[str] = flag(None, "--mm-balance-cost-file", "Cost file (JSON, format "
                                     "mm-balance-cost/v1) for --mm-balance-cost model.", type=str)
     mode: str = flag("auto", "--mm-balance-mode", "'exchange' moves packed tensors between ranks; "
@@ -278,6 +301,7 @@ class MMBalanceConfig:
                                 m.log_interval or DEFAULT_LOG_INTERVAL),
             "ranks_per_node": self.ranks_per_node if self.ranks_per_node is not None else
             m.local_world_size,
+            "timing": bool(self.timing or self.timing_dir or (self.enabled and self.cost == "auto")),
         }
         for name, value in resolve.items():
             object.__setattr__(self, name, value)

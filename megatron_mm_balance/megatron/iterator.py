@@ -102,6 +102,9 @@ def make_cost_fn(cfg: MMBalanceConfig):
     Ranks meeting every micro-step (``microstep`` sync) balance the vision and the language
     phase of a calibrated model separately; otherwise only the total counts."""
     from ..cost.pack import ImageTokenCost, ModelCost
+    if cfg.cost == "auto":
+        raise ValueError("--mm-balance-cost auto has no fixed cost function: each exchange group "
+                         "fits its own (megatron.timing.auto_cost_fn)")
     if cfg.cost == "model":
         return ModelCost(cfg.cost_file, cfg.tokens_per_tile, phases=cfg.sync == "microstep")
     return ImageTokenCost(cfg.tokens_per_tile)
@@ -178,10 +181,13 @@ class ExchangeCoordinator(Coordinator):
     """Exchange (and shadow) mode: a :class:`~megatron_mm_balance.runtime.BalancedDataIterator`
     per chunk moves packed micro-batches between ranks (shadow: plans, logs, moves nothing)."""
 
-    def __init__(self, cfg: MMBalanceConfig, *, cost_fn=None, num_microbatches=None):
+    def __init__(self, cfg: MMBalanceConfig, *, cost_fn=None, num_microbatches=None, timing=None):
         super().__init__(cfg)
         self.mode = cfg.mode if cfg.mode == "shadow" else "exchange"
-        self.cost_fn = make_cost_fn(cfg) if cost_fn is None else cost_fn
+        self.timing = timing            # the per-pack timings (``--mm-balance-cost auto`` fits them)
+        if cost_fn is None and cfg.cost != "auto":
+            cost_fn = make_cost_fn(cfg)
+        self.cost_fn = cost_fn          # None: auto, one per exchange group (it agrees on the group)
         self.num_microbatches = num_microbatches
 
     def wrap(self, source, group, chunk: int, recorder=None):
@@ -189,9 +195,13 @@ class ExchangeCoordinator(Coordinator):
         from ..runtime import BalancedDataIterator
 
         state_fn = getattr(source, "save_state", None)     # energon: called by the exchange thread
+        cost_fn = self.cost_fn
+        if cost_fn is None:
+            from .timing import auto_cost_fn
+            cost_fn = auto_cost_fn(self.cfg, self.timing, group)
         # Packs stay where the loader put them (device None); get_batch moves them.
         balanced = BalancedDataIterator(source, num_microbatches=_schedule_for(self.cfg, self.num_microbatches),
-                                        group=group, exchange_group=group, cost_fn=self.cost_fn,
+                                        group=group, exchange_group=group, cost_fn=cost_fn,
                                         config=self.cfg.runtime(),
                                         state_fn=state_fn if callable(state_fn) else None,
                                         predict_microbatches=_predictor_for(self.cfg, self.num_microbatches),
@@ -226,16 +236,27 @@ class SamplerCoordinator(Coordinator):
 
 
 def coordinator_for(cfg: MMBalanceConfig, samplers=(), *, cost_fn=None,
-                    num_microbatches=None) -> Coordinator:
+                    num_microbatches=None, timing=None) -> Coordinator:
     """Sampler mode when :func:`~.sampler.maybe_balanced_sampler` installed balanced
-    ``samplers`` for this run (it runs first, when the loaders are built), else the exchange."""
+    ``samplers`` for this run (it runs first, when the loaders are built), else the exchange
+    (``timing``: the per-pack timings that ``--mm-balance-cost auto`` fits)."""
     if samplers:
         return SamplerCoordinator(cfg, samplers)
-    return ExchangeCoordinator(cfg, cost_fn=cost_fn, num_microbatches=num_microbatches)
+    return ExchangeCoordinator(cfg, cost_fn=cost_fn, num_microbatches=num_microbatches, timing=timing)
+
+
+def _install_timing(model, cfg: MMBalanceConfig, args):
+    """``--mm-balance-timing`` (``-dir``, or ``--mm-balance-cost auto``): the timing hooks on
+    ``model``'s chunks, on every rank; None when not asked for or without a model. The
+    recorder reads Megatron's live ``args.curr_iteration`` to label each micro-batch."""
+    if model is None or not cfg.timing:
+        return None
+    from .timing import install_timing
+    return install_timing(model, out_dir=cfg.timing_dir, interval=cfg.log_interval, args=args)
 
 
 def wrap_train_data_iterator(train_data_iterator, args=None, *, exchange_groups=None,
-                             num_microbatches=None, cost_fn=None, layout=None):
+                             num_microbatches=None, cost_fn=None, layout=None, model=None):
     """Wrap Megatron's train iterator(s) for ``--mm-balance``; a no-op when the flag is off.
 
     Accepts what ``build_train_valid_test_data_iterators`` returns: a
@@ -250,12 +271,15 @@ def wrap_train_data_iterator(train_data_iterator, args=None, *, exchange_groups=
     not running Megatron's ``pretrain``: ``num_microbatches`` (int or zero-arg callable,
     default :class:`MicrobatchSchedule`), ``cost_fn`` (default :func:`make_cost_fn`),
     ``layout`` (this rank's :class:`~.groups.RankLayout`, or the same as a
-    ``{"holds_data", "dp_ranks"}`` dict; default from ``megatron.core.parallel_state``).
+    ``{"holds_data", "dp_ranks"}`` dict; default from ``megatron.core.parallel_state``),
+    ``model`` (the model chunks, for the per-pack timing hooks of ``--mm-balance-timing`` and
+    ``--mm-balance-cost auto``, which are installed here, with ``--mm-balance`` off too).
     """
     if args is None:
         from megatron.training import get_args
         args = get_args()
     cfg = checked_config(args)
+    timing = _install_timing(model, cfg, args)
     if not cfg.enabled:
         if cfg.record_samples:
             return _recording_only(train_data_iterator, cfg, args)
@@ -269,7 +293,7 @@ def wrap_train_data_iterator(train_data_iterator, args=None, *, exchange_groups=
         raise ValueError(f"exchange_groups has {len(exchange_groups)} model chunks, the train "
                          f"iterators {len(iterators)}")
     coordinator = coordinator_for(cfg, installed_train_samplers(args), cost_fn=cost_fn,
-                                  num_microbatches=num_microbatches)
+                                  num_microbatches=num_microbatches, timing=timing)
     wrapped = [it if it is None or group is None
                else coordinator.wrap(_unwrap(it), group, chunk, _recorder(cfg, args, chunk))
                for chunk, (it, group) in enumerate(zip(iterators, exchange_groups))]

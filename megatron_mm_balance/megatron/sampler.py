@@ -215,8 +215,8 @@ def maybe_balanced_sampler(batch_sampler, dataset, args=None):
         from megatron.training import get_args
         args = get_args()
     cfg = checked_config(args)
-    if not cfg.enabled or cfg.mode in ("exchange", "shadow"):
-        return batch_sampler
+    if not cfg.enabled or cfg.mode in ("exchange", "shadow") or cfg.cost != "image-tokens":
+        return batch_sampler           # the sampler can only balance the dataset's image tokens
     split = getattr(dataset, "split", getattr(dataset, "index_split", None))
     if split is not None and getattr(split, "name", str(split)) != "train":
         return batch_sampler

@@ -32,7 +32,8 @@ from typing import Dict, Iterable, Optional
 
 #: the per-rank transfer figures (exchange and shadow mode; nothing travels in sampler mode)
 _TRANSFER = ("packs_sent", "packs_received", "bytes_sent", "bytes_received", "inter_node_bytes_sent")
-_TIMES = ("allgather_ms", "solver_ms", "exchange_ms", "consumer_wait_ms", "consumer_wait_first_ms")
+_TIMES = ("allgather_ms", "solver_ms", "exchange_ms", "exchange_cpu_ms", "consumer_wait_ms",
+          "consumer_wait_first_ms")
 
 
 def _ratio(num: float, den: float) -> float:

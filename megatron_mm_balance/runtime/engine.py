@@ -66,6 +66,8 @@ class Traffic:
     bytes_received: int = 0
     inter_node_bytes_sent: int = 0
     exchange_ms: float = 0.0
+    #: CPU time of the thread that drove the batch (pull, agreement, plan, exchange)
+    exchange_cpu_ms: float = 0.0
 
 
 @dataclass
@@ -98,7 +100,7 @@ class BatchPlan:
             packs_received=t.packs_received, bytes_sent=t.bytes_sent, bytes_received=t.bytes_received,
             inter_node_bytes_sent=t.inter_node_bytes_sent, my_costs=self.my_costs,
             allgather_ms=self.allgather_ms, solver_ms=self.solver_ms, exchange_ms=t.exchange_ms,
-            prefetched=self.prefetched, consumer_wait_ms=consumer_wait_ms,
+            exchange_cpu_ms=t.exchange_cpu_ms, prefetched=self.prefetched, consumer_wait_ms=consumer_wait_ms,
             consumer_wait_first_ms=consumer_wait_first_ms)
 
 
@@ -143,7 +145,18 @@ class Engine:
     # -- start of a global batch ---------------------------------------------
     def start_batch(self, gb: int, G: int) -> BatchPlan:
         """Pull, agree and plan global batch ``gb``; with a ``state_fn`` the plan also
-        carries the source's state right after the pull (before batch ``gb + 1``)."""
+        carries the source's state right after the pull (before batch ``gb + 1``).
+
+        A ``cost_fn`` with ``for_batch(gb)`` (``--mm-balance-cost auto``) gives this batch's
+        cost function, called here on every rank at the same batch (it may agree on a
+        calibration over the exchange group first). The CPU time of the thread that runs
+        this (the exchange thread with overlap) is counted in the batch's traffic."""
+        cpu0 = time.thread_time()
+        plan = self._start_batch(gb, G)
+        plan.traffic.exchange_cpu_ms += (time.thread_time() - cpu0) * 1e3
+        return plan
+
+    def _start_batch(self, gb: int, G: int) -> BatchPlan:
         packs, costs, status, err, state_after = self._pull(gb, G)
         pulled = len(packs)
         if self.world == 1:
@@ -163,6 +176,7 @@ class Engine:
     def _pull(self, gb: int, G: int):
         """This rank's packs of batch ``gb``, their integer costs, how it went (a
         :class:`~.agreement.BatchStatus` and the error), and the source's state after."""
+        cost_fn = self.cost_fn.for_batch(gb) if hasattr(self.cost_fn, "for_batch") else self.cost_fn
         self._beat("pulling packs from the data source")
         packs, costs, status, err, state_after = [], [], BatchStatus.OK, None, None
         try:
@@ -181,7 +195,7 @@ class Engine:
             status, err = BatchStatus.SOURCE_ERROR, e
         if status == BatchStatus.OK:
             try:
-                costs = [to_int_costs(self.cost_fn(p), self.components,
+                costs = [to_int_costs(cost_fn(p), self.components,
                                       f" for a pack at global batch {gb}") for p in packs]
             except Exception as e:
                 status, err = BatchStatus.COST_ERROR, e
@@ -255,7 +269,7 @@ class Engine:
     def step(self, plan: BatchPlan, k: int) -> Item:
         """Deliver micro-step ``k``: send the packs peers compute now, receive (or take)
         the one this rank computes."""
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.thread_time()
         gb, P, me, t = plan.global_batch, plan.placement, self.me, plan.traffic
         src_r, src_i = int(P.src_rank[me, k]), int(P.src_index[me, k])
         sends = []
@@ -280,6 +294,9 @@ class Engine:
         for pending in sends:
             self.transport.finish(pending, gb, k)
         t.exchange_ms += (time.perf_counter() - t0) * 1e3
+        # CPU time of the thread that ran it (the exchange thread with overlap): its share of
+        # the core the training thread also needs.
+        t.exchange_cpu_ms += (time.thread_time() - cpu0) * 1e3
         item.num_microbatches = plan.num_microbatches
         if k == plan.num_microbatches - 1:
             item.batch = plan

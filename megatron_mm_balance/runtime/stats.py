@@ -58,6 +58,10 @@ class BatchStats:
     allgather_ms: float = 0.0
     solver_ms: float = 0.0
     exchange_ms: float = 0.0
+    #: milliseconds of CPU time (``time.thread_time``) of the thread that pulled, agreed,
+    #: planned and exchanged the batch: the background thread with overlap, whose share of
+    #: the cores the training thread also needs
+    exchange_cpu_ms: float = 0.0
     #: the batch was pulled and solved before the training loop asked for it
     prefetched: bool = False
     #: milliseconds the consumer's ``next()`` blocked on this batch, in all / at its first

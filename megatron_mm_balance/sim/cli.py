@@ -4,7 +4,10 @@
         --sync microstep [--timing FILE|NAME] [--batches N] --out DIR
 
 TRACE is a trace file (JSON Lines or OmniBal-style JSON array) or the name of a
-built-in mixture (``megatron_mm_balance.data.mixtures.MIXTURES``). Writes
+built-in mixture (``megatron_mm_balance.data.mixtures.MIXTURES``), or a training job's
+per-pack timing directory (``--mm-balance-timing-dir``): then its own global batches
+are simulated as the job laid them out, with ``--timing run`` a timing model fitted
+from the job's own timings (:mod:`.run_trace`). Writes
 ``DIR/report.json`` and PNG plots, prints a table. Bad input exits with status 2
 and a one-line message.
 """
@@ -35,18 +38,21 @@ class SimInputError(ValueError):
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("trace", metavar="TRACE",
-                   help=f"trace file, or a built-in mixture: {', '.join(MIXTURES)}")
+                   help=f"trace file, a built-in mixture ({', '.join(MIXTURES)}), or a job's "
+                        f"--mm-balance-timing-dir (its own layout; --timing run fits the timing model)")
     p.add_argument("--dp", default="64,256,1024",
                    help="data-parallel sizes, comma separated (default 64,256,1024)")
     p.add_argument("--ga", default="16", help="micro-steps per global batch (default 16)")
-    p.add_argument("--seq-len", default="8192", help="packed sequence length (default 8192)")
+    p.add_argument("--seq-len", default=None,
+                   help="packed sequence length (default 8192; a job's layout: its longest pack)")
     p.add_argument("--sync", default="microstep",
                    help="where ranks meet: microstep (MoE expert parallel) or step (pure DP)")
     p.add_argument("--pp", default="1",
                    help="pipeline stages; the vision encoder sits on the first (default 1)")
     p.add_argument("--timing", default="default",
                    help="timing model: a YAML/JSON file or a name in configs/ "
-                        "(default, vlm_2b_dense, vlm_30b_moe)")
+                        "(default, vlm_2b_dense, vlm_30b_moe); with a job's timing directory also "
+                        "'run': fitted from its own timings")
     p.add_argument("--timing-set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override one timing value, e.g. exchange.link_gbps=40 (repeatable)")
     p.add_argument("--llm-params", default=None,
@@ -72,6 +78,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draw", default="iid",
                    help="how ranks draw packs from the packed pool: iid or contiguous")
     p.add_argument("--buffer", default="1024", help="packing buffer size (default 1024)")
+    p.add_argument("--skip-iterations", default="2",
+                   help="a job's timing directory: leave out its first N iterations (default 2, the "
+                        "two Megatron averages into its second log line)")
     p.add_argument("--samples", default=None,
                    help="samples to draw for a synthetic mixture (default: the mixture's own)")
     p.add_argument("--pool-samples", default="30000",
@@ -183,10 +192,12 @@ def run(args) -> int:
 
 
 def _run(args) -> int:
+    if os.path.isdir(args.trace):
+        return _run_layout(args)
     t_start = time.perf_counter()
     dps = _int_list("--dp", args.dp, 1, MAX_DP)
     ga = _int("--ga", args.ga)
-    seq_len = _int("--seq-len", args.seq_len)
+    seq_len = _int("--seq-len", args.seq_len or "8192")
     pp = _int("--pp", args.pp)
     batches = _int("--batches", args.batches)
     buffer = _int("--buffer", args.buffer)
@@ -290,6 +301,51 @@ def _run(args) -> int:
               f"{seq_len} and were left out of every pool (see meta.pools in report.json)")
     print(f"\n{len(runs)} runs, {batches} global batches each; packing {pack_s:.1f} s, "
           f"simulation {sim_s:.1f} s; report: {os.path.join(out, 'report.json')}")
+    return 0
+
+
+def _run_layout(args) -> int:
+    """``mm-balance simulate RUN_TIMING_DIR``: the job's own global batches as it laid them out."""
+    from .run_trace import LAYOUT_STRATEGIES, RunTraceError, fit_timing_model, load_run, simulate_layout, \
+        timing_file
+    from .timing import apply_overrides, model_from_dict
+    t_start = time.perf_counter()
+    try:
+        run = load_run(args.trace, skip_iterations=_int("--skip-iterations", args.skip_iterations, 0))
+    except RunTraceError as exc:
+        raise SimInputError(str(exc)) from None
+    I, D, G = run.shape
+    seq_len = None if args.seq_len is None else _int("--seq-len", args.seq_len)
+    sync = _choice("--sync", args.sync, ("microstep", "step"))
+    balance_cost = _choice("--balance-cost", args.balance_cost, BALANCE_COSTS)
+    asked = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    strategies = [s for s in asked if s in LAYOUT_STRATEGIES]
+    skipped = [s for s in asked if s not in LAYOUT_STRATEGIES]
+    if "none" not in strategies:
+        strategies.insert(0, "none")
+    if args.timing == "run":
+        fitted, fit_report = fit_timing_model(run, seq_len=seq_len)
+        timing = model_from_dict(apply_overrides(timing_file(fitted), args.timing_set), name="run")
+    else:
+        timing, fit_report = load_timing(args.timing, args.timing_set), None
+    os.makedirs(args.out, exist_ok=True)
+    ranks_per_node = _int("--ranks-per-node", args.ranks_per_node)
+    runs = simulate_layout(run, timing, sync=sync, balance_cost=balance_cost, strategies=strategies,
+                           prefetch=bool(args.prefetch), seq_len=seq_len,
+                           ranks_per_node=ranks_per_node if ranks_per_node > 1 else None)
+    meta = {"trace": args.trace, "layout": {"iterations": run.iterations, "ranks": run.ranks,
+                                            "microsteps": G},
+            "timing": [timing.to_dict()], "timing_fit": fit_report,
+            "skipped_strategies": skipped,
+            "resampling": "none: the job's own global batches in the order it computed them",
+            "elapsed_s": {"total": time.perf_counter() - t_start}}
+    write_report(args.out, runs, meta)
+    print(format_table(runs))
+    if skipped:
+        print(f"\nnote: {', '.join(skipped)} left out: a job's layout is simulated with "
+              f"{', '.join(LAYOUT_STRATEGIES)} only (budget packing would re-pack its data)")
+    print(f"\n{len(runs)} runs on the job's {I} global batches of DP={D} x GA={G}; "
+          f"report: {os.path.join(args.out, 'report.json')}")
     return 0
 
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..cost.model import FeatureArrays, image_token_costs
 from .pool import PackPool, draw_indices
 from .strategies import (DEFAULT_STRATEGIES, exchange_times, inter_node_mask, local_order,
                          redistribute_order)
@@ -84,31 +85,34 @@ def resolve_balance_cost(balance_cost: str, t: TimingModel) -> str:
     return "two-phase" if vision and llm else "time"
 
 
+def pool_features(pool: PackPool, t: TimingModel) -> FeatureArrays:
+    """The cost estimator's features of every pack in ``pool`` (positions: the sequence
+    length when the timing model computes padding, else each pack's own tokens)."""
+    positions = np.broadcast_to(np.asarray(pool.seq_len if t.llm_compute_padding else pool.tokens,
+                                           dtype=np.float64), pool.tokens.shape)
+    return FeatureArrays(image_tokens=pool.image_tokens, image_sq=pool.image_sq,
+                         has_images=pool.num_images > 0, positions=positions,
+                         len_sq=pool.sample_len_sq)
+
+
 def pack_phases(pool: PackPool, t: TimingModel, *, pp: int = 1,
                 balance_cost: str = "time") -> PackPhases:
-    """Vectorised timing of every pack in ``pool`` under timing model ``t``."""
+    """Timing of every pack in ``pool`` under timing model ``t``, through the project's cost
+    estimator (:class:`~megatron_mm_balance.cost.model.CostModel`, which also gives the
+    placement's integer costs: the runtime's own ``--mm-balance-cost model`` arithmetic)."""
     balance_cost = resolve_balance_cost(balance_cost, t)
-    has_img = pool.num_images > 0
-    vf = (t.vision_ms_per_token * pool.image_tokens + t.vision_ms_per_token_sq * pool.image_sq
-          + t.vision_ms_per_pack * has_img)
-    positions = pool.seq_len if t.llm_compute_padding else pool.tokens
-    lf = t.llm_ms_per_token * positions + t.llm_ms_per_token_sq * pool.sample_len_sq
-    lf = np.broadcast_to(np.asarray(lf, dtype=np.float64), vf.shape)
-    lm_full = lf * (1.0 + t.llm_bwd_fwd_ratio)
-    lm = lm_full / pp
-    vb = vf * t.vision_bwd_fwd_ratio
+    if balance_cost not in BALANCE_COSTS:
+        raise ValueError(f"balance cost must be one of {BALANCE_COSTS}, got {balance_cost!r}")
+    model, feats = t.cost_model(), pool_features(pool, t)
+    ph = model.phase_ms(feats)
+    vf, vb = ph.vision_forward, ph.vision_backward
+    lm = ph.llm / pp
     nbytes = (t.bytes_per_image_token * pool.image_tokens
               + t.bytes_per_text_token * pool.text_tokens).astype(np.float64)
-    if balance_cost == "two-phase":
-        # Vision forward + backward and the language phase, integer microseconds.
-        cost = np.stack([np.rint((vf + vb) * 1000.0), np.rint(lm * 1000.0)], axis=1).astype(np.int64)
-    elif balance_cost == "time":
-        # Integer microseconds: identical on every rank, fine enough to rank packs.
-        cost = np.rint((vf + lm + vb) * 1000.0).astype(np.int64)
-    elif balance_cost == "image-tokens":
-        cost = pool.image_tokens.astype(np.int64)
-    else:
-        raise ValueError(f"balance cost must be one of {BALANCE_COSTS}, got {balance_cost!r}")
+    if balance_cost == "image-tokens":
+        cost = image_token_costs(feats)
+    else:        # two-phase: (vision, language) microseconds; time: their sum
+        cost = model.integer_costs(feats, balance_cost, llm_divisor=pp, phases=ph)
     bubble = (pp - 1) * float(lm.mean()) if pp > 1 else 0.0
     return PackPhases(vf.astype(np.float64), lm.astype(np.float64), vb.astype(np.float64),
                       nbytes, cost, pool.tokens.astype(np.float64), bubble)
@@ -163,6 +167,26 @@ def _gather(ph: PackPhases, idx: np.ndarray):
     return ph.vf[idx], ph.lm[idx], ph.vb[idx]
 
 
+def _noise_field(timing: TimingModel, shape, seed: int, b0: int):
+    """Per timeline slot factors ``(vision [B, D, G], language [B, 1, G])`` of the timing
+    model's compute noise, the same for every strategy at the same slot; None without."""
+    if not (timing.vision_noise_cv or timing.llm_noise_cv):
+        return None
+    B, D, G = shape
+    rng = np.random.default_rng([seed, D, G, b0, 7919])
+    zv = np.maximum(0.0, 1.0 + timing.vision_noise_cv * rng.standard_normal((B, D, G)))
+    zl = np.maximum(0.0, 1.0 + timing.llm_noise_cv * rng.standard_normal((B, 1, G)))
+    return zv, zl
+
+
+def _timeline(vf, lm, vb, noise, **kw):
+    """:func:`.timeline.simulate_timeline` of phases in compute order, with the noise field."""
+    if noise is not None:
+        zv, zl = noise
+        vf, lm, vb = vf * zv, lm * zl, vb * zv
+    return simulate_timeline(vf, lm, vb, **kw)
+
+
 def _reorder(arrs, order):
     B, D, G = order.shape
     flat = order.reshape(B, -1)
@@ -171,15 +195,24 @@ def _reorder(arrs, order):
 
 def simulate_dp(cfg: SimConfig, D: int, timing: TimingModel, pool: PackPool,
                 budget_pools: dict[int, PackPool], *, progress=None,
-                keep_heatmap: bool = False) -> tuple[list[dict], dict | None]:
-    """All strategies at one DP size; returns (runs, heat maps of batch 0 or None)."""
+                keep_heatmap: bool = False, indices: np.ndarray | None = None
+                ) -> tuple[list[dict], dict | None]:
+    """All strategies at one DP size; returns (runs, heat maps of batch 0 or None).
+
+    ``indices`` ``[B, D, G]`` (pool indices): the global batches as a run laid them out
+    (``mm-balance simulate RUN_DIR``) instead of the seeded resampling of the pool."""
     G, B, sync = cfg.ga, cfg.batches, cfg.sync
     want = set(cfg.strategies)
     ph = pack_phases(pool, timing, pp=cfg.pp, balance_cost=cfg.balance_cost)
     ov = timing.step_overhead_ms
     if ov <= 0 and not (ph.vf.any() or ph.lm.any()):
         raise ValueError(f"timing model {timing.name!r} gives every pack zero time")
-    idx_all = draw_indices(len(pool), B, D, G, seed=cfg.seed, mode=cfg.draw)
+    if indices is None:
+        idx_all = draw_indices(len(pool), B, D, G, seed=cfg.seed, mode=cfg.draw)
+    else:
+        idx_all = np.asarray(indices, dtype=np.int64)
+        if idx_all.shape != (B, D, G):
+            raise ValueError(f"layout indices have shape {idx_all.shape}, expected {(B, D, G)}")
     acc = {s: _Acc() for s in ("none", "local", "redistribute-sync", "redistribute-overlap",
                                "redistribute-images")}
     heat = {} if keep_heatmap else None
@@ -191,7 +224,8 @@ def simulate_dp(cfg: SimConfig, D: int, timing: TimingModel, pool: PackPool,
         nb = len(idx)
         vf, lm, vb = _gather(ph, idx)
         tok = ph.tokens[idx]
-        res = simulate_timeline(vf, lm, vb, sync=sync, bubble=ph.bubble, overhead=ov)
+        noise = _noise_field(timing, (nb, D, G), cfg.seed, b0)
+        res = _timeline(vf, lm, vb, noise, sync=sync, bubble=ph.bubble, overhead=ov)
         acc["none"].add(res, tok, D, ov)
         if heat is not None and b0 == 0:
             heat["none"] = (vf + lm + vb)[0]
@@ -199,7 +233,7 @@ def simulate_dp(cfg: SimConfig, D: int, timing: TimingModel, pool: PackPool,
             lc = ph.cost[idx]
             order = local_order(lc.sum(axis=-1) if lc.ndim == 4 else lc)
             lvf, llm, lvb = _reorder((vf, lm, vb), order)
-            acc["local"].add(simulate_timeline(lvf, llm, lvb, sync=sync, bubble=ph.bubble,
+            acc["local"].add(_timeline(lvf, llm, lvb, noise, sync=sync, bubble=ph.bubble,
                                                overhead=ov), tok, D, ov)
             if heat is not None and b0 == 0:
                 heat["local"] = (lvf + llm + lvb)[0]
@@ -221,8 +255,11 @@ def simulate_dp(cfg: SimConfig, D: int, timing: TimingModel, pool: PackPool,
             inter_bytes, inter_moved = float(b_in[inter].sum()), int(inter.sum())
             for name, mode in (("redistribute-sync", "sync"), ("redistribute-overlap", "overlap")):
                 if name in want:
-                    r = simulate_timeline(rvf, rlm, rvb, sync=sync, exchange=mode, x=x,
-                                          bubble=ph.bubble, overhead=ov,
+                    # the synchronous balancer also waits for each batch's pull, all-gather
+                    # and solve (the overlapped one hides them)
+                    r = _timeline(rvf, rlm, rvb, noise, sync=sync, exchange=mode, x=x,
+                                  bubble=ph.bubble,
+                                  overhead=ov + (timing.sync_batch_ms if mode == "sync" else 0.0),
                                           prefetch=cfg.prefetch and mode == "overlap")
                     acc[name].add(r, tok, D, ov, moved_bytes, moved, inter_bytes, inter_moved)
             if heat is not None and b0 == 0:

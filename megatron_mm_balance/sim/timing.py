@@ -9,12 +9,26 @@ A pack's phases, in the order a rank runs them:
   sequence length when padding is computed (fixed-length packed tensors, the
   Megatron default) or the pack's real tokens otherwise, and ``len_j`` the
   lengths of the pack's samples (variable-length attention);
-* backward of each part = its ``bwd_fwd_ratio`` x its forward.
+* backward of each part = its ``bwd_fwd_ratio`` x its forward;
+* optionally ``noise_cv`` (vision, llm): the relative spread of the measured compute
+  around these terms (a fit's residual), applied to each timeline slot with a seeded
+  normal draw after the placement, which sees only the terms (default 0: none).
+
+These are the terms of the project's one cost estimator,
+:class:`megatron_mm_balance.cost.model.CostModel`: :meth:`TimingModel.cost_model`
+converts (``bwd_fwd_ratio`` is the cost model's ``*_backward_ratio``, backward
+milliseconds = ratio x the same phase's forward milliseconds), and the simulator
+computes every pack's phase times and integer costs through it. What the timing
+model adds is the cluster around the compute: the fixed per-step overhead, the
+exchange link, and whether padding is computed (the positions the language model
+processes).
 
 Moving a pack costs ``bytes_per_image_token * image_tokens + bytes_per_text_token
 * text_tokens`` bytes over a link of ``link_gbps`` GB/s, plus ``latency_ms`` per
-micro-step in which a rank sends or receives anything. Image-level vision
-balancing (:mod:`.vision_balance`) also sends each moved image token's embedding,
+micro-step in which a rank sends or receives anything; a synchronous exchange also
+exposes ``sync_batch_ms`` per global batch (pulling the batch, the all-gather, the
+solve: what the overlapped one hides). Image-level vision balancing
+(:mod:`.vision_balance`) also sends each moved image token's embedding,
 ``bytes_per_embedding_token`` (default: 2 bytes x ``llm.hidden``), back after the
 encoder and its gradient after the language backward, over the same link.
 
@@ -65,9 +79,26 @@ class TimingModel:
     bytes_per_embedding_token: float = 0.0  # an image token's LLM embedding (image balancing)
     link_gbps: float = 1.0                  # GB/s per rank for the pack exchange
     latency_ms: float = 0.0                 # per micro-step with any traffic
+    sync_batch_ms: float = 0.0              # synchronous exchange: exposed pull + all-gather + solve
+    #: relative spread of a pack's compute around the model (machine noise no placement can
+    #: see): each slot's vision time x (1 + cv * z), each micro-step's language phase likewise
+    vision_noise_cv: float = 0.0
+    llm_noise_cv: float = 0.0
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def cost_model(self):
+        """The compute terms as the project's cost estimator
+        (:class:`~megatron_mm_balance.cost.model.CostModel`, same meaning of every term)."""
+        from ..cost.model import CostModel
+        return CostModel(vision_ms_per_token=self.vision_ms_per_token,
+                         vision_ms_per_token_sq=self.vision_ms_per_token_sq,
+                         vision_ms_per_pack=self.vision_ms_per_pack,
+                         vision_backward_ratio=self.vision_bwd_fwd_ratio,
+                         llm_ms_per_token=self.llm_ms_per_token,
+                         llm_ms_per_len_sq=self.llm_ms_per_token_sq,
+                         llm_backward_ratio=self.llm_bwd_fwd_ratio)
 
     def with_llm_params(self, params_b: float) -> "TimingModel":
         """The same model with an LLM of ``params_b`` active parameters (billions).
@@ -152,6 +183,8 @@ def model_from_dict(cfg: dict, *, name: str = "timing") -> TimingModel:
         vision_ms_per_token_sq=vb,
         vision_ms_per_pack=_num(v, "ms_per_pack", "vision", default=0.0),
         vision_bwd_fwd_ratio=_num(v, "bwd_fwd_ratio", "vision", default=2.0),
+        vision_noise_cv=_num(v, "noise_cv", "vision", default=0.0),
+        llm_noise_cv=_num(l, "noise_cv", "llm", default=0.0),
         llm_ms_per_token=la,
         llm_ms_per_token_sq=lc,
         llm_bwd_fwd_ratio=_num(l, "bwd_fwd_ratio", "llm", default=2.0),
@@ -165,6 +198,7 @@ def model_from_dict(cfg: dict, *, name: str = "timing") -> TimingModel:
                                        default=2.0 * float(l.get("hidden", 0) or 0)),
         link_gbps=_num(x, "link_gbps", "exchange", minimum=1e-9),
         latency_ms=_num(x, "latency_ms", "exchange", default=0.0),
+        sync_batch_ms=_num(x, "sync_batch_ms", "exchange", default=0.0),
     )
 
 

@@ -38,8 +38,9 @@ rewriting, streams/events, the RNG tracker, ``te_general_gemm``):
 * the example hard-codes CLIP ViT-L/14 (24 layers, hidden 1024) for
   ``--vision-model-type clip`` (``examples/multimodal/config.py``): the
   harness shrinks it to :data:`TINY_VIT` after the example builds its config,
-  so two CPU cores can train it; a CPU-only concern, so it lives here and
-  not in ``patches/``. Likewise the vision projection's FFN
+  so two CPU cores can train it, or to the size the launch config chooses
+  in ``MM_BALANCE_CPU_VIT`` (:func:`vit_size`; ``configs/megatron/vision_heavy_cpu.sh``
+  exports one); a CPU-only concern, so it lives here and not in ``patches/``. Likewise the vision projection's FFN
   (:data:`TINY_PROJECTION_FFN`) and the language model's dense FFN
   (:data:`TINY_LM_FFN`; the example hard-codes 18944 for ``qwen2.5_7B``).
 * without transformer-engine the example's no-TE specs need what only TE
@@ -79,6 +80,9 @@ import types
 TINY_VIT = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=4,
                 kv_channels=16, ffn_hidden_size=128)
 """The CPU vision encoder: CLIP's architecture (LayerNorm, quick-GELU, biases), 2 small layers."""
+VIT_ENV = "MM_BALANCE_CPU_VIT"
+"""Environment variable a launch config exports to size the CPU vision encoder:
+``LAYERS,HIDDEN,HEADS,FFN`` (e.g. ``6,384,6,1536``); unset: :data:`TINY_VIT`."""
 TINY_PROJECTION_FFN = 256
 """Hidden size of the vision projection MLP on CPU (the example sizes it for a 7B LM)."""
 TINY_LM_FFN = 512
@@ -249,17 +253,35 @@ def install() -> None:
     _DONE = True
 
 
+def vit_size(spec: str | None = None) -> dict:
+    """The CPU vision encoder's size: :data:`TINY_VIT`, or ``LAYERS,HIDDEN,HEADS,FFN`` from
+    ``spec`` (default: the ``MM_BALANCE_CPU_VIT`` environment variable); one-line errors."""
+    spec = os.environ.get(VIT_ENV) if spec is None else spec
+    if not spec:
+        return dict(TINY_VIT)
+    parts = spec.replace(" ", "").split(",")
+    try:
+        layers, hidden, heads, ffn = (int(p) for p in parts)
+    except ValueError:
+        raise SystemExit(f"{VIT_ENV}={spec!r}: expected LAYERS,HIDDEN,HEADS,FFN (four integers)") from None
+    if min(layers, hidden, heads, ffn) < 1 or hidden % heads:
+        raise SystemExit(f"{VIT_ENV}={spec!r}: sizes must be >= 1 and HIDDEN a multiple of HEADS")
+    return dict(num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+                num_query_groups=heads, kv_channels=hidden // heads, ffn_hidden_size=ffn)
+
+
 def _shrink_clip() -> None:
     import config as mm_config  # examples/multimodal/config.py (on PYTHONPATH via the launcher)
     import model as mm_model
 
     orig = mm_config.get_vision_model_config
     orig_proj = mm_config.get_vision_projection_config
+    vit = vit_size()
 
     def get_vision_model_config(config, apply_query_key_layer_scaling):
         config = orig(config, apply_query_key_layer_scaling)
         if config.vision_model_type == "clip":
-            for k, v in TINY_VIT.items():
+            for k, v in vit.items():
                 setattr(config, k, v)
         return config
 

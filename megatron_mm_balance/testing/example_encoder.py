@@ -160,6 +160,8 @@ def main(argv=None) -> int:
     p.add_argument("--packs", type=int, default=16)
     p.add_argument("--packing-seq-length", type=int, default=1024)
     p.add_argument("--packing-buffer-size", type=int, default=64)
+    p.add_argument("--max-num-tiles", type=int, default=4,
+                   help="the example's --max-num-tiles (12 for make-dataset --mix vision-heavy)")
     p.add_argument("--restore", metavar="KINDS",
                    help="instead: the save_state/restore_state and restore_sample check, for each of "
                         "the comma-separated encoders: 'balanced' (the example's TaskEncoder with the "
@@ -170,7 +172,8 @@ def main(argv=None) -> int:
     data = Path(a.data_dir)
     helpers = load_example(a.megatron_lm_dir, example_argv(
         data / "dataset.yaml", data / "tokenizer", a.megatron_lm_dir,
-        packing_seq_length=a.packing_seq_length, packing_buffer_size=a.packing_buffer_size))
+        packing_seq_length=a.packing_seq_length, packing_buffer_size=a.packing_buffer_size,
+        max_num_tiles=a.max_num_tiles))
     if a.restore:
         from megatron_mm_balance.megatron.energon import balanced_example_task_encoder, balanced_task_encoder
         makers = {"balanced": lambda: balanced_example_task_encoder(helpers.TaskEncoder),

@@ -25,7 +25,7 @@ def test_fit_recovers_known_coefficients():
     fit = CostModel.fit(recs)
     for name in ("vision_ms_per_token", "vision_ms_per_token_sq", "llm_ms_per_len_sq", "const_ms"):
         assert getattr(fit, name) == pytest.approx(getattr(true, name), rel=1e-6, abs=1e-9)
-    assert fit.backward_ratio == pytest.approx(2.0)
+    assert fit.vision_backward_ratio == fit.llm_backward_ratio == pytest.approx(2.0)
 
 
 def test_fit_never_returns_negative_coefficients():
@@ -36,13 +36,13 @@ def test_fit_never_returns_negative_coefficients():
 
 
 def test_costs_are_integers_and_reproducible():
-    m = CostModel(0.0301, 1.3e-6, 0.0, 0.0, 2.0)
+    m = CostModel(0.0301, 1.3e-6, 0.0, 0.0, backward_ratio=2.0)
     f = PackFeatures((256, 1024), (500, 3000))
     assert isinstance(m.cost(f), int) and m.cost(f) == m.cost(PackFeatures((256, 1024), (500, 3000)))
 
 
 def test_cost_file_roundtrip_and_errors(tmp_path):
-    m = CostModel(0.02, 1e-6, 3e-8, 1.5, 2.1)
+    m = CostModel(0.02, 1e-6, 3e-8, 1.5, backward_ratio=2.1)
     path = tmp_path / "cost.json"
     m.save(str(path))
     assert load_cost_file(str(path)) == m

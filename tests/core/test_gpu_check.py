@@ -22,6 +22,15 @@ def test_gpu_check_cpu_fallback_writes_results(tmp_path):
     assert model.vision_ms_per_token > 0 or model.vision_ms_per_token_sq > 0
     records = json.loads((tmp_path / "calibration.json").read_text())["records"]
     assert len(records) >= 5 and records[0]["images"] == []
+    # part 3: the timing hooks timed every micro-batch of the LLaVA-shaped model, and the online
+    # fit was decided (accepted, or refused with its reason: CPU timings of a tiny encoder are noisy)
+    timing = report["timing"]
+    assert timing["records"] == timing["expected"] == 18 and timing["with_vision"] > 0
+    assert len((tmp_path / "timing-rank00000.jsonl").read_text().splitlines()) == 18
+    from megatron_mm_balance.cost.calibration import read_fit
+    fit = read_fit(str(tmp_path / "online_fit.json"))
+    assert fit.records == 12 and (fit.ok or fit.reason)
+    assert "micro-batches timed by the hooks / run" in proc.stdout
 
 
 def test_gpu_check_functions_in_process():

@@ -149,3 +149,59 @@ def test_example_task_encoder_packs_differ_in_image_tokens(dataset_dir, megatron
     assert out["roundtrip_failures"] == []
     assert out["conversation_image_tokens"] == 1 and out["conversation_trainable"] > 0
     assert out["conversation_text"].startswith("<|im_start|>user\n<image>\nDescribe")
+
+
+def _content_digest(d: Path) -> str:
+    """The samples' content (member names, captions, conversations, image sizes), not the PNG
+    bytes (those follow the zlib build)."""
+    import hashlib
+    import tarfile
+    from PIL import Image
+
+    h = hashlib.sha256()
+    for tar_path in sorted(d.rglob("*.tar")):
+        with tarfile.open(tar_path) as tar:
+            for m in tar:
+                data = tar.extractfile(m).read()
+                h.update(f"{tar_path.relative_to(d)}/{m.name}".encode())
+                h.update(repr(Image.open(io.BytesIO(data)).size).encode() if m.name.endswith(".png") else data)
+    return h.hexdigest()
+
+
+def test_default_mix_is_unchanged(dataset_dir):
+    """The default mix's samples are what they were before --mix existed (seed 7, 96 samples)."""
+    assert _content_digest(dataset_dir) == "6ffb47be4a500e0876d268d2e964e924e2515b91e52ffd2e47b3f4a5269b961d"
+
+
+def test_vision_heavy_mix(tmp_path):
+    """--mix vision-heavy: byte-reproducible; images of every count from 1 to 12 tiles (whole
+    56 px tiles in shapes the example's tiling keeps), multi-image documents of 2-4 images,
+    about 30% text-only samples."""
+    import tarfile
+    from PIL import Image
+
+    from megatron_mm_balance.data.make_dataset import SHAPES_UP_TO_12
+
+    a = make_dataset(tmp_path / "a", samples=160, seed=3, mix="vision-heavy")
+    make_dataset(tmp_path / "b", samples=160, seed=3, mix="vision-heavy")
+    assert files(tmp_path / "a") == files(tmp_path / "b")
+    assert a.max_num_tiles == 12 and "--max-num-tiles 12" in a.lines()[-1]
+    tiles_of = {shape: n for n, shapes in SHAPES_UP_TO_12.items() for shape in shapes}
+    tiles, images_per_conv = {}, []
+    for tar_path in sorted((tmp_path / "a").rglob("train-*.tar")):
+        with tarfile.open(tar_path) as tar:
+            for m in tar:
+                data = tar.extractfile(m).read()
+                if m.name.endswith(".png"):
+                    w, h = Image.open(io.BytesIO(data)).size
+                    assert w % 56 == 0 and h % 56 == 0
+                    n = tiles_of[(w // 56, h // 56)]
+                    tiles[n] = tiles.get(n, 0) + 1
+                elif m.name.endswith(".json"):
+                    images_per_conv.append(json.loads(data)["num_images"])
+    assert set(tiles) == set(range(1, 13)), tiles
+    text_only = images_per_conv.count(0)
+    assert a.text_only == text_only and 0.25 <= text_only / 160 <= 0.35
+    assert {2, 3, 4} <= set(images_per_conv)
+    with pytest.raises(Exception, match="--mix"):
+        make_dataset(tmp_path / "c", samples=16, mix="text-only")

@@ -69,3 +69,21 @@ def test_refuses_what_cpu_cannot_run():
                                                   moe_token_dispatcher_type="alltoall"))
     cpu_megatron.check_config(SimpleNamespace(sequence_parallel=False, num_moe_experts=4,
                                               moe_token_dispatcher_type="allgather"))
+
+
+def test_the_config_sizes_the_cpu_vision_encoder(monkeypatch):
+    """MM_BALANCE_CPU_VIT=LAYERS,HIDDEN,HEADS,FFN sizes the CLIP the harness builds
+    (configs/megatron/vision_heavy_cpu.sh exports one); unset: the tiny default; bad: one line."""
+    from megatron_mm_balance.testing.cpu_pretrain import TINY_VIT, VIT_ENV, vit_size
+    monkeypatch.delenv(VIT_ENV, raising=False)
+    assert vit_size() == TINY_VIT
+    assert vit_size("8,512,8,2048") == dict(num_layers=8, hidden_size=512, num_attention_heads=8,
+                                            num_query_groups=8, kv_channels=64, ffn_hidden_size=2048)
+    monkeypatch.setenv(VIT_ENV, "6, 384, 6, 1536")
+    assert vit_size()["hidden_size"] == 384
+    for bad in ("6,384", "6,384,5,1536", "a,b,c,d", "0,64,4,128"):
+        with pytest.raises(SystemExit, match=VIT_ENV):
+            vit_size(bad)
+    config = open(__file__.replace("tests/megatron/test_cpu_harness.py",
+                                   "configs/megatron/vision_heavy_cpu.sh")).read()
+    assert "export MM_BALANCE_CPU_VIT=${MM_BALANCE_CPU_VIT:-8,512,8,2048}" in config

@@ -38,6 +38,20 @@ def test_all_flags_parse():
     assert _parse(["--no-mm-balance-overlap", "--mm-balance-overlap"]).mm_balance_overlap is True
 
 
+def test_timing_and_auto_cost_flags():
+    from megatron_mm_balance.megatron.config import MMBalanceConfig
+
+    def wants_timing(args):
+        return MMBalanceConfig.from_args(args).timing
+    args = _parse([])
+    assert (args.mm_balance_timing, args.mm_balance_timing_dir, args.mm_balance_calibration_iters) == (
+        False, None, 10) and not wants_timing(args)
+    assert wants_timing(_parse(["--mm-balance-timing"])) and wants_timing(_parse(["--mm-balance-timing-dir", "d"]))
+    auto = _parse(["--mm-balance", "--mm-balance-cost", "auto", "--mm-balance-calibration-iters", "3"])
+    assert wants_timing(auto) and MMBalanceConfig.from_args(auto).calibration_iters == 3
+    assert not wants_timing(_parse(["--mm-balance-cost", "auto"]))   # balancing off: no calibration
+
+
 @pytest.mark.parametrize("argv", [["--mm-balance-sync", "always"], ["--mm-balance-cost", "flops"],
                                   ["--mm-balance-mode", "magic"], ["--mm-balance-log-interval", "x"]])
 def test_bad_choice_is_an_argparse_error(argv, capsys):

@@ -120,3 +120,20 @@ def test_sampler_mode_refuses_a_cost_it_cannot_honour(tmp_path):
     assert "--mm-balance-mode sampler" in msg and "--mm-balance-cost model" in msg
     check_args(make_args("--mm-balance-cost", "model", "--mm-balance-cost-file", str(good),
                          dataloader_type="single"))                # auto: the exchange honours it
+
+
+def test_cost_auto_settings():
+    """--mm-balance-cost auto: the calibration length is checked, and it needs one exchange group
+    (every data-holding rank fits the same costs); sampler mode cannot honour a cost model."""
+    from megatron_mm_balance.megatron.checks import checked_config
+    cfg = checked_config(make_args("--mm-balance-cost", "auto", "--mm-balance-calibration-iters", "4"))
+    assert (cfg.cost, cfg.calibration_iters, cfg.timing) == ("auto", 4, True)
+    assert "--mm-balance-calibration-iters" in refused(make_args("--mm-balance-cost", "auto",
+                                                                 "--mm-balance-calibration-iters", "1"))
+    assert "--pipeline-model-parallel-size 1" in refused(make_args("--mm-balance-cost", "auto",
+                                                                   pipeline_model_parallel_size=2))
+    assert "--context-parallel-size 1" in refused(make_args("--mm-balance-cost", "auto",
+                                                            context_parallel_size=2))
+    msg = refused(make_args("--mm-balance-cost", "auto", "--mm-balance-mode", "sampler",
+                            dataloader_type="single"))
+    assert "sampler" in msg and "--mm-balance-cost auto" in msg

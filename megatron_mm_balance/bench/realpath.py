@@ -1,0 +1,527 @@
+"""``mm-balance bench-realpath``: Megatron-LM's own ``elapsed time per iteration``, off vs on.
+
+Runs ``scripts/pretrain_vlm_moe.sh --config configs/megatron/vision_heavy_cpu.sh`` (the
+user's launcher and Megatron-LM's ``examples/multimodal/train.py``, real vision-encoder
+and language-model compute) on a ``make-dataset --mix vision-heavy`` dataset, in
+interleaved rounds of these modes, on identical data (every other round in reverse
+order, so that load drifting over the rounds falls on every mode alike):
+
+* ``off``: ``MM_BALANCE=0``;
+* ``sync``: ``--mm-balance --no-mm-balance-overlap`` (the exchange inside ``next()``);
+* ``overlap``: ``--mm-balance`` (the exchange on its background thread);
+* ``auto``: ``--mm-balance --mm-balance-cost auto`` (costs fitted from the job's own
+  timings after ``--calibration-iters`` iterations);
+* ``untimed`` (only when asked for in ``--modes``): ``off`` without the timing hooks,
+  which measures what the hooks cost.
+
+Every run has ``--mm-balance-timing-dir`` (per-pack timings, JSON Lines per rank). From
+Megatron's log: the median ``elapsed time per iteration`` and its spread per mode, after
+dropping the warm-up iterations (Megatron prints the mean of a job's first two
+iterations on its second line), and every iteration's ``lm loss``, which must equal the
+same round's ``off`` run (relative difference <= ``--loss-tolerance``). From our
+telemetry: consumer wait (exposed exchange), exchange time and the exchange thread's
+CPU time (``time.thread_time``) per iteration. From the per-pack timings: the predicted
+iteration time of the unbalanced packs, of our placement, and of perfect balance
+(every micro-step's maximum equal to its mean). And the simulator on the runs' own
+layout with a timing model fitted from their timings (``mm-balance simulate RUN_DIR
+--timing run``), side by side with the measurements.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import numpy as np
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional
+
+REPO = Path(__file__).resolve().parents[2]
+LAUNCHER = REPO / "scripts" / "pretrain_vlm_moe.sh"
+CONFIG = REPO / "configs" / "megatron" / "vision_heavy_cpu.sh"
+MODES = ("off", "sync", "overlap", "auto")
+#: Not in the default rounds: ``off`` without the timing hooks, to measure what they cost.
+EXTRA_MODES = ("untimed",)
+DEFAULTS = dict(rounds=3, iters=6, warmup=2, calibration_iters=3, samples=512, seed=0,
+                timeout=1800.0, loss_tolerance=1e-5)
+#: Megatron's per-iteration log line.
+ITER_RE = re.compile(r"\biteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([0-9.]+)"
+                     r".*?\blm loss: ([0-9.Ee+-]+)")
+#: Our telemetry line: "[mm-balance] iteration 3 | key: value | ...".
+TELEMETRY_RE = re.compile(r"^\[mm-balance\] iteration (\d+) \| (.*)$", re.M)
+#: The cost-fit line of --mm-balance-cost auto.
+FIT_RE = re.compile(r"^\[mm-balance\] cost auto: (.*)$", re.M)
+#: Telemetry fields read, by meaning (a renamed field is looked up under each name).
+FIELDS = {"consumer_wait_ms": ("consumer_wait_ms",), "exchange_ms": ("exchange_ms",),
+          "exchange_cpu_ms": ("exchange_cpu_ms",), "packs_moved": ("packs_moved",)}
+
+
+class BenchError(RuntimeError):
+    """The benchmark cannot run or a run failed: one line for the user."""
+
+
+def free_port() -> int:
+    from .runtime import free_port as _fp
+    return _fp()
+
+
+@dataclass
+class RunResult:
+    mode: str
+    round: int
+    rc: int
+    wall_s: float
+    out_dir: str
+    elapsed_ms: Dict[int, float] = field(default_factory=dict)
+    losses: Dict[int, float] = field(default_factory=dict)
+    telemetry: Dict[int, dict] = field(default_factory=dict)
+    fit_line: str = ""
+
+    @property
+    def timing_dir(self) -> str:
+        return os.path.join(self.out_dir, "timing")
+
+
+def parse_log(text: str):
+    """(elapsed ms per iteration, lm loss per iteration, telemetry per iteration, fit line).
+
+    Megatron does not reset its accumulators after a job's first iteration, so its second
+    line prints the mean of the first two iterations; that iteration's own loss is
+    ``2 * printed - first`` (its elapsed time stays the mean: warm-up drops it)."""
+    elapsed, losses = {}, {}
+    for m in ITER_RE.finditer(text):
+        elapsed[int(m.group(1))] = float(m.group(2))
+        losses[int(m.group(1))] = float(m.group(3))
+    its = sorted(losses)
+    if len(its) >= 2 and its[1] == its[0] + 1:
+        losses[its[1]] = 2 * losses[its[1]] - losses[its[0]]
+    tele = {}
+    for m in TELEMETRY_RE.finditer(text):
+        rec = {}
+        for part in m.group(2).split(" | "):
+            if ": " in part:
+                k, v = part.split(": ", 1)
+                try:
+                    rec[k.strip()] = float(v)
+                except ValueError:
+                    pass
+        tele[int(m.group(1))] = rec
+    fit = FIT_RE.findall(text)
+    return elapsed, losses, tele, (fit[-1] if fit else "")
+
+
+def _field(rec: dict, meaning: str) -> Optional[float]:
+    for name in FIELDS[meaning]:
+        if name in rec:
+            return rec[name]
+    return None
+
+
+def mode_flags(mode: str, calibration_iters: int) -> tuple:
+    """(MM_BALANCE, extra Megatron flags) of a mode."""
+    if mode in ("off", "untimed"):
+        return "0", []
+    if mode == "sync":
+        return "1", ["--no-mm-balance-overlap"]
+    if mode == "overlap":
+        return "1", []
+    if mode == "auto":
+        return "1", ["--mm-balance-cost", "auto", "--mm-balance-calibration-iters", str(calibration_iters)]
+    raise BenchError(f"unknown mode {mode!r} (choose from {', '.join(MODES)})")
+
+
+def run_launcher(mode: str, rnd: int, *, megatron_lm: str, data: dict, out: Path, train_iters: int,
+                 calibration_iters: int, env_overrides: dict, timeout: float, python: str,
+                 config: Path = CONFIG, log=lambda m: print(m, flush=True)) -> RunResult:
+    """One launcher run, as a user runs it; its whole process group is killed at ``timeout``."""
+    run_dir = out / f"round{rnd}-{mode}"
+    if run_dir.exists():
+        subprocess.run(["rm", "-rf", str(run_dir)], check=True)
+    run_dir.mkdir(parents=True)
+    balance, extra = mode_flags(mode, calibration_iters)
+    env = dict(os.environ)
+    env.update(MEGATRON_LM_DIR=str(megatron_lm), DATA_PATH=data["DATA_PATH"],
+               TOKENIZER_MODEL=data["TOKENIZER_MODEL"], MM_BALANCE=balance, OUTPUT_DIR=str(run_dir),
+               TRAIN_ITERS=str(train_iters), LOG_INTERVAL="1", PYTHON=python,
+               MASTER_PORT=str(free_port()),
+               PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    env.update(env_overrides)
+    timing = [] if mode == "untimed" else ["--mm-balance-timing-dir", str(run_dir / "timing")]
+    cmd = ["bash", str(LAUNCHER), "--config", str(config), *timing, *extra]
+    log_path = run_dir / "train.log"
+    t0 = time.monotonic()
+    with open(log_path, "w") as logf:
+        proc = subprocess.Popen(cmd, env=env, stdout=logf, stderr=subprocess.STDOUT, cwd=str(REPO),
+                                start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            rc = -9
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)      # no rank outlives its launcher
+            except ProcessLookupError:
+                pass
+            proc.wait()
+    wall = time.monotonic() - t0
+    text = log_path.read_text(errors="replace")
+    elapsed, losses, tele, fit = parse_log(text)
+    res = RunResult(mode, rnd, rc, wall, str(run_dir), elapsed, losses, tele, fit)
+    med = statistics.median([elapsed[i] for i in sorted(elapsed)[2:]]) if len(elapsed) > 2 else float("nan")
+    log(f"  round {rnd} {mode:<8} exit {rc}, {wall:6.0f} s wall, median iteration {med:8.1f} ms"
+        + (f"  [{fit[:90]}]" if fit else ""))
+    if rc != 0:
+        tail = "\n".join(text.splitlines()[-30:])
+        raise BenchError(f"round {rnd} {mode}: the launcher exited {rc} (log {log_path}):\n{tail}")
+    return res
+
+
+def make_data(out: Path, samples: int, seed: int) -> dict:
+    """``mm-balance make-dataset OUT --mix vision-heavy`` (skipped when OUT already has it)."""
+    from ..data.make_dataset import make_dataset
+    if not (out / "dataset.yaml").is_file():
+        make_dataset(out, samples=samples, seed=seed, mix="vision-heavy")
+    return {"DATA_PATH": str(out / "dataset.yaml"), "TOKENIZER_MODEL": str(out / "tokenizer")}
+
+
+# -- analysis ---------------------------------------------------------------------------
+
+def _stats(values: List[float]) -> dict:
+    if not values:
+        return {"median": None, "min": None, "max": None, "n": 0}
+    return {"median": statistics.median(values), "min": min(values), "max": max(values),
+            "n": len(values)}
+
+
+def measured_window(res: RunResult, warmup: int, switch: Optional[int] = None) -> List[int]:
+    """The iterations a run's speed is read from: after the warm-up (and, for ``auto``, from
+    the iteration its fitted costs take effect)."""
+    first = max(warmup + 1, switch or 0)
+    return [i for i in sorted(res.elapsed_ms) if i >= first]
+
+
+def analyze(results: List[RunResult], *, warmup: int, loss_tolerance: float,
+            auto_switch: Optional[int] = None) -> dict:
+    """Everything the table and ``--json`` report (see the module docstring)."""
+    from ..sim.run_trace import load_run, placement_order, predicted_times, time_breakdown, vision_share
+    by_mode: Dict[str, List[RunResult]] = {}
+    for r in results:
+        by_mode.setdefault(r.mode, []).append(r)
+    report = {"modes": {}, "losses": [], "predicted": {}, "simulated": {}}
+    off_by_round = {r.round: r for r in by_mode.get("off", [])}
+
+    for mode, runs in by_mode.items():
+        its, waits, exch, cpu, moved = [], [], [], [], []
+        for r in runs:
+            window = measured_window(r, warmup, auto_switch if mode == "auto" else None)
+            its += [r.elapsed_ms[i] for i in window]
+            for i in window:
+                t = r.telemetry.get(i)
+                if t is None:
+                    continue
+                for acc, key in ((waits, "consumer_wait_ms"), (exch, "exchange_ms"),
+                                 (cpu, "exchange_cpu_ms"), (moved, "packs_moved")):
+                    v = _field(t, key)
+                    if v is not None:
+                        acc.append(v)
+        report["modes"][mode] = {
+            "iteration_ms": _stats(its), "iterations": its,
+            "consumer_wait_ms_per_iteration": _stats(waits), "exchange_ms_per_iteration": _stats(exch),
+            "exchange_cpu_ms_per_iteration": _stats(cpu), "packs_moved_per_iteration": _stats(moved),
+            "runs": [{"round": r.round, "wall_s": r.wall_s, "out_dir": r.out_dir,
+                      "elapsed_ms": r.elapsed_ms, "fit": r.fit_line} for r in runs]}
+        if mode != "off":
+            for r in runs:
+                off = off_by_round.get(r.round)
+                if off is None:
+                    continue
+                common = sorted(set(off.losses) & set(r.losses))
+                diff = max((abs(r.losses[i] - off.losses[i]) / max(abs(off.losses[i]), 1e-12)
+                            for i in common), default=float("nan"))
+                report["losses"].append({"mode": mode, "round": r.round, "iterations": len(common),
+                                         "max_rel_diff": diff,
+                                         "equal": bool(common) and diff <= loss_tolerance})
+    off_ms = report["modes"].get("off", {}).get("iteration_ms", {}).get("median")
+    for mode, m in report["modes"].items():
+        med = m["iteration_ms"]["median"]
+        m["gain_vs_off"] = (off_ms / med - 1.0) if off_ms and med else None
+
+    # Predicted from the per-pack timings.
+    pred = {}
+    for mode, runs in by_mode.items():
+        laid, perfect, span, shares, placed, parts = [], [], [], [], [], []
+        for r in runs:
+            switch = auto_switch if mode == "auto" else None
+            try:
+                trace = load_run(r.timing_dir, skip_iterations=warmup)
+            except ValueError:
+                continue
+            keep = [k for k, it in enumerate(trace.iterations) if it >= (switch or 0)]
+            if not keep:
+                continue
+            p = predicted_times(trace)
+            laid += [float(p["laid_out_ms"][k]) for k in keep]
+            perfect += [float(p["perfect_ms"][k]) for k in keep]
+            span += [float(p["measured_span_ms"][k]) for k in keep]
+            shares.append(vision_share(trace))
+            parts.append(time_breakdown(trace))
+            if mode == "off":        # the same measured packs, laid out by the runtime's placement
+                q = predicted_times(trace, order=placement_order(trace))
+                placed += [float(q["laid_out_ms"][k]) for k in keep]
+        if laid:
+            pred[mode] = {"laid_out_ms": statistics.median(laid), "perfect_ms": statistics.median(perfect),
+                          "timed_span_ms": statistics.median(span),
+                          "vision_share": statistics.median(shares),
+                          "where_the_time_goes_ms": {k: statistics.mean(x[k] for x in parts) for k in parts[0]}}
+            if placed:
+                pred[mode]["placed_ms"] = statistics.median(placed)
+    if "off" in pred:
+        off_p = pred["off"]["laid_out_ms"]
+        report["predicted"] = {
+            "unbalanced_ms": off_p, "perfect_ms": pred["off"]["perfect_ms"],
+            "perfect_gain": off_p / pred["off"]["perfect_ms"] - 1.0,
+            "placement_ms": pred["off"].get("placed_ms"),
+            "placement_gain": (off_p / pred["off"]["placed_ms"] - 1.0) if pred["off"].get("placed_ms") else None,
+            "vision_share_at_mean_pack": pred["off"]["vision_share"],
+            **{f"{mode}_placement_ms": v["laid_out_ms"] for mode, v in pred.items() if mode != "off"},
+            **{f"{mode}_placement_gain": off_p / v["laid_out_ms"] - 1.0 for mode, v in pred.items()
+               if mode != "off"},
+            "per_mode": pred}
+    return report
+
+
+def simulate_against(results: List[RunResult], report: dict, *, warmup: int) -> dict:
+    """The simulator on each round's ``off`` layout, with a timing model fitted from that
+    run's timings, and the synchronous exchange's costs measured on the ``sync`` runs
+    against the ``off`` runs: the longer iteration tail (the first ``next()`` of a global
+    batch pulls it, all-gathers and solves) per batch, and the longer host gaps between
+    micro-batches spread over the micro-steps whose packs move."""
+    from ..sim.run_trace import fit_timing_model, load_run, placement_order, simulate_layout
+    per_mode = report.get("predicted", {}).get("per_mode", {})
+
+    def part(mode, key):
+        return per_mode.get(mode, {}).get("where_the_time_goes_ms", {}).get(key)
+
+    sync_batch = latency = None
+    if part("sync", "tail_ms") is not None and part("off", "tail_ms") is not None:
+        sync_batch = max(0.0, part("sync", "tail_ms") - part("off", "tail_ms"))
+        extra_gaps = max(0.0, part("sync", "host_gap_ms") - part("off", "host_gap_ms"))
+    sims = {"none": [], "redistribute-sync": [], "redistribute-overlap": []}
+    fits = []
+    for r in results:
+        if r.mode != "off":
+            continue
+        trace = load_run(r.timing_dir, skip_iterations=warmup)
+        if sync_batch is not None:
+            order = placement_order(trace)
+            home = np.arange(trace.shape[1])[None, :, None] * trace.shape[2]
+            moved_steps = float(((order // trace.shape[2]) != home // trace.shape[2]).any(axis=1).sum(axis=1).mean())
+            latency = extra_gaps / max(moved_steps, 1.0)
+        t, fit = fit_timing_model(trace, exchange_latency_ms=latency or 0.0, sync_batch_ms=sync_batch or 0.0)
+        fits.append(fit)
+        for run in simulate_layout(trace, t, strategies=tuple(sims)):
+            sims[run["strategy"]].append(run["time_per_batch_ms"])
+    if not fits:
+        return {}
+    names = {"none": "off", "redistribute-sync": "sync", "redistribute-overlap": "overlap"}
+    out = {"timing_fit": fits, "exchange_latency_ms": latency, "sync_batch_ms": sync_batch}
+    off_meas = report["modes"].get("off", {}).get("iteration_ms", {}).get("median")
+    off_sim = statistics.median(sims["none"]) if sims["none"] else None
+    for strat, mode in names.items():
+        if not sims[strat]:
+            continue
+        sim_ms = statistics.median(sims[strat])
+        meas = report["modes"].get(mode, {}).get("iteration_ms", {}).get("median")
+        out[mode] = {"simulated_ms": sim_ms, "measured_ms": meas,
+                     "rel_error": (sim_ms / meas - 1.0) if meas else None,
+                     "simulated_gain": (off_sim / sim_ms - 1.0) if off_sim else None,
+                     "measured_gain": (off_meas / meas - 1.0) if off_meas and meas else None}
+    return out
+
+
+def format_report(rep: dict) -> str:
+    def f(v, spec=".1f"):
+        return "-" if v is None else format(v, spec)
+
+    lines = ["", "mode      iteration ms: median [min-max] (n)   gain vs off   consumer wait   exchange   "
+                 "exchange-thread CPU   packs moved   (ms per iteration)"]
+    for mode, m in rep["modes"].items():
+        it = m["iteration_ms"]
+        lines.append(
+            f"{mode:<8} {f(it['median']):>10} [{f(it['min'])}-{f(it['max'])}] ({it['n']:>2})"
+            f"   {f(None if m['gain_vs_off'] is None else 100 * m['gain_vs_off'], '+.1f'):>7}%"
+            f"   {f(m['consumer_wait_ms_per_iteration']['median']):>12}"
+            f"   {f(m['exchange_ms_per_iteration']['median']):>8}"
+            f"   {f(m['exchange_cpu_ms_per_iteration']['median']):>18}"
+            f"   {f(m['packs_moved_per_iteration']['median'], '.0f'):>11}")
+    p = rep.get("predicted") or {}
+    if p:
+        lines.append("")
+        lines.append(f"predicted from the off runs' per-pack timings (ms per iteration): unbalanced "
+                     f"{p['unbalanced_ms']:.0f}, our placement {f(p['placement_ms'], '.0f')} "
+                     f"({f(None if p['placement_gain'] is None else 100 * p['placement_gain'], '+.1f')}%), "
+                     f"perfect balance {p['perfect_ms']:.0f} ({100 * p['perfect_gain']:+.1f}%); vision share "
+                     f"of a micro-batch at the mean pack {100 * p['vision_share_at_mean_pack']:.0f}%")
+        lines.append("  each mode's own timings laid out as it ran: "
+                     + ", ".join(f"{k[:-len('_placement_ms')]} {v:.0f}" for k, v in p.items()
+                                 if k.endswith("_placement_ms")))
+        lines.append("where the time goes (ms per iteration and rank; vision per 1k image tokens):")
+        lines.append(f"  {'mode':<8} {'vision':>8} {'per 1k':>7} {'LM compute':>10} {'waiting':>8} "
+                     f"{'host gaps':>9} {'tail':>6}")
+        for mode, v in p["per_mode"].items():
+            w = v["where_the_time_goes_ms"]
+            lines.append(f"  {mode:<8} {w['vision_ms']:>8.0f} {w['vision_ms_per_1k_image_tokens']:>7.0f} "
+                         f"{w['lm_compute_ms']:>10.0f} {w['waiting_ms']:>8.0f} {w['host_gap_ms']:>9.0f} "
+                         f"{w['tail_ms']:>6.0f}")
+    s = rep.get("simulated") or {}
+    if s:
+        lines.append("simulated (mm-balance simulate OFF_RUN/timing --timing run) vs measured:")
+        for mode in ("off", "sync", "overlap"):
+            if mode in s:
+                v = s[mode]
+                lines.append(f"  {mode:<8} simulated {v['simulated_ms']:.0f} ms, measured {f(v['measured_ms'], '.0f')} ms "
+                             f"({f(None if v['rel_error'] is None else 100 * v['rel_error'], '+.1f')}%); gain "
+                             f"simulated {f(None if v['simulated_gain'] is None else 100 * v['simulated_gain'], '+.1f')}%, "
+                             f"measured {f(None if v['measured_gain'] is None else 100 * v['measured_gain'], '+.1f')}%")
+    if rep.get("losses"):
+        worst = max(x["max_rel_diff"] for x in rep["losses"])
+        ok = all(x["equal"] for x in rep["losses"])
+        lines.append(f"losses equal off vs on in every run: {'yes' if ok else 'NO'} (max relative "
+                     f"difference {worst:.2e} over {len(rep['losses'])} runs)")
+    return "\n".join(lines)
+
+
+def run_bench(a) -> dict:
+    megatron_lm = a.megatron_lm or os.environ.get("MEGATRON_LM_DIR")
+    if not megatron_lm:
+        raise BenchError("set --megatron-lm (or MEGATRON_LM_DIR) to a Megatron-LM checkout with our patches")
+    if not (Path(megatron_lm) / "examples" / "multimodal" / "train.py").is_file():
+        raise BenchError(f"{megatron_lm}: no examples/multimodal/train.py")
+    modes = [m.strip() for m in a.modes.split(",") if m.strip()]
+    for m in modes:
+        if m not in MODES + EXTRA_MODES:
+            raise BenchError(f"--modes: unknown mode {m!r} (choose from {', '.join(MODES + EXTRA_MODES)})")
+    if "off" not in modes:
+        raise BenchError("--modes must include off (gains and losses are measured against it)")
+    if a.rounds < 1 or a.iters < 1 or a.warmup < 2:
+        raise BenchError("--rounds and --iters must be >= 1 and --warmup >= 2 (Megatron averages a "
+                         "job's first two iterations into its second log line)")
+    overrides = {}
+    for kv in a.set or []:
+        if "=" not in kv:
+            raise BenchError(f"--set {kv!r}: expected VAR=VALUE")
+        k, v = kv.split("=", 1)
+        overrides[k] = v
+    out = Path(a.out).absolute()
+    out.mkdir(parents=True, exist_ok=True)
+    data = make_data(Path(a.data).absolute() if a.data else out / "data", a.samples, a.seed)
+    train_iters = a.warmup + a.iters
+    if "auto" in modes and a.calibration_iters + 2 > train_iters:
+        raise BenchError(f"--calibration-iters {a.calibration_iters}: the fit takes effect at iteration "
+                         f"{a.calibration_iters + 2}, after the last ({train_iters}); lower it or raise --iters")
+    print(f"bench-realpath: {a.rounds} rounds x {', '.join(modes)}, {train_iters} iterations per run "
+          f"(first {a.warmup} dropped), config {a.config}; {_uptime()}", flush=True)
+    t0 = time.monotonic()
+    results = []
+    for rnd in range(1, a.rounds + 1):
+        for mode in (modes if rnd % 2 else modes[::-1]):
+            results.append(run_launcher(mode, rnd, megatron_lm=megatron_lm, data=data, out=out,
+                                        train_iters=train_iters, calibration_iters=a.calibration_iters,
+                                        env_overrides=overrides, timeout=a.timeout, python=a.python,
+                                        config=Path(a.config)))
+    # --mm-balance-cost auto decides at iteration K + 2 (cost/calibration.py): its speed is read
+    # from there on, whether the fit was accepted or refused.
+    return report_of(results, a, modes, megatron_lm=megatron_lm, data=data, overrides=overrides,
+                     wall_s=time.monotonic() - t0, train_iters=train_iters)
+
+
+def report_of(results, a, modes, **meta) -> dict:
+    """Analysis, simulation and metadata of finished runs."""
+    rep = analyze(results, warmup=a.warmup, loss_tolerance=a.loss_tolerance,
+                  auto_switch=a.calibration_iters + 2)
+    try:
+        rep["simulated"] = simulate_against(results, rep, warmup=a.warmup)
+    except ValueError as exc:
+        rep["simulated"] = {"error": str(exc)}
+    rep["meta"] = {"rounds": a.rounds, "modes": modes, "warmup": a.warmup,
+                   "calibration_iters": a.calibration_iters, "config": str(a.config), **meta,
+                   "load_after": _uptime()}
+    return rep
+
+
+def reanalyze(a) -> dict:
+    """``--reanalyze``: the report of the runs already in ``--out`` (``roundR-MODE/``)."""
+    out = Path(a.out)
+    results = []
+    for d in sorted(out.glob("round*-*")):
+        m = re.fullmatch(r"round(\d+)-(.+)", d.name)
+        log_path = d / "train.log"
+        if not m or not log_path.is_file():
+            continue
+        elapsed, losses, tele, fit = parse_log(log_path.read_text(errors="replace"))
+        results.append(RunResult(m.group(2), int(m.group(1)), 0, 0.0, str(d), elapsed, losses, tele, fit))
+    if not results:
+        raise BenchError(f"--reanalyze: no roundN-MODE/train.log under {out}")
+    order = [m for m in MODES + EXTRA_MODES if any(r.mode == m for r in results)]
+    results.sort(key=lambda r: (order.index(r.mode), r.round))
+    return report_of(results, a, order, reanalyzed=True, runs=len(results))
+
+
+def _uptime() -> str:
+    try:
+        return subprocess.run(["uptime"], capture_output=True, text=True, timeout=5).stdout.strip()
+    except Exception:
+        return ""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--megatron-lm", default=None, metavar="DIR",
+                   help="patched Megatron-LM checkout (default: $MEGATRON_LM_DIR)")
+    p.add_argument("--out", default="runs/bench-realpath", help="runs, logs and timings (default %(default)s)")
+    p.add_argument("--data", default=None,
+                   help="make-dataset --mix vision-heavy output (default: OUT/data, made when missing)")
+    p.add_argument("--config", default=str(CONFIG), help="launch config (default %(default)s)")
+    p.add_argument("--modes", default=",".join(MODES), help="modes per round (default %(default)s)")
+    p.add_argument("--rounds", type=int, default=DEFAULTS["rounds"])
+    p.add_argument("--iters", type=int, default=DEFAULTS["iters"], help="measured iterations per run")
+    p.add_argument("--warmup", type=int, default=DEFAULTS["warmup"], help="iterations dropped (>= 2)")
+    p.add_argument("--calibration-iters", type=int, default=DEFAULTS["calibration_iters"],
+                   help="--mm-balance-calibration-iters of the auto mode (default %(default)s)")
+    p.add_argument("--samples", type=int, default=DEFAULTS["samples"], help="dataset samples")
+    p.add_argument("--seed", type=int, default=DEFAULTS["seed"], help="dataset seed")
+    p.add_argument("--set", action="append", metavar="VAR=VALUE",
+                   help="launcher/config environment override, e.g. GBS=8 (repeatable)")
+    p.add_argument("--timeout", type=float, default=DEFAULTS["timeout"], help="seconds per run")
+    p.add_argument("--loss-tolerance", type=float, default=DEFAULTS["loss_tolerance"])
+    p.add_argument("--python", default=sys.executable, help="interpreter for the ranks")
+    p.add_argument("--json", default=None, metavar="FILE", help="write the whole report as JSON")
+    p.add_argument("--reanalyze", action="store_true",
+                   help="run nothing: report the runs already in --out")
+
+
+def cmd(a) -> int:
+    try:
+        rep = reanalyze(a) if a.reanalyze else run_bench(a)
+    except BenchError as exc:
+        print(f"mm-balance bench-realpath: {exc}", file=sys.stderr)
+        return 1
+    print(format_report(rep))
+    if a.json:
+        with open(a.json, "w", encoding="utf-8") as f:
+            json.dump(rep, f, indent=1, default=str)
+    losses_ok = all(x["equal"] for x in rep["losses"])
+    return 0 if losses_ok else 3
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("bench-realpath", help="Megatron-LM's own iteration time, --mm-balance off vs "
+                              "on, real CPU compute (docs/real_speed.md)", description=__doc__.split("\n\n")[0])
+    add_arguments(p)
+    p.set_defaults(func=cmd)

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Apply (or check, or revert) megatron-mm-balance's patches to a Megatron-LM checkout.
+# Apply (or check, or revert) megatron-mm-balance's patches to a Megatron-LM checkout
+# (or a Megatron-Bridge checkout: patches/megatron-bridge-<tag>/, docs/bridge.md).
 #
 #   scripts/apply_patches.sh MEGATRON_LM_DIR            apply (idempotent: applied files are skipped)
 #   scripts/apply_patches.sh MEGATRON_LM_DIR --check    dry run: print each file pending/applied/conflict
@@ -39,6 +40,40 @@ case "$MODE" in apply|--check|--revert) ;; *) usage ;; esac
 command -v git >/dev/null || die "git is needed (git apply); install git"
 [ -d "$DIR" ] || die "$DIR: no such directory (give the root of a Megatron-LM checkout)"
 DIR=$(cd "$DIR" && pwd)
+
+# --- Megatron-Bridge checkouts (a product of its own: its own releases and patch sets) ------
+# A directory with src/megatron/bridge/ is a Megatron-Bridge checkout: its release comes from
+# git (nearest v* tag) or from src/megatron/bridge/package_info.py (the v0.6.0 tag's says
+# 0.6.1), and its patches from patches/megatron-bridge-<tag>/. Everything after the release
+# detection (classify, all or nothing, --check/--revert) is shared with Megatron-LM.
+BRIDGE_TAGS=(v0.6.0)
+declare -A BRIDGE_INFO_VERSION=([v0.6.0]=0.6.1)
+BRIDGE_RELEASE=""
+detect_bridge_release() {
+  local desc tag have found=""
+  if [ "$(git -C "$DIR" rev-parse --show-toplevel 2>/dev/null)" = "$DIR" ] \
+     && desc=$(git -C "$DIR" describe --tags --match 'v*' HEAD 2>/dev/null); then
+    tag=$(git -C "$DIR" describe --tags --match 'v*' --abbrev=0 HEAD)
+    found="git describe: $desc"
+    [ -n "${BRIDGE_INFO_VERSION[$tag]:-}" ] && BRIDGE_RELEASE=$tag
+  fi
+  if [ -z "$BRIDGE_RELEASE" ]; then
+    have=$(sed -n 's/^\(MAJOR\|MINOR\|PATCH\) *= *\([0-9]*\).*/\2/p' "$DIR/src/megatron/bridge/package_info.py" | paste -sd. -)
+    found="${found:+$found; }src/megatron/bridge/package_info.py: ${have:-no version}"
+    for t in "${BRIDGE_TAGS[@]}"; do
+      [ "${BRIDGE_INFO_VERSION[$t]}" = "$have" ] && BRIDGE_RELEASE=$t
+    done
+  fi
+  SUPPORTED_LIST="Megatron-Bridge $(IFS=,; echo "${BRIDGE_TAGS[*]}" | sed 's/,/, /g')"
+  [ -n "$BRIDGE_RELEASE" ] || die "$DIR is not a supported Megatron-Bridge release ($found); supported: $SUPPORTED_LIST. Nothing was changed."
+  RELEASE=megatron-bridge-$BRIDGE_RELEASE
+  echo "Megatron-Bridge $BRIDGE_RELEASE ($found)"
+}
+if [ -d "$DIR/src/megatron/bridge" ]; then
+  detect_bridge_release
+fi
+
+if [ -z "$BRIDGE_RELEASE" ]; then    # Megatron-LM (the block below, unchanged)
 [ -f "$DIR/megatron/training/training.py" ] || die "$DIR is not a Megatron-LM checkout (no megatron/training/training.py)"
 
 # --- which release -------------------------------------------------------------------
@@ -63,11 +98,16 @@ if [ -z "$RELEASE" ]; then
   done
 fi
 [ -n "$RELEASE" ] || die "$DIR is not a supported Megatron-LM release ($FOUND); supported releases: $SUPPORTED_LIST. Nothing was changed."
+fi    # Megatron-LM
+IS_GIT=0
+if top=$(git -C "$DIR" rev-parse --show-toplevel 2>/dev/null) && [ "$(cd "$top" && pwd)" = "$DIR" ]; then
+  IS_GIT=1
+fi
 PATCH_DIR=$PATCH_ROOT/$RELEASE
 shopt -s nullglob
 PATCHES=("$PATCH_DIR"/*.patch)
 [ ${#PATCHES[@]} -gt 0 ] || die "no patches in $PATCH_DIR"
-echo "Megatron-LM $RELEASE ($FOUND)"
+[ -n "$BRIDGE_RELEASE" ] || echo "Megatron-LM $RELEASE ($FOUND)"
 
 # --- helpers -----------------------------------------------------------------------------
 # Outside a git checkout, git apply must not discover an enclosing repository (it would

@@ -12,7 +12,8 @@ import importlib
 _HOME = {
     "BalancedDataIterator": ".iterator", "new_exchange_groups": ".groups",
     "plan_placement": "..placement", "default_cost_fn": ".costs", "ImageTokenCost": ".costs",
-    "ModelCost": ".costs", "BalancerError": ".errors", "PeerFailure": ".errors",
+    "ModelCost": ".costs", "QwenVLCost": ".costs", "QwenVLGridFeatures": ".costs",
+    "BalancerError": ".errors", "PeerFailure": ".errors",
     "InconsistentConfig": ".errors", "ExchangeThreadError": ".errors",
     "SourceExhausted": ".engine",
 }

@@ -1,0 +1,237 @@
+"""Run Megatron-Bridge's own ``pretrain()`` on CPU over gloo (tests, the tiny CPU config).
+
+    python -m torch.distributed.run --nproc-per-node 4 \\
+        -m megatron_mm_balance.testing.cpu_bridge -m megatron_mm_balance.bridge.run [args...]
+
+``scripts/pretrain_bridge_vlm.sh`` starts ranks this way when its config asks for the
+CPU harness (``CPU_HARNESS=auto``) and the machine has no CUDA device; the GPU path
+never imports this module. Each rank installs the stand-ins below and then runs the
+entry module with :mod:`runpy`, so Bridge's config container, ``pretrain()``, its
+training loop, checkpointing and energon data loading are the user's, unchanged.
+
+What comes from the Megatron-LM harness, reused as is:
+:func:`megatron_mm_balance.testing.cpu_megatron.install` (CUDA device arguments to CPU,
+streams and events, the CUDA RNG tracker, ``te_general_gemm``) and, from
+:mod:`~megatron_mm_balance.testing.cpu_pretrain`, the inert ``triton`` stand-in (only
+if triton is absent), the empty CUDA RNG state, the split-size ``all_to_all_single``
+over gloo and the per-sample attention over a packed (THD) sequence.
+
+Each stand-in added here, with the CUDA-only assumption it replaces:
+
+* **optional packages imported at module load**: ``transformer_engine`` (the LoRA
+  layers of ``megatron.bridge.peft``), ``modelopt`` (``training/train.py``,
+  ``checkpointing.py``, ``gpt_step.py``), ``nvidia_resiliency_ext``
+  (``training/pretrain.py``) and ``datasets`` (``data/sources/hf.py``): inert
+  modules handed *only* to importers inside ``megatron.bridge`` (an
+  ``__import__`` hook; nothing enters ``sys.modules``), so megatron-core still
+  sees those packages as absent and takes its local paths. Anything that calls
+  into them raises a clear error.
+* **``torch.cuda.is_available()``** is asked by Bridge's ``initialize_megatron``
+  (it initialises the process group with the config's backend and sets the device
+  only with CUDA) and by ``_initialize_distributed`` before building the
+  model-parallel groups (``torch.cuda.device_count() > 0``): the device count
+  answers 1 there, as in the Megatron-LM harness.
+* **layer specs**: the Qwen3-VL providers hard-code transformer-engine specs for the
+  language model (and grouped GEMM for MoE) and the vision tower: megatron-core's
+  local specs (``get_gpt_layer_local_spec`` with the same experts / qk-layernorm
+  switches; sequential experts) are built instead.
+* **packed vision attention**: Bridge's Qwen3-VL vision tower always passes packed
+  (THD) parameters, which megatron-core's local ``DotProductAttention`` refuses:
+  attention restricted to each packed segment (``cpu_pretrain._packed_attention``).
+* **fused kernels Bridge asks for unconditionally on GPU**: the Qwen3-VL rope fusion
+  (``apply_rope_fusion``), ``persist_layer_norm``, the bias-activation / bias-dropout
+  fusions, ``moe_permute_fusion`` and ``gradient_accumulation_fusion`` are switched
+  off by the config (``configs/bridge/qwen3_vl_moe_tiny_cpu.py``), not here.
+"""
+from __future__ import annotations
+
+import builtins
+import os
+import runpy
+import sys
+import types
+
+#: Packages Bridge imports at module load that its CPU path never calls.
+STUBBED_FOR_BRIDGE = ("transformer_engine", "modelopt", "nvidia_resiliency_ext", "datasets", "diffusers")
+
+_DONE = False
+_STUBS: dict = {}
+
+
+class _Inert(types.ModuleType):
+    """A stand-in module: every attribute is an inert class that fails when used."""
+
+    def __getattr__(self, name):
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)
+        sub = f"{self.__name__}.{name}"
+        if sub in _STUBS:
+            return _STUBS[sub]
+        value = _inert_class(sub)
+        setattr(self, name, value)
+        return value
+
+
+def _inert_class(qual: str):
+    """A class usable in annotations, ``isinstance`` checks and subclassing; calling it fails."""
+
+    def __init__(self, *a, **k):
+        raise RuntimeError(f"{qual} is not installed (CPU harness stand-in); this path needs it")
+
+    meta = type("InertMeta", (type,), {"__getattr__": lambda cls, name: _inert_class(f"{qual}.{name}")})
+    return meta(qual.rsplit(".", 1)[-1], (), {"__init__": __init__, "__module__": qual.rsplit(".", 1)[0]})
+
+
+def _stub(name: str) -> types.ModuleType:
+    """The stand-in module for ``name`` and its parents (kept here, never in ``sys.modules``)."""
+    parts = name.split(".")
+    for i in range(1, len(parts) + 1):
+        qual = ".".join(parts[:i])
+        if qual not in _STUBS:
+            mod = _Inert(qual)
+            mod.__path__ = []
+            _STUBS[qual] = mod
+            if i > 1:
+                setattr(_STUBS[".".join(parts[:i - 1])], parts[i - 1], mod)
+    return _STUBS[name]
+
+
+def _really_missing(top: str) -> bool:
+    import importlib.util
+    try:
+        return importlib.util.find_spec(top) is None
+    except (ImportError, ValueError):
+        return True
+
+
+def _install_bridge_import_stubs() -> None:
+    missing = {top for top in STUBBED_FOR_BRIDGE if _really_missing(top)}
+    if not missing:
+        return
+    real_import = builtins.__import__
+
+    def bridge_import(name, globals=None, locals=None, fromlist=(), level=0):
+        top = name.partition(".")[0]
+        importer = (globals or {}).get("__name__", "") or ""
+        if level == 0 and top in missing and importer.startswith("megatron.bridge"):
+            mod = _stub(name)
+            if fromlist:
+                for attr in fromlist:         # from x.y import z: z a submodule or a class
+                    if attr != "*":
+                        getattr(mod, attr)
+                return mod
+            return _STUBS[top]
+        return real_import(name, globals, locals, fromlist, level)
+
+    builtins.__import__ = bridge_import
+
+
+def _no_cuda_initialize() -> None:
+    """Bridge's ``initialize_megatron`` with ``allow_no_cuda=True``, and a device count of 1
+    while it builds the process groups (it skips them with 0 devices)."""
+    import torch
+
+    from megatron.bridge.training import initialize as binit
+    from megatron.bridge.training import setup as bsetup
+
+    orig = binit.initialize_megatron
+
+    def initialize_megatron(*a, **k):
+        k["allow_no_cuda"] = True
+        return orig(*a, **k)
+
+    binit.initialize_megatron = bsetup.initialize_megatron = initialize_megatron
+
+    orig_dist = binit.torch_dist_init
+
+    def torch_dist_init(*a, **k):
+        real = torch.cuda.device_count
+        torch.cuda.device_count = lambda: 1
+        try:
+            return orig_dist(*a, **k)
+        finally:
+            torch.cuda.device_count = real
+
+    binit.torch_dist_init = torch_dist_init
+    # The dataset index helpers (make + pybind11) are compiled at start-up; energon never uses them.
+    binit.compile_helpers = lambda: None
+    # barrier(device_ids=[local rank]) right after init_process_group: gloo has no devices.
+    import torch.distributed as dist
+    orig_barrier = dist.barrier
+
+    def barrier(group=None, async_op=False, device_ids=None):
+        if device_ids is not None and dist.get_backend(group) == "gloo":
+            device_ids = None
+        return orig_barrier(group=group, async_op=async_op, device_ids=device_ids)
+
+    dist.barrier = barrier
+
+
+def _local_layer_specs() -> None:
+    """megatron-core's local specs where Bridge's Qwen3-VL code hard-codes transformer-engine ones."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.vision.vit_layer_specs import get_vit_layer_with_local_spec
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    from megatron.bridge.models.qwen_vl import qwen3_vl_provider
+    from megatron.bridge.models.qwen_vl.modelling_qwen3_vl import model as qmodel
+
+    def gpt_local_spec(num_experts=None, moe_grouped_gemm=False, qk_layernorm=False, fp8=False, **_):
+        return get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False,
+                                        qk_layernorm=qk_layernorm, normalization="RMSNorm")
+
+    qwen3_vl_provider.get_gpt_layer_with_transformer_engine_spec = gpt_local_spec
+    qmodel.get_vit_layer_with_transformer_engine_spec = get_vit_layer_with_local_spec
+    qmodel.TENorm = WrappedTorchNorm
+    qmodel.TEColumnParallelLinear = ColumnParallelLinear
+    qmodel.TERowParallelLinear = RowParallelLinear
+
+
+def _no_distillation() -> None:
+    """The training step asks modelopt for a distillation tensor-shape adjuster every step;
+    without distillation modelopt answers None, which is what the stand-in answers."""
+    from megatron.bridge.training import train as btrain
+    btrain.get_tensor_shapes_adjust_fn_for_distillation = lambda *a, **k: None
+
+
+def _no_modelopt_state() -> None:
+    """Checkpoints save and restore modelopt's state (quantisation/distillation modes); a model
+    modelopt never converted has none, and modelopt's functions then do nothing: so do these."""
+    from megatron.bridge.training import checkpointing as bckpt
+    bckpt.save_sharded_modelopt_state = lambda *a, **k: None
+    bckpt.save_modelopt_state = lambda *a, **k: None
+    bckpt.restore_modelopt_state = lambda *a, **k: None
+
+
+def install() -> None:
+    """Install every stand-in listed in the module docstring (idempotent)."""
+    global _DONE
+    if _DONE:
+        return
+    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+    _install_bridge_import_stubs()
+    from . import cpu_megatron, cpu_pretrain
+    cpu_pretrain._stub_triton()
+    cpu_megatron.install()
+    cpu_pretrain.install_cuda_rng_state()
+    cpu_pretrain.install_gloo_all_to_all()
+    cpu_pretrain.install_packed_attention()
+    _no_cuda_initialize()
+    _local_layer_specs()
+    _no_distillation()
+    _no_modelopt_state()
+    _DONE = True
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if len(argv) < 2 or argv[0] != "-m":
+        sys.exit("usage: python -m megatron_mm_balance.testing.cpu_bridge -m MODULE [args...]")
+    install()
+    sys.argv = [argv[1], *argv[2:]]
+    runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+
+
+if __name__ == "__main__":
+    main()

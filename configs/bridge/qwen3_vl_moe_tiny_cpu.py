@@ -80,7 +80,7 @@ def config():
     cfg.validation.eval_iters = 0
     cfg.validation.eval_interval = 1000
     opt, sched = distributed_fused_adam_with_cosine_annealing(lr_warmup_iters=1, lr_decay_iters=None,
-                                                              max_lr=1e-3, min_lr=1e-4)
+                                                              max_lr=1e-4, min_lr=1e-5)
     opt.use_precision_aware_optimizer = False
     cfg.optimizer, cfg.scheduler = opt, sched
     cfg.ddp.overlap_grad_reduce = False

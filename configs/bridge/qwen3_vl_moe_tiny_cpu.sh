@@ -17,6 +17,12 @@ RECIPE=$HERE/configs/bridge/qwen3_vl_moe_tiny_cpu.py:config
 STEP=qwen3_vl
 # Hydra overrides of the recipe (Bridge's own syntax), after the launcher's paths and layout.
 OVERRIDES=(dataset.num_workers="$NUM_WORKERS")
+# PRECISION=bf16 (default, the recipe's bf16_mixed) or fp32 (no mixed precision).
+case "${PRECISION:-bf16}" in
+  bf16) ;;
+  fp32) OVERRIDES+=(mixed_precision=null model.bf16=false model.params_dtype=torch.float32) ;;
+  *) echo "qwen3_vl_moe_tiny_cpu: PRECISION must be bf16 or fp32 (got $PRECISION)" >&2; exit 2 ;;
+esac
 # Without CUDA the launcher runs the ranks through megatron_mm_balance.testing.cpu_bridge
 # (gloo, CPU stand-ins for CUDA-only pieces; docs/bridge.md) with these overrides.
 CPU_HARNESS=auto

@@ -204,6 +204,30 @@ def _no_modelopt_state() -> None:
     bckpt.restore_modelopt_state = lambda *a, **k: None
 
 
+def _torch_adam_load_template() -> None:
+    """Resuming a ``torch_dist`` checkpoint builds the optimizer's sharded state dict from the
+    fresh optimizer first. Without apex/TE the distributed optimizer wraps ``torch.optim.AdamW``,
+    whose state (and its per-parameter ``step``, which ``state_dict`` requires) exists only after
+    a first step; TE's and apex's Adam have an ``init_state_fn`` for this. The template gets the
+    same zero state (``exp_avg``, ``exp_avg_sq``, ``step`` 0) that the load then overwrites."""
+    import torch
+    from megatron.core.optimizer import distrib_optimizer as dopt
+
+    orig = dopt.DistributedOptimizer.sharded_state_dict
+
+    def sharded_state_dict(self, model_sharded_state_dict, is_loading=False, *a, **k):
+        if is_loading and not getattr(dopt, "HAVE_APEX_OR_TE", True):
+            for group in self.optimizer.param_groups:
+                for p in group["params"]:
+                    st = self.optimizer.state[p]
+                    if not st:
+                        st.update(exp_avg=torch.zeros_like(p.data), exp_avg_sq=torch.zeros_like(p.data),
+                                  step=torch.tensor(0.0))
+        return orig(self, model_sharded_state_dict, is_loading, *a, **k)
+
+    dopt.DistributedOptimizer.sharded_state_dict = sharded_state_dict
+
+
 def install() -> None:
     """Install every stand-in listed in the module docstring (idempotent)."""
     global _DONE
@@ -221,6 +245,8 @@ def install() -> None:
     _local_layer_specs()
     _no_distillation()
     _no_modelopt_state()
+    cpu_pretrain._torch_adam_resume()
+    _torch_adam_load_template()
     _DONE = True
 
 

@@ -16,32 +16,46 @@ streams and events, the CUDA RNG tracker, ``te_general_gemm``) and, from
 if triton is absent), the empty CUDA RNG state, the split-size ``all_to_all_single``
 over gloo and the per-sample attention over a packed (THD) sequence.
 
-Each stand-in added here, with the CUDA-only assumption it replaces:
+Each stand-in added here, with the CUDA-only (or GPU-stack-only) assumption it replaces:
 
 * **optional packages imported at module load**: ``transformer_engine`` (the LoRA
   layers of ``megatron.bridge.peft``), ``modelopt`` (``training/train.py``,
   ``checkpointing.py``, ``gpt_step.py``), ``nvidia_resiliency_ext``
-  (``training/pretrain.py``) and ``datasets`` (``data/sources/hf.py``): inert
-  modules handed *only* to importers inside ``megatron.bridge`` (an
-  ``__import__`` hook; nothing enters ``sys.modules``), so megatron-core still
-  sees those packages as absent and takes its local paths. Anything that calls
-  into them raises a clear error.
-* **``torch.cuda.is_available()``** is asked by Bridge's ``initialize_megatron``
-  (it initialises the process group with the config's backend and sets the device
-  only with CUDA) and by ``_initialize_distributed`` before building the
-  model-parallel groups (``torch.cuda.device_count() > 0``): the device count
-  answers 1 there, as in the Megatron-LM harness.
+  (``training/pretrain.py``), ``datasets`` (``data/sources/hf.py``) and ``diffusers``
+  (the FLUX recipes, imported by ``megatron.bridge.recipes``): inert modules handed
+  *only* to importers inside ``megatron.bridge`` (an ``__import__`` hook; nothing enters
+  ``sys.modules``), so megatron-core still sees those packages as absent and takes its
+  local paths. Anything that calls into them raises a clear error.
+* **modelopt calls on the training path** that do nothing for a model modelopt never
+  converted: the distillation tensor-shape adjuster the training step asks for every step
+  (None), and saving / restoring modelopt's state in checkpoints (nothing to save).
+* **``initialize_megatron``** asserts ``torch.cuda.is_available()`` ("Megatron requires
+  CUDA"): called with ``allow_no_cuda=True``; ``torch_dist_init`` builds the
+  model-parallel groups with a device count of 1 (with 0 it refuses unless gloo, and it
+  seeds the CUDA RNG tracker only with devices: the CPU tracker of ``cpu_megatron``
+  serves); the ``barrier(device_ids=[local rank])`` after ``init_process_group`` drops
+  ``device_ids`` on gloo (gloo has no devices); the dataset index helpers (``make`` +
+  pybind11) that start-up compiles are skipped (the energon path never uses them).
 * **layer specs**: the Qwen3-VL providers hard-code transformer-engine specs for the
-  language model (and grouped GEMM for MoE) and the vision tower: megatron-core's
+  language model (and grouped GEMM for MoE) and the vision tower and its patch merger
+  (``TENorm``, ``TEColumnParallelLinear``, ``TERowParallelLinear``): megatron-core's
   local specs (``get_gpt_layer_local_spec`` with the same experts / qk-layernorm
-  switches; sequential experts) are built instead.
+  switches, sequential experts; ``get_vit_layer_with_local_spec``; ``WrappedTorchNorm``,
+  ``ColumnParallelLinear``, ``RowParallelLinear``) are built instead.
 * **packed vision attention**: Bridge's Qwen3-VL vision tower always passes packed
   (THD) parameters, which megatron-core's local ``DotProductAttention`` refuses:
-  attention restricted to each packed segment (``cpu_pretrain._packed_attention``).
-* **fused kernels Bridge asks for unconditionally on GPU**: the Qwen3-VL rope fusion
-  (``apply_rope_fusion``), ``persist_layer_norm``, the bias-activation / bias-dropout
-  fusions, ``moe_permute_fusion`` and ``gradient_accumulation_fusion`` are switched
-  off by the config (``configs/bridge/qwen3_vl_moe_tiny_cpu.py``), not here.
+  attention restricted to each packed segment (``cpu_pretrain.install_packed_attention``).
+* **torch AdamW under the distributed optimizer** (no apex/TE): resuming a
+  ``torch_dist`` checkpoint first builds the optimizer's sharded state dict from the
+  fresh optimizer, which needs per-parameter state that torch's AdamW creates only at its
+  first step (TE/apex Adam have an ``init_state_fn``): a zero state with ``step`` 0 that the
+  load overwrites; and the restored ``step`` gets one copy per parameter
+  (``cpu_pretrain._torch_adam_resume``).
+* **fused kernels Bridge's providers ask for by default on GPU** (Qwen3-VL rope fusion,
+  ``persist_layer_norm``, bias-activation / bias-dropout fusion, ``moe_permute_fusion``,
+  gradient-accumulation fusion, grouped GEMM) are switched off by the config
+  (``configs/bridge/qwen3_vl_moe_tiny_cpu.py``), not here; ``dist.distributed_backend=gloo``
+  is the launcher config's ``CPU_OVERRIDES``.
 """
 from __future__ import annotations
 

@@ -33,7 +33,8 @@ Each stand-in added here, with the CUDA-only (or GPU-stack-only) assumption it r
   CUDA"): called with ``allow_no_cuda=True``; ``torch_dist_init`` builds the
   model-parallel groups with a device count of 1 (with 0 it refuses unless gloo, and it
   seeds the CUDA RNG tracker only with devices: the CPU tracker of ``cpu_megatron``
-  serves); the ``barrier(device_ids=[local rank])`` after ``init_process_group`` drops
+  serves, with one placeholder state, because checkpoints hold the tracker's states and
+  loading refuses an empty set); the ``barrier(device_ids=[local rank])`` after ``init_process_group`` drops
   ``device_ids`` on gloo (gloo has no devices); the dataset index helpers (``make`` +
   pybind11) that start-up compiles are skipped (the energon path never uses them).
 * **layer specs**: the Qwen3-VL providers hard-code transformer-engine specs for the
@@ -167,6 +168,18 @@ def _no_cuda_initialize() -> None:
             torch.cuda.device_count = real
 
     binit.torch_dist_init = torch_dist_init
+
+    orig_seed = binit._set_random_seed
+
+    def _set_random_seed(*a, **k):
+        orig_seed(*a, **k)
+        from megatron.core.tensor_parallel import random as mrandom
+        # One placeholder state: checkpoints hold the tracker's states, and loading refuses
+        # an empty set ("Unable to load rng state", exit) although the CPU tracker forks nothing.
+        mrandom.get_cuda_rng_tracker().states_.setdefault("model-parallel-rng",
+                                                          torch.zeros(1, dtype=torch.uint8))
+
+    binit._set_random_seed = _set_random_seed
     # The dataset index helpers (make + pybind11) are compiled at start-up; energon never uses them.
     binit.compile_helpers = lambda: None
     # barrier(device_ids=[local rank]) right after init_process_group: gloo has no devices.

@@ -46,7 +46,7 @@ def runner(bridge_python, bridge_trees, bridge_dataset, bridge_runs_dir):
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_off_on_equal(runner, layout):
+def test_off_on_equal(runner, layout, bridge_runs_dir):
     off, on = runner(f"{layout}-off", layout, False), runner(f"{layout}-on", layout, True)
     table = bu.loss_table({"off": off, "on": on})
     assert off.rc == 0, f"off: exit {off.rc}\n{off.tail()}"
@@ -63,6 +63,8 @@ def test_off_on_equal(runner, layout):
     # the statistics the Megatron-LM path logs, here per Bridge iteration
     for key in ("imbalance_before", "imbalance_after", "solver_ms", "allgather_ms", "consumer_wait_ms"):
         assert on.stat(key), f"{key} missing from the telemetry\n{on.tail()}"
+    # TensorBoard: Bridge writes on the last rank; the reporting rank adds its own events file
+    assert list((bridge_runs_dir / f"{layout}-on" / "tensorboard").glob("*.mm_balance")), "no mm-balance events"
     later = [on.stat("prefetched")[i] for i in sorted(on.stat("prefetched"))[1:]]
     assert later and all(v == 1.0 for v in later), f"global batches not prefetched: {on.stat('prefetched')}"
 

@@ -34,7 +34,7 @@ Each stand-in added here, with the CUDA-only (or GPU-stack-only) assumption it r
   model-parallel groups with a device count of 1 (with 0 it refuses unless gloo, and it
   seeds the CUDA RNG tracker only with devices: the CPU tracker of ``cpu_megatron``
   serves, with one placeholder state, because checkpoints hold the tracker's states and
-  loading refuses an empty set); the ``barrier(device_ids=[local rank])`` after ``init_process_group`` drops
+  loading refuses an empty set, and its seeds (ints) pass the loader's CUDA-state conversion); the ``barrier(device_ids=[local rank])`` after ``init_process_group`` drops
   ``device_ids`` on gloo (gloo has no devices); the dataset index helpers (``make`` +
   pybind11) that start-up compiles are skipped (the energon path never uses them).
 * **layer specs**: the Qwen3-VL providers hard-code transformer-engine specs for the
@@ -180,6 +180,15 @@ def _no_cuda_initialize() -> None:
                                                           torch.zeros(1, dtype=torch.uint8))
 
     binit._set_random_seed = _set_random_seed
+    # The CPU tracker records seeds (ints) where CUDA's holds generator states; loading a
+    # checkpoint converts each state as a CUDA one and rejects ints: they pass through.
+    from megatron.core import tensor_parallel
+    orig_convert = tensor_parallel.convert_cuda_rng_state
+
+    def convert_cuda_rng_state(state, to_graphable=False):
+        return state if isinstance(state, int) else orig_convert(state, to_graphable=to_graphable)
+
+    tensor_parallel.convert_cuda_rng_state = convert_cuda_rng_state
     # The dataset index helpers (make + pybind11) are compiled at start-up; energon never uses them.
     binit.compile_helpers = lambda: None
     # barrier(device_ids=[local rank]) right after init_process_group: gloo has no devices.

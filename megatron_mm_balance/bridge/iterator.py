@@ -6,8 +6,9 @@ restores the energon dataloader state of a resumed run
 training loop hands the iterator to ``forward_backward_func`` with
 ``num_microbatches=get_num_microbatches()``; every micro-batch is read by the
 model's step function (``qwen3_vl_step.forward_step``: ``next(data_iterator)``, an
-unpacked collate batch). The patch calls this function right after the iterators
-are built, on every rank; with ``mm_balance.enabled`` it returns a
+unpacked collate batch). The patch calls this function after that restore (the
+exchange thread starts reading at once, and energon refuses a restore once its
+workers run), on every rank; with ``mm_balance.enabled`` it returns a
 ``RerunDataIterator`` around the core package's balanced iterator
 (:class:`~megatron_mm_balance.megatron.iterator.ExchangeCoordinator`, the same one
 the Megatron-LM path uses): each global batch's micro-batches are moved between
@@ -18,38 +19,17 @@ What Bridge relies on, and how it is kept:
 
 * ``.iterable.save_state()`` (checkpoints) is the balancer's paired state: the
   loader position that matches the global batches the loop has consumed.
-* ``.iterable.restore_state(state)`` (resume) reaches the loader before the exchange
-  thread has read from it; afterwards it is refused (the loader was read ahead).
 * every rank of a data-parallel group reads data in Bridge's VLM steps (each tensor-,
   pipeline- and context-parallel rank draws from its own loader): one exchange group
   per data-parallel group (``pg_collection.dp``), created collectively over the world.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
-
-from ..megatron.iterator import BalancedTrainIterable, ExchangeCoordinator
-
-
-class BridgeTrainIterable(BalancedTrainIterable):
-    """:class:`BalancedTrainIterable` plus the ``restore_state`` Bridge's resume calls."""
-
-    @property
-    def restore_state(self) -> Callable[[Any], None]:
-        fn = getattr(self.source, "restore_state", None)
-        if not callable(fn):
-            raise AttributeError(f"{type(self.source).__name__} has no restore_state")
-
-        def restore(state):
-            if self.delivered:
-                raise RuntimeError("mm-balance: restore_state after training started reading "
-                                   "the balanced loader; restore before the first step")
-            fn(state)
-        return restore
+from ..megatron.iterator import ExchangeCoordinator
 
 
 class BridgeCoordinator(ExchangeCoordinator):
-    """The exchange coordinator with Bridge's writers and resume hook."""
+    """The exchange coordinator, reporting through Bridge's TensorBoard / W&B writers."""
 
     def __init__(self, cfg, args, *, cost_fn, tb_writer=None, wandb_writer=None):
         super().__init__(cfg, args, cost_fn=cost_fn)
@@ -60,30 +40,6 @@ class BridgeCoordinator(ExchangeCoordinator):
         tb, wandb = self._writers
         return Telemetry(stats_source, self.args, interval=self.cfg.log_interval, group=group,
                          chunk=chunk, tb_writer=tb, wandb_writer=wandb)
-
-    def wrap(self, source, group, chunk: int):
-        from megatron.core.rerun_state_machine import RerunDataIterator
-        wrapped = super().wrap(_Reader(source), group, chunk)
-        inner = wrapped.iterable
-        return RerunDataIterator(BridgeTrainIterable(inner.balancer, source, inner._telemetry))
-
-
-class _Reader:
-    """Reads the loader through ``next()`` each time, so a ``restore_state`` that rebuilds
-    the loader's internal iterator (Bridge's ``EnergonDataloader``) is seen; keeps
-    ``save_state`` for the exchange thread."""
-
-    def __init__(self, source):
-        self.source = source
-        fn = getattr(source, "save_state", None)
-        if callable(fn):
-            self.save_state = fn
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        return next(self.source)
 
 
 def cost_fn_for(core_cfg, model_cfg):

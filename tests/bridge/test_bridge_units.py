@@ -266,8 +266,8 @@ def test_apply_patches_bridge_refuses_other_release_and_conflicts(tmp_path):
     assert _files_digest(tree) == before
     info.write_text(orig)
     setup = tree / "src/megatron/bridge/training/setup.py"
-    setup.write_text(setup.read_text().replace('    barrier_and_log("after dataloaders are built")',
-                                               '    barrier_and_log("after the loaders are built")'))
+    setup.write_text(setup.read_text().replace('    print_rank_0("done with setup ...")',
+                                               '    print_rank_0("setup done ...")'))
     before = _files_digest(tree)
     r = _apply(tree)
     assert r.returncode == 1 and "setup.py" in r.stderr and _files_digest(tree) == before   # all or nothing

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Apply (or check, or revert) megatron-mm-balance's patches to a Megatron-LM checkout.
+# Apply (or check, or revert) megatron-mm-balance's patches to a Megatron-LM checkout
+# (or a Megatron-Bridge checkout: patches/megatron-bridge-<tag>/, docs/bridge.md).
 #
 #   scripts/apply_patches.sh MEGATRON_LM_DIR            apply (idempotent: applied files are skipped)
 #   scripts/apply_patches.sh MEGATRON_LM_DIR --check    dry run: print each file pending/applied/conflict
@@ -51,6 +52,46 @@ done
 command -v git >/dev/null || die "git is needed (git apply); install git"
 [ -d "$DIR" ] || die "$DIR: no such directory (give the root of a Megatron-LM checkout)"
 DIR=$(cd "$DIR" && pwd)
+
+# A git checkout whose top is DIR (tags, 3-way applies and their state live in its .git).
+IS_GIT=0
+if top=$(git -C "$DIR" rev-parse --show-toplevel 2>/dev/null) && [ "$(cd "$top" && pwd)" = "$DIR" ]; then
+  IS_GIT=1
+fi
+
+# --- Megatron-Bridge checkouts (a product of its own: its own releases and patch sets) ------
+# A directory with src/megatron/bridge/ is a Megatron-Bridge checkout: its release comes from
+# git (nearest v* tag) or from src/megatron/bridge/package_info.py (the v0.6.0 tag's says
+# 0.6.1), and its patches from patches/megatron-bridge-<tag>/. Everything after the release
+# detection (classify, all or nothing, --check/--revert) is shared with Megatron-LM.
+BRIDGE_TAGS=(v0.6.0)
+declare -A BRIDGE_INFO_VERSION=([v0.6.0]=0.6.1)
+BRIDGE_RELEASE=""
+detect_bridge_release() {
+  local desc tag have found=""
+  if [ "$(git -C "$DIR" rev-parse --show-toplevel 2>/dev/null)" = "$DIR" ] \
+     && desc=$(git -C "$DIR" describe --tags --match 'v*' HEAD 2>/dev/null); then
+    tag=$(git -C "$DIR" describe --tags --match 'v*' --abbrev=0 HEAD)
+    found="git describe: $desc"
+    [ -n "${BRIDGE_INFO_VERSION[$tag]:-}" ] && BRIDGE_RELEASE=$tag
+  fi
+  if [ -z "$BRIDGE_RELEASE" ]; then
+    have=$(sed -n 's/^\(MAJOR\|MINOR\|PATCH\) *= *\([0-9]*\).*/\2/p' "$DIR/src/megatron/bridge/package_info.py" | paste -sd. -)
+    found="${found:+$found; }src/megatron/bridge/package_info.py: ${have:-no version}"
+    for t in "${BRIDGE_TAGS[@]}"; do
+      [ "${BRIDGE_INFO_VERSION[$t]}" = "$have" ] && BRIDGE_RELEASE=$t
+    done
+  fi
+  SUPPORTED_LIST="Megatron-Bridge $(IFS=,; echo "${BRIDGE_TAGS[*]}" | sed 's/,/, /g')"
+  [ -n "$BRIDGE_RELEASE" ] || die "$DIR is not a supported Megatron-Bridge release ($found); supported: $SUPPORTED_LIST. Nothing was changed."
+  RELEASE=megatron-bridge-$BRIDGE_RELEASE
+  echo "Megatron-Bridge $BRIDGE_RELEASE ($found)"
+}
+if [ -d "$DIR/src/megatron/bridge" ]; then
+  detect_bridge_release
+fi
+
+if [ -z "$BRIDGE_RELEASE" ]; then    # Megatron-LM (the block below, unchanged)
 [ -f "$DIR/megatron/training/training.py" ] || die "$DIR is not a Megatron-LM checkout (no megatron/training/training.py)"
 
 # --- which release -------------------------------------------------------------------
@@ -60,10 +101,6 @@ DIR=$(cd "$DIR" && pwd)
 # line gets that line's patch set, applied like any branch (3-way where a hunk's context
 # moved; all or nothing). A release of a newer line (0.20) is refused unless --force,
 # which tries the newest patch set, still all or nothing.
-IS_GIT=0
-if top=$(git -C "$DIR" rev-parse --show-toplevel 2>/dev/null) && [ "$(cd "$top" && pwd)" = "$DIR" ]; then
-  IS_GIT=1
-fi
 info_version() {
   local f=$DIR/megatron/core/package_info.py v pre
   v=$(sed -n 's/^\(MAJOR\|MINOR\|PATCH\) *= *\([0-9]*\).*/\2/p' "$f" 2>/dev/null | paste -sd. -)
@@ -111,10 +148,12 @@ if [ -z "$RELEASE" ]; then
     die "$DIR is not a supported Megatron-LM release ($FOUND); supported releases: $SUPPORTED_LIST and their patch releases. Nothing was changed."
   fi
 fi
+fi    # Megatron-LM
 PATCH_DIR=$PATCH_ROOT/$RELEASE
 shopt -s nullglob
 PATCHES=("$PATCH_DIR"/*.patch)
 [ ${#PATCHES[@]} -gt 0 ] || die "no patches in $PATCH_DIR"
+if [ -z "$BRIDGE_RELEASE" ]; then
 case $HOW in
   exact) echo "Megatron-LM $RELEASE ($FOUND)" ;;
   line)
@@ -122,6 +161,7 @@ case $HOW in
     echo "Megatron-LM core_v$VERSION ($FOUND): a patch release (or another commit) of the $(minor_line "$VERSION") line, not itself tested (the tested one is $RELEASE$quirk); using that line's patch set patches/$RELEASE/ (3-way where a hunk's context moved, all or nothing)" ;;
   forced) echo "Megatron-LM core_v$VERSION ($FOUND): not a supported release; --force: trying the newest patch set patches/$RELEASE/, all or nothing" ;;
 esac
+fi
 
 # --- helpers -----------------------------------------------------------------------------
 # Outside a git checkout, git apply must not discover an enclosing repository (it would

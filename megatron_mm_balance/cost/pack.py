@@ -168,3 +168,106 @@ def to_int_cost(value, rank_hint: str = "") -> int:
     if v != v or v in (float("inf"), float("-inf")) or v < 0:
         raise ValueError(f"cost_fn returned {value!r}{rank_hint}; costs must be finite and >= 0")
     return int(round(v))
+
+
+# --------------------------------------------------------------------------- Qwen-VL grids
+
+#: where a Qwen-VL micro-batch carries its grids: top level, or inside ``visual_inputs``
+#: (Megatron-Bridge's ``GenericVisualInputs``, an object with these attributes, or a dict)
+QWEN_VL_GRID_KEYS = ("image_grid_thw", "video_grid_thw")
+
+
+def _grid_rows(value, key: str) -> list:
+    """``[[t, h, w], ...]`` from a tensor / nested list of any leading shape (None: [])."""
+    flat = flatten_ints(value, key)
+    if len(flat) % 3:
+        raise ValueError(f"{key} must hold (t, h, w) triples, got {len(flat)} numbers")
+    rows = [flat[i:i + 3] for i in range(0, len(flat), 3)]
+    if any(v < 0 for row in rows for v in row):
+        raise ValueError(f"{key} must hold non-negative (t, h, w), got {rows}")
+    return rows
+
+
+class QwenVLGridFeatures:
+    """Per-image features of a Qwen-VL micro-batch, from its ``image_grid_thw`` / ``video_grid_thw``.
+
+    Qwen-VL encoders see each image (and video) at its native resolution: a grid of
+    ``t x h x w`` patches, all of which go through the vision transformer, whose
+    attention is over each image's patches (the quadratic term), and
+    ``spatial_merge_size**2`` patches are merged into one language-model token.
+    ``encoder_tokens`` are ``t*h*w`` per image/video (what the encoder computes on);
+    ``lm_tokens`` are ``t*h*w // merge**2`` (what the language model sees). A
+    micro-batch without grids (text only) has none.
+    """
+
+    def __init__(self, spatial_merge_size: int = 2):
+        self.merge = check_tokens_per_tile(spatial_merge_size)
+
+    def grids(self, pack) -> list:
+        if not isinstance(pack, Mapping):
+            return []
+        holder = pack.get("visual_inputs")
+        rows = []
+        for key in QWEN_VL_GRID_KEYS:
+            value = pack.get(key)
+            if value is None and holder is not None:
+                value = holder.get(key) if isinstance(holder, Mapping) else getattr(holder, key, None)
+            rows.extend(_grid_rows(value, key))
+        return rows
+
+    def encoder_tokens(self, pack) -> list:
+        return [t * h * w for t, h, w in self.grids(pack)]
+
+    def lm_tokens(self, pack) -> list:
+        return [t * h * w // (self.merge * self.merge) for t, h, w in self.grids(pack)]
+
+    @staticmethod
+    def lengths(pack) -> tuple:
+        """Per-sample token counts: the rows of ``attention_mask`` (else of ``input_ids``)."""
+        if not isinstance(pack, Mapping):
+            return ()
+        mask = pack.get("attention_mask")
+        if mask is not None and hasattr(mask, "sum") and getattr(mask, "dim", lambda: 0)() == 2:
+            return tuple(int(v) for v in mask.sum(-1).tolist())
+        ids = pack.get("input_ids", pack.get("tokens"))
+        shape = getattr(ids, "shape", None)
+        return tuple([int(shape[1])] * int(shape[0])) if shape is not None and len(shape) == 2 else ()
+
+
+class QwenVLCost:
+    """Callable ``micro-batch -> cost`` for Qwen-VL batches (grids, not tiles).
+
+    Without a cost model: the vision encoder's tokens, ``sum(t*h*w)`` over the
+    micro-batch's images and videos (the image-token cost of this convention).
+    With one (a :class:`~megatron_mm_balance.cost.CostModel`, ``--mm-balance-cost model``):
+    the model on per-image encoder tokens, so its quadratic term is attention within
+    each image, and on the per-sample lengths; ``phases=True`` gives ``(vision,
+    language)`` for the two-phase solver, as :class:`ModelCost` does.
+    """
+
+    def __init__(self, spatial_merge_size: int = 2, *, model=None, phases: bool = False):
+        self.features = QwenVLGridFeatures(spatial_merge_size)
+        self.model = model
+        self.phases = bool(phases) and model is not None
+        self.components = 2 if self.phases else 1
+
+    @classmethod
+    def from_file(cls, path: str, spatial_merge_size: int = 2, *, phases: bool = False) -> "QwenVLCost":
+        from .model import load_cost_file
+        return cls(spatial_merge_size, model=load_cost_file(path), phases=phases)
+
+    @property
+    def identity(self) -> str:
+        model = "" if self.model is None else f", model={self.model.to_json()}"
+        return (f"megatron_mm_balance.qwen_vl_cost(merge={self.features.merge}{model}"
+                + (", phases)" if self.phases else ")"))
+
+    def __call__(self, pack):
+        if not isinstance(pack, Mapping):
+            return (0, 0) if self.phases else 0
+        encoder = self.features.encoder_tokens(pack)
+        if self.model is None:
+            return int(sum(encoder))
+        from .model import PackFeatures
+        f = PackFeatures(tuple(encoder), self.features.lengths(pack))
+        return self.model.phase_costs(f) if self.phases else self.model.cost(f)

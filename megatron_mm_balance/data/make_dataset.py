@@ -78,6 +78,8 @@ DEFAULT_TILE_SIZE = 56
 CONVERSATION_SHARE = 0.2
 #: Enough samples of each kind in each split for a few data-parallel ranks to get some.
 MIN_SAMPLES, MIN_CONVERSATIONS = 16, 4
+#: ``--format``: the examples/multimodal form (default) or Megatron-Bridge's Qwen-VL form.
+FORMATS = ("megatron-multimodal", "bridge-qwen-vl")
 
 _COLORS = ("red", "green", "blue", "yellow", "purple", "orange", "white", "black", "gray", "cyan")
 _RGB = {"red": (200, 40, 40), "green": (40, 160, 60), "blue": (40, 70, 200), "yellow": (230, 210, 50),
@@ -537,9 +539,21 @@ def add_arguments(parser) -> None:
                         help="default: 1-4 tiles per image, 20%% conversations of 1-3 images; vision-heavy: "
                              "1-12 tiles (--max-num-tiles 12), multi-image documents, ~30%% text-only "
                              "samples (the real-speed benchmark's data)")
+    parser.add_argument("--format", choices=FORMATS, default=FORMATS[0],
+                        help="megatron-multimodal (default): Megatron-LM examples/multimodal; "
+                             "bridge-qwen-vl: Megatron-Bridge's Qwen-VL energon path (docs/bridge.md)")
 
 
 def run(args) -> int:
+    if getattr(args, "format", FORMATS[0]) == "bridge-qwen-vl":
+        from .bridge.dataset import make_qwen_vl_dataset
+        try:
+            lines = make_qwen_vl_dataset(args.out_dir, samples=args.samples, seed=args.seed)
+        except ImportError as exc:
+            raise MakeDatasetError(f"make-dataset needs {exc.name or exc} (pip install megatron-energon "
+                                   f"pillow tokenizers)") from None
+        print("\n".join(lines))
+        return 0
     try:
         summary = make_dataset(args.out_dir, samples=args.samples, seed=args.seed, tile_size=args.tile_size,
                                mix=args.mix)

@@ -12,7 +12,8 @@ import importlib
 _HOME = {
     "BalancedDataIterator": ".iterator", "new_exchange_groups": ".groups",
     "plan_placement": "..solver.placement", "default_cost_fn": "..cost.pack",
-    "ImageTokenCost": "..cost.pack", "ModelCost": "..cost.pack", "BalancerError": ".errors",
+    "ImageTokenCost": "..cost.pack", "ModelCost": "..cost.pack", "QwenVLCost": "..cost.pack",
+    "QwenVLGridFeatures": "..cost.pack", "BalancerError": ".errors",
     "PeerFailure": ".errors", "InconsistentConfig": ".errors", "ExchangeThreadError": ".errors",
     "SourceExhausted": ".engine", "BalancerConfig": ".config", "SettingError": ".config", "BatchStats": ".stats",
     "plan_batch": ".planner",

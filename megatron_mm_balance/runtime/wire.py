@@ -1,7 +1,8 @@
 """Wire format of one pack: a pickled header, then the tensors' raw bytes.
 
-A pack is any nesting of dicts, lists and tuples whose leaves are tensors or
-plain picklable values. :func:`split` replaces every tensor by a
+A pack is any nesting of dicts, lists, tuples and dataclass instances (their
+fields; e.g. Megatron-Bridge's ``GenericVisualInputs``) whose leaves are tensors
+or plain picklable values. :func:`split` replaces every tensor by a
 :class:`TensorRef` (shape, dtype, device type, byte offset in the data buffer)
 and returns the pickled header plus each tensor's bytes as a flat ``uint8``
 view, with no copy for contiguous CPU tensors. The receiver learns the sizes
@@ -20,6 +21,7 @@ local pack to the device in a single copy).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import pickle
 from dataclasses import dataclass
 
@@ -64,7 +66,7 @@ class _Slot:
 
 
 def _map(obj, leaf, kind):
-    """Rebuild dicts / lists / tuples / namedtuples, applying ``leaf`` to ``kind`` leaves."""
+    """Rebuild dicts / lists / tuples / namedtuples / dataclasses, applying ``leaf`` to ``kind`` leaves."""
     if isinstance(obj, kind):
         return leaf(obj)
     if isinstance(obj, dict):
@@ -78,6 +80,11 @@ def _map(obj, leaf, kind):
         return type(obj)(*(_map(v, leaf, kind) for v in obj))
     if isinstance(obj, (list, tuple)):
         return type(obj)(_map(v, leaf, kind) for v in obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, (type, TensorRef, _Slot)):
+        out = copy.copy(obj)                     # fields set directly: no __init__ re-run
+        for f in dataclasses.fields(obj):
+            object.__setattr__(out, f.name, _map(getattr(obj, f.name), leaf, kind))
+        return out
     return obj
 
 

@@ -167,6 +167,31 @@ def _all_to_all_single_p2p(output, input, output_split_sizes=None, input_split_s
     return None
 
 
+def install_gloo_all_to_all() -> None:
+    """``dist.all_to_all_single`` on gloo groups from point-to-point ops (idempotent)."""
+    import torch.distributed as dist
+    if getattr(dist.all_to_all_single, "_mm_balance_gloo", False):
+        return
+    _orig_a2a = dist.all_to_all_single
+
+    def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None,
+                          group=None, async_op=False):
+        if dist.get_backend(group) == "gloo":
+            return _all_to_all_single_p2p(output, input, output_split_sizes, input_split_sizes,
+                                          group, async_op)
+        return _orig_a2a(output, input, output_split_sizes, input_split_sizes, group, async_op)
+
+    all_to_all_single._mm_balance_gloo = True
+    dist.all_to_all_single = all_to_all_single
+
+
+def install_cuda_rng_state() -> None:
+    """``torch.cuda.get_rng_state``/``set_rng_state``: an empty state, nothing restored."""
+    import torch
+    torch.cuda.get_rng_state = lambda *a, **k: torch.empty(0, dtype=torch.uint8)
+    torch.cuda.set_rng_state = lambda *a, **k: None
+
+
 class _DoneWork:
     def wait(self, *a, **k):
         return True
@@ -189,20 +214,9 @@ def install() -> None:
     cpu_megatron.install()
 
     cuda = torch.cuda
-    cuda.get_rng_state = lambda *a, **k: torch.empty(0, dtype=torch.uint8)
-    cuda.set_rng_state = lambda *a, **k: None
+    install_cuda_rng_state()
 
-    import torch.distributed as dist
-    _orig_a2a = dist.all_to_all_single
-
-    def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None,
-                          group=None, async_op=False):
-        if dist.get_backend(group) == "gloo":
-            return _all_to_all_single_p2p(output, input, output_split_sizes, input_split_sizes,
-                                          group, async_op)
-        return _orig_a2a(output, input, output_split_sizes, input_split_sizes, group, async_op)
-
-    dist.all_to_all_single = all_to_all_single
+    install_gloo_all_to_all()
 
     from megatron.training import initialize as minit
     from megatron.training import training as mtrain
@@ -312,7 +326,6 @@ def _local_specs() -> None:
     from megatron.core.models.multimodal import llava_model
     from megatron.core.models.vision.clip_vit_model import CLIPViTModel
     from megatron.core.tensor_parallel import ColumnParallelLinear
-    from megatron.core.transformer import dot_product_attention as dpa
     from megatron.core.transformer.mlp import MLP, MLPSubmodules
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
@@ -353,16 +366,7 @@ def _local_specs() -> None:
         mm_specs.TORCH_VERSION = getattr(mm_specs, "TORCH_VERSION", torch.__version__.split("."))
         mm_specs.HAVE_APEX = getattr(mm_specs, "HAVE_APEX", False)    # and HAVE_APEX
 
-    orig_forward = dpa.DotProductAttention.forward
-
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None,
-                attention_bias=None, packed_seq_params=None):
-        if packed_seq_params is None:
-            return orig_forward(self, query, key, value, attention_mask, attn_mask_type=attn_mask_type,
-                                attention_bias=attention_bias, packed_seq_params=None)
-        return _packed_attention(self, query, key, value, attn_mask_type, packed_seq_params)
-
-    dpa.DotProductAttention.forward = forward
+    install_packed_attention()
 
     from megatron.core.models.common.embeddings import rope_utils
     orig_rope_thd = rope_utils._apply_rotary_pos_emb_thd
@@ -376,6 +380,25 @@ def _local_specs() -> None:
         return torch.cat([orig_rope_thd(t[:n], cu_seqlens, freqs, *a, **k), t[n:]], dim=0)
 
     rope_utils._apply_rotary_pos_emb_thd = _apply_rotary_pos_emb_thd
+
+
+def install_packed_attention() -> None:
+    """Local ``DotProductAttention`` over a packed (THD) sequence: each sample attends only
+    within itself (:func:`_packed_attention`); unpacked calls are unchanged (idempotent)."""
+    from megatron.core.transformer import dot_product_attention as dpa
+    if getattr(dpa.DotProductAttention.forward, "_mm_balance_packed", False):
+        return
+    orig_forward = dpa.DotProductAttention.forward
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None,
+                attention_bias=None, packed_seq_params=None):
+        if packed_seq_params is None:
+            return orig_forward(self, query, key, value, attention_mask, attn_mask_type=attn_mask_type,
+                                attention_bias=attention_bias, packed_seq_params=None)
+        return _packed_attention(self, query, key, value, attn_mask_type, packed_seq_params)
+
+    forward._mm_balance_packed = True
+    dpa.DotProductAttention.forward = forward
 
 
 def _torch_adam_resume() -> None:

@@ -67,7 +67,8 @@ def targets(tag):
 
 
 def test_every_supported_release_has_a_patch_set():
-    assert sorted(p.name for p in (ROOT / "patches").iterdir()) == sorted(RELEASES)
+    assert sorted(p.name for p in (ROOT / "patches").iterdir()
+                  if not p.name.startswith("megatron-bridge-")) == sorted(RELEASES)   # docs/bridge.md
     script = SCRIPT.read_text()
     for tag in RELEASES:
         assert f"[{tag}]={INFO_VERSION[tag]}" in script

@@ -1,0 +1,108 @@
+"""The ``mm_balance`` field of Megatron-Bridge's ``ConfigContainer``.
+
+:class:`MMBalanceBridgeConfig` is a plain dataclass, so Bridge's own machinery reads
+and writes it like any other section of the config: recipe code
+(``cfg.mm_balance.enabled = True``), YAML (``mm_balance: {enabled: true}``) and Hydra
+overrides (``mm_balance.enabled=true mm_balance.mode=shadow``). Patch
+``0001-config-mm-balance-field.patch`` adds the field (default: this class, off).
+
+Its fields are the ``--mm-balance*`` flags of the Megatron-LM path, one for one and
+with the same defaults and meanings (docs/megatron.md section 2); :func:`as_args`
+turns the field plus the Bridge settings the checks need into the namespace the core
+package's :func:`~megatron_mm_balance.megatron.checks.checked_config` validates, so the
+refusals and the ``auto`` resolutions are the same code on both paths.
+
+Imports nothing from Bridge, Megatron or torch.
+"""
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass
+from typing import Optional
+
+from ..megatron.config import MMBalanceConfig
+
+_D = MMBalanceConfig()
+
+
+@dataclass
+class MMBalanceBridgeConfig:
+    """``cfg.mm_balance``: image-token balancing across data-parallel ranks (off by default)."""
+
+    #: balance every global batch's micro-batches across data-parallel ranks
+    enabled: bool = False
+    #: ``auto``/``exchange``: move micro-batches; ``shadow``: gather costs, solve, log the
+    #: predicted gain, move nothing (sampler mode needs Megatron-LM's sampler: refused)
+    mode: str = "auto"
+    #: ``auto`` (microstep under expert parallel, else step), ``microstep``, ``step``
+    sync: str = "auto"
+    #: exchange on a background thread, overlapped with compute
+    overlap: bool = _D.overlap
+    #: ``image-tokens`` (vision-encoder tokens from the Qwen-VL grids) or ``model``
+    #: (``auto``, the online fit, needs the Megatron-LM path's timing hooks: refused here)
+    cost: str = _D.cost
+    #: the calibrated cost model of ``cost=model``
+    cost_file: Optional[str] = None
+    #: statistics every N iterations (None: ``logger.log_interval``)
+    log_interval: Optional[int] = None
+    #: the placement's tolerance above the mean (None: the solver's default)
+    tolerance: Optional[float] = None
+    #: seconds any exchange wait may take before a clear error
+    timeout: float = _D.timeout
+    #: GPUs per node (None: ``LOCAL_WORLD_SIZE``)
+    ranks_per_node: Optional[int] = None
+
+
+def as_args(mm: MMBalanceBridgeConfig, cfg, *, train_state=None) -> types.SimpleNamespace:
+    """The ``args`` namespace of the core glue, from ``cfg.mm_balance`` and Bridge's config.
+
+    Carries the ``mm_balance_*`` values and the Bridge settings the checks, the
+    micro-batch schedule and the telemetry read (parallel sizes, batch sizes, the
+    router's load balancing, the log interval and TensorBoard directory).
+    ``curr_iteration`` follows ``train_state.step`` (Bridge's iteration counter).
+    """
+    model, train, logger = cfg.model, cfg.train, cfg.logger
+    if mm.mode == "sampler":
+        from ..megatron.checks import MMBalanceConfigError
+        raise MMBalanceConfigError("mm_balance.mode=sampler needs Megatron-LM's pretraining sampler; "
+                                   "on Megatron-Bridge use mm_balance.mode=exchange (or auto, shadow)")
+    if mm.cost == "auto":
+        from ..megatron.checks import MMBalanceConfigError
+        raise MMBalanceConfigError("mm_balance.cost=auto fits costs from the per-pack timing hooks of "
+                                   "the Megatron-LM path, which Megatron-Bridge's models do not have "
+                                   "yet; use mm_balance.cost=image-tokens or model (a cost file)")
+    return _BridgeArgs(
+        train_state,
+        mm_balance=bool(mm.enabled), mm_balance_mode=mm.mode, mm_balance_sync=mm.sync,
+        mm_balance_overlap=mm.overlap, mm_balance_cost=mm.cost, mm_balance_cost_file=mm.cost_file,
+        mm_balance_log_interval=mm.log_interval, mm_balance_tolerance=mm.tolerance,
+        mm_balance_timeout=mm.timeout, mm_balance_ranks_per_node=mm.ranks_per_node,
+        log_interval=getattr(logger, "log_interval", None),
+        tensorboard_dir=getattr(logger, "tensorboard_dir", None),
+        expert_model_parallel_size=getattr(model, "expert_model_parallel_size", 1) or 1,
+        num_experts=getattr(model, "num_moe_experts", None),
+        moe_router_load_balancing_type=getattr(model, "moe_router_load_balancing_type", None),
+        moe_aux_loss_coeff=getattr(model, "moe_aux_loss_coeff", 0.0),
+        calculate_per_token_loss=bool(getattr(model, "calculate_per_token_loss", False)),
+        hybrid_context_parallel=bool(getattr(model, "hybrid_context_parallel", False)),
+        micro_batch_size=train.micro_batch_size, global_batch_size=train.global_batch_size,
+        rampup_batch_size=getattr(train, "rampup_batch_size", None),
+        decrease_batch_size_if_needed=getattr(train, "decrease_batch_size_if_needed", False),
+        data_parallel_size=getattr(cfg, "data_parallel_size", None),
+        consumed_train_samples=getattr(train_state, "consumed_train_samples", 0) or 0,
+        iteration=int(getattr(train_state, "step", 0) or 0),
+        dataloader_type=getattr(cfg.dataset, "dataloader_type", None),
+    )
+
+
+class _BridgeArgs(types.SimpleNamespace):
+    """A namespace whose ``curr_iteration`` reads Bridge's live ``train_state.step``."""
+
+    def __init__(self, train_state, **values):
+        super().__init__(**values)
+        object.__setattr__(self, "_train_state", train_state)
+
+    @property
+    def curr_iteration(self):
+        ts = self._train_state
+        return None if ts is None else int(ts.step)

@@ -1,0 +1,299 @@
+"""Run Megatron-Bridge's own ``pretrain()`` on CPU over gloo (tests, the tiny CPU config).
+
+    python -m torch.distributed.run --nproc-per-node 4 \\
+        -m megatron_mm_balance.testing.cpu_bridge -m megatron_mm_balance.bridge.run [args...]
+
+``scripts/pretrain_bridge_vlm.sh`` starts ranks this way when its config asks for the
+CPU harness (``CPU_HARNESS=auto``) and the machine has no CUDA device; the GPU path
+never imports this module. Each rank installs the stand-ins below and then runs the
+entry module with :mod:`runpy`, so Bridge's config container, ``pretrain()``, its
+training loop, checkpointing and energon data loading are the user's, unchanged.
+
+What comes from the Megatron-LM harness, reused as is:
+:func:`megatron_mm_balance.testing.cpu_megatron.install` (CUDA device arguments to CPU,
+streams and events, the CUDA RNG tracker, ``te_general_gemm``) and, from
+:mod:`~megatron_mm_balance.testing.cpu_pretrain`, the inert ``triton`` stand-in (only
+if triton is absent), the empty CUDA RNG state, the split-size ``all_to_all_single``
+over gloo and the per-sample attention over a packed (THD) sequence.
+
+Each stand-in added here, with the CUDA-only (or GPU-stack-only) assumption it replaces:
+
+* **optional packages imported at module load**: ``transformer_engine`` (the LoRA
+  layers of ``megatron.bridge.peft``), ``modelopt`` (``training/train.py``,
+  ``checkpointing.py``, ``gpt_step.py``), ``nvidia_resiliency_ext``
+  (``training/pretrain.py``), ``datasets`` (``data/sources/hf.py``) and ``diffusers``
+  (the FLUX recipes, imported by ``megatron.bridge.recipes``): inert modules handed
+  *only* to importers inside ``megatron.bridge`` (an ``__import__`` hook; nothing enters
+  ``sys.modules``), so megatron-core still sees those packages as absent and takes its
+  local paths. Anything that calls into them raises a clear error.
+* **modelopt calls on the training path** that do nothing for a model modelopt never
+  converted: the distillation tensor-shape adjuster the training step asks for every step
+  (None), and saving / restoring modelopt's state in checkpoints (nothing to save).
+* **``initialize_megatron``** asserts ``torch.cuda.is_available()`` ("Megatron requires
+  CUDA"): called with ``allow_no_cuda=True``; ``torch_dist_init`` builds the
+  model-parallel groups with a device count of 1 (with 0 it refuses unless gloo, and it
+  seeds the CUDA RNG tracker only with devices: the CPU tracker of ``cpu_megatron``
+  serves, with one placeholder state, because checkpoints hold the tracker's states and
+  loading refuses an empty set, and its seeds (ints) pass the loader's CUDA-state conversion); the ``barrier(device_ids=[local rank])`` after ``init_process_group`` drops
+  ``device_ids`` on gloo (gloo has no devices); the dataset index helpers (``make`` +
+  pybind11) that start-up compiles are skipped (the energon path never uses them).
+* **layer specs**: the Qwen3-VL providers hard-code transformer-engine specs for the
+  language model (and grouped GEMM for MoE) and the vision tower and its patch merger
+  (``TENorm``, ``TEColumnParallelLinear``, ``TERowParallelLinear``): megatron-core's
+  local specs (``get_gpt_layer_local_spec`` with the same experts / qk-layernorm
+  switches, sequential experts; ``get_vit_layer_with_local_spec``; ``WrappedTorchNorm``,
+  ``ColumnParallelLinear``, ``RowParallelLinear``) are built instead.
+* **packed vision attention**: Bridge's Qwen3-VL vision tower always passes packed
+  (THD) parameters, which megatron-core's local ``DotProductAttention`` refuses:
+  attention restricted to each packed segment (``cpu_pretrain.install_packed_attention``).
+* **torch AdamW under the distributed optimizer** (no apex/TE): resuming a
+  ``torch_dist`` checkpoint first builds the optimizer's sharded state dict from the
+  fresh optimizer, which needs per-parameter state that torch's AdamW creates only at its
+  first step (TE/apex Adam have an ``init_state_fn``): a zero state with ``step`` 0 that the
+  load overwrites; and the restored ``step`` gets one copy per parameter
+  (``cpu_pretrain._torch_adam_resume``).
+* **fused kernels Bridge's providers ask for by default on GPU** (Qwen3-VL rope fusion,
+  ``persist_layer_norm``, bias-activation / bias-dropout fusion, ``moe_permute_fusion``,
+  gradient-accumulation fusion, grouped GEMM) are switched off by the config
+  (``configs/bridge/qwen3_vl_moe_tiny_cpu.py``), not here; ``dist.distributed_backend=gloo``
+  is the launcher config's ``CPU_OVERRIDES``.
+"""
+from __future__ import annotations
+
+import builtins
+import os
+import runpy
+import sys
+import types
+
+#: Packages Bridge imports at module load that its CPU path never calls.
+STUBBED_FOR_BRIDGE = ("transformer_engine", "modelopt", "nvidia_resiliency_ext", "datasets", "diffusers")
+
+_DONE = False
+_STUBS: dict = {}
+
+
+class _Inert(types.ModuleType):
+    """A stand-in module: every attribute is an inert class that fails when used."""
+
+    def __getattr__(self, name):
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)
+        sub = f"{self.__name__}.{name}"
+        if sub in _STUBS:
+            return _STUBS[sub]
+        value = _inert_class(sub)
+        setattr(self, name, value)
+        return value
+
+
+def _inert_class(qual: str):
+    """A class usable in annotations, ``isinstance`` checks and subclassing; calling it fails."""
+
+    def __init__(self, *a, **k):
+        raise RuntimeError(f"{qual} is not installed (CPU harness stand-in); this path needs it")
+
+    meta = type("InertMeta", (type,), {"__getattr__": lambda cls, name: _inert_class(f"{qual}.{name}")})
+    return meta(qual.rsplit(".", 1)[-1], (), {"__init__": __init__, "__module__": qual.rsplit(".", 1)[0]})
+
+
+def _stub(name: str) -> types.ModuleType:
+    """The stand-in module for ``name`` and its parents (kept here, never in ``sys.modules``)."""
+    parts = name.split(".")
+    for i in range(1, len(parts) + 1):
+        qual = ".".join(parts[:i])
+        if qual not in _STUBS:
+            mod = _Inert(qual)
+            mod.__path__ = []
+            _STUBS[qual] = mod
+            if i > 1:
+                setattr(_STUBS[".".join(parts[:i - 1])], parts[i - 1], mod)
+    return _STUBS[name]
+
+
+def _really_missing(top: str) -> bool:
+    import importlib.util
+    try:
+        return importlib.util.find_spec(top) is None
+    except (ImportError, ValueError):
+        return True
+
+
+def _install_bridge_import_stubs() -> None:
+    missing = {top for top in STUBBED_FOR_BRIDGE if _really_missing(top)}
+    if not missing:
+        return
+    real_import = builtins.__import__
+
+    def bridge_import(name, globals=None, locals=None, fromlist=(), level=0):
+        top = name.partition(".")[0]
+        importer = (globals or {}).get("__name__", "") or ""
+        if level == 0 and top in missing and importer.startswith("megatron.bridge"):
+            mod = _stub(name)
+            if fromlist:
+                for attr in fromlist:         # from x.y import z: z a submodule or a class
+                    if attr != "*":
+                        getattr(mod, attr)
+                return mod
+            return _STUBS[top]
+        return real_import(name, globals, locals, fromlist, level)
+
+    builtins.__import__ = bridge_import
+
+
+def _no_cuda_initialize() -> None:
+    """Bridge's ``initialize_megatron`` with ``allow_no_cuda=True``, and a device count of 1
+    while it builds the process groups (it skips them with 0 devices)."""
+    import torch
+
+    from megatron.bridge.training import initialize as binit
+    from megatron.bridge.training import setup as bsetup
+
+    orig = binit.initialize_megatron
+
+    def initialize_megatron(*a, **k):
+        k["allow_no_cuda"] = True
+        return orig(*a, **k)
+
+    binit.initialize_megatron = bsetup.initialize_megatron = initialize_megatron
+
+    orig_dist = binit.torch_dist_init
+
+    def torch_dist_init(*a, **k):
+        real = torch.cuda.device_count
+        torch.cuda.device_count = lambda: 1
+        try:
+            return orig_dist(*a, **k)
+        finally:
+            torch.cuda.device_count = real
+
+    binit.torch_dist_init = torch_dist_init
+
+    orig_seed = binit._set_random_seed
+
+    def _set_random_seed(*a, **k):
+        orig_seed(*a, **k)
+        from megatron.core.tensor_parallel import random as mrandom
+        # One placeholder state: checkpoints hold the tracker's states, and loading refuses
+        # an empty set ("Unable to load rng state", exit) although the CPU tracker forks nothing.
+        mrandom.get_cuda_rng_tracker().states_.setdefault("model-parallel-rng",
+                                                          torch.zeros(1, dtype=torch.uint8))
+
+    binit._set_random_seed = _set_random_seed
+    # The CPU tracker records seeds (ints) where CUDA's holds generator states; loading a
+    # checkpoint converts each state as a CUDA one and rejects ints: they pass through.
+    from megatron.core import tensor_parallel
+    orig_convert = tensor_parallel.convert_cuda_rng_state
+
+    def convert_cuda_rng_state(state, to_graphable=False):
+        return state if isinstance(state, int) else orig_convert(state, to_graphable=to_graphable)
+
+    tensor_parallel.convert_cuda_rng_state = convert_cuda_rng_state
+    # The dataset index helpers (make + pybind11) are compiled at start-up; energon never uses them.
+    binit.compile_helpers = lambda: None
+    # barrier(device_ids=[local rank]) right after init_process_group: gloo has no devices.
+    import torch.distributed as dist
+    orig_barrier = dist.barrier
+
+    def barrier(group=None, async_op=False, device_ids=None):
+        if device_ids is not None and dist.get_backend(group) == "gloo":
+            device_ids = None
+        return orig_barrier(group=group, async_op=async_op, device_ids=device_ids)
+
+    dist.barrier = barrier
+
+
+def _local_layer_specs() -> None:
+    """megatron-core's local specs where Bridge's Qwen3-VL code hard-codes transformer-engine ones."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.vision.vit_layer_specs import get_vit_layer_with_local_spec
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    from megatron.bridge.models.qwen_vl import qwen3_vl_provider
+    from megatron.bridge.models.qwen_vl.modelling_qwen3_vl import model as qmodel
+
+    def gpt_local_spec(num_experts=None, moe_grouped_gemm=False, qk_layernorm=False, fp8=False, **_):
+        return get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False,
+                                        qk_layernorm=qk_layernorm, normalization="RMSNorm")
+
+    qwen3_vl_provider.get_gpt_layer_with_transformer_engine_spec = gpt_local_spec
+    qmodel.get_vit_layer_with_transformer_engine_spec = get_vit_layer_with_local_spec
+    qmodel.TENorm = WrappedTorchNorm
+    qmodel.TEColumnParallelLinear = ColumnParallelLinear
+    qmodel.TERowParallelLinear = RowParallelLinear
+
+
+def _no_distillation() -> None:
+    """The training step asks modelopt for a distillation tensor-shape adjuster every step;
+    without distillation modelopt answers None, which is what the stand-in answers."""
+    from megatron.bridge.training import train as btrain
+    btrain.get_tensor_shapes_adjust_fn_for_distillation = lambda *a, **k: None
+
+
+def _no_modelopt_state() -> None:
+    """Checkpoints save and restore modelopt's state (quantisation/distillation modes); a model
+    modelopt never converted has none, and modelopt's functions then do nothing: so do these."""
+    from megatron.bridge.training import checkpointing as bckpt
+    bckpt.save_sharded_modelopt_state = lambda *a, **k: None
+    bckpt.save_modelopt_state = lambda *a, **k: None
+    bckpt.restore_modelopt_state = lambda *a, **k: None
+
+
+def _torch_adam_load_template() -> None:
+    """Resuming a ``torch_dist`` checkpoint builds the optimizer's sharded state dict from the
+    fresh optimizer first. Without apex/TE the distributed optimizer wraps ``torch.optim.AdamW``,
+    whose state (and its per-parameter ``step``, which ``state_dict`` requires) exists only after
+    a first step; TE's and apex's Adam have an ``init_state_fn`` for this. The template gets the
+    same zero state (``exp_avg``, ``exp_avg_sq``, ``step`` 0) that the load then overwrites."""
+    import torch
+    from megatron.core.optimizer import distrib_optimizer as dopt
+
+    orig = dopt.DistributedOptimizer.sharded_state_dict
+
+    def sharded_state_dict(self, model_sharded_state_dict, is_loading=False, *a, **k):
+        if is_loading and not getattr(dopt, "HAVE_APEX_OR_TE", True):
+            for group in self.optimizer.param_groups:
+                for p in group["params"]:
+                    st = self.optimizer.state[p]
+                    if not st:
+                        st.update(exp_avg=torch.zeros_like(p.data), exp_avg_sq=torch.zeros_like(p.data),
+                                  step=torch.tensor(0.0))
+        return orig(self, model_sharded_state_dict, is_loading, *a, **k)
+
+    dopt.DistributedOptimizer.sharded_state_dict = sharded_state_dict
+
+
+def install() -> None:
+    """Install every stand-in listed in the module docstring (idempotent)."""
+    global _DONE
+    if _DONE:
+        return
+    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+    _install_bridge_import_stubs()
+    from . import cpu_megatron, cpu_pretrain
+    cpu_pretrain._stub_triton()
+    cpu_megatron.install()
+    cpu_pretrain.install_cuda_rng_state()
+    cpu_pretrain.install_gloo_all_to_all()
+    cpu_pretrain.install_packed_attention()
+    _no_cuda_initialize()
+    _local_layer_specs()
+    _no_distillation()
+    _no_modelopt_state()
+    cpu_pretrain._torch_adam_resume()
+    _torch_adam_load_template()
+    _DONE = True
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if len(argv) < 2 or argv[0] != "-m":
+        sys.exit("usage: python -m megatron_mm_balance.testing.cpu_bridge -m MODULE [args...]")
+    install()
+    sys.argv = [argv[1], *argv[2:]]
+    runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+
+
+if __name__ == "__main__":
+    main()

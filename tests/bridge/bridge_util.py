@@ -1,0 +1,162 @@
+"""Helpers of the Megatron-Bridge tests: a patched Bridge tree, its Python 3.12 environment,
+a dataset, and launcher runs, all driven through the user's commands as subprocesses
+(``scripts/setup_env_bridge.sh``, ``scripts/apply_patches.sh``, ``mm-balance make-dataset
+--format bridge-qwen-vl``, ``scripts/pretrain_bridge_vlm.sh``)."""
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional
+
+from megatron_mm_balance.bench.runtime import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+BRIDGE_ARCHIVE = "Megatron-Bridge-v0.6.0.tar.gz"
+MLM_ARCHIVE = "Megatron-LM-cd4afffa.tar.gz"
+CACHE = REPO / ".bridge-cache"
+LAUNCHER = REPO / "scripts" / "pretrain_bridge_vlm.sh"
+CONFIG = REPO / "configs" / "bridge" / "qwen3_vl_moe_tiny_cpu.sh"
+PATCHES = REPO / "patches" / "megatron-bridge-v0.6.0"
+
+#: Bridge's iteration line: "iteration 3/ 6 | consumed samples: ... | lm loss: 6.4E+00 | ..."
+#: (Bridge resets its loss accumulators at every print: each line is that iteration's loss).
+ITER_RE = re.compile(r"\biteration\s+(\d+)/\s*\d+ \|.*?\blm loss: ([0-9.Ee+-]+)")
+#: our telemetry line, as printed (the logger's copy has a prefix and is not counted)
+TELEMETRY_RE = re.compile(r"^\[mm-balance\] iteration (\d+) \|(.*)$", re.M)
+
+
+def archive_dir() -> Path:
+    """``shared/megatron-bridge/`` beside the clone (CI) or beside its parent."""
+    cands = [d / "shared" / "megatron-bridge" for d in (REPO.parent, REPO.parent.parent)]
+    return next((c for c in cands if (c / BRIDGE_ARCHIVE).is_file()), cands[0])
+
+
+def _digest() -> str:
+    h = hashlib.sha256()
+    for p in sorted(PATCHES.glob("*.patch")):
+        h.update(p.name.encode())
+        h.update(p.read_bytes())
+    return h.hexdigest()[:12]
+
+
+def bridge_trees() -> Optional[Dict[str, Path]]:
+    """``{"bridge": patched Megatron-Bridge v0.6.0, "mlm": the Megatron-LM it pins}``, or None.
+
+    ``MEGATRON_BRIDGE_DIR`` (and ``MEGATRON_LM_DIR``) when set, used as they are; otherwise
+    the archives, unpacked and patched once into ``.bridge-cache/v0.6.0-<digest of patches>``.
+    """
+    env = os.environ.get("MEGATRON_BRIDGE_DIR")
+    if env:
+        mlm = os.environ.get("MEGATRON_LM_DIR") or str(Path(env) / "3rdparty" / "Megatron-LM")
+        return {"bridge": Path(env), "mlm": Path(mlm)}
+    src = archive_dir()
+    if not (src / BRIDGE_ARCHIVE).is_file() or not (src / MLM_ARCHIVE).is_file():
+        return None
+    dest = CACHE / f"v0.6.0-{_digest()}"
+    trees = {"bridge": dest / "Megatron-Bridge-v0.6.0", "mlm": dest / "Megatron-LM-cd4afffa"}
+    if (dest / ".ready").is_file():
+        return trees
+    tmp = CACHE / f".unpack-{os.getpid()}"
+    subprocess.run(["rm", "-rf", str(tmp)], check=True)
+    tmp.mkdir(parents=True)
+    for name in (BRIDGE_ARCHIVE, MLM_ARCHIVE):
+        with tarfile.open(src / name) as tf:
+            tf.extractall(tmp, filter="data")
+    subprocess.run(["bash", str(REPO / "scripts" / "apply_patches.sh"), str(tmp / "Megatron-Bridge-v0.6.0")],
+                   check=True, timeout=120, stdout=subprocess.DEVNULL)
+    (tmp / ".ready").write_text("patched\n")
+    subprocess.run(["rm", "-rf", str(dest)], check=True)
+    os.replace(tmp, dest)
+    return trees
+
+
+def make_dataset(out: Path, samples: int = 128, seed: int = 0) -> Dict[str, str]:
+    """``mm-balance make-dataset OUT --format bridge-qwen-vl``; returns its KEY=VALUE lines."""
+    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    res = subprocess.run([sys.executable, "-m", "megatron_mm_balance.cli", "make-dataset", str(out),
+                          "--samples", str(samples), "--seed", str(seed), "--format", "bridge-qwen-vl"],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, f"make-dataset failed:\n{res.stdout}\n{res.stderr}"
+    return dict(line.split("=", 1) for line in res.stdout.splitlines() if re.match(r"^[A-Z_]+=", line))
+
+
+@dataclass
+class Run:
+    """One launcher run: exit status, wall time, the log, what it printed."""
+
+    rc: int
+    wall_s: float
+    log: str
+    losses: Dict[int, float] = field(default_factory=dict)
+    telemetry: Dict[int, Dict[str, str]] = field(default_factory=dict)
+
+    def tail(self, n: int = 60) -> str:
+        return "\n".join(self.log.splitlines()[-n:])
+
+    def stat(self, key: str) -> Dict[int, float]:
+        """One telemetry figure per logged iteration (``packs_moved``, ``prefetched``, ...)."""
+        return {i: float(t[key]) for i, t in self.telemetry.items() if key in t}
+
+
+def parse(log: str) -> Run:
+    losses = {int(m.group(1)): float(m.group(2)) for m in ITER_RE.finditer(log)}
+    telemetry = {}
+    for m in TELEMETRY_RE.finditer(log):
+        fields = dict(p.strip().split(": ", 1) for p in m.group(2).split("|") if ": " in p)
+        telemetry[int(m.group(1))] = fields
+    return Run(0, 0.0, log, losses, telemetry)
+
+
+def launcher_env(trees: Dict[str, Path], data: Dict[str, str], python: str, *, mm_balance: bool,
+                 output_dir: Path, train_iters: int, **layout) -> Dict[str, str]:
+    env = dict(os.environ)
+    env.update(MEGATRON_BRIDGE_DIR=str(trees["bridge"]), MEGATRON_LM_DIR=str(trees["mlm"]),
+               DATA_PATH=data["DATA_PATH"], PROCESSOR=data["PROCESSOR"], PYTHON=python,
+               MM_BALANCE="1" if mm_balance else "0", OUTPUT_DIR=str(output_dir),
+               TRAIN_ITERS=str(train_iters), MASTER_PORT=str(free_port()))
+    for k, v in layout.items():
+        env[k.upper()] = str(v)
+    return env
+
+
+def run(env: Dict[str, str], extra: List[str] = (), *, log_path: Path, timeout: float = 900.0) -> Run:
+    """The launcher to completion in its own process group (all of it killed at ``timeout``)."""
+    t0 = time.monotonic()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(["bash", str(LAUNCHER), "--config", str(CONFIG), *extra], env=env,
+                                stdout=log, stderr=subprocess.STDOUT, cwd=str(REPO), start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            rc = -9
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+    out = parse(log_path.read_text(errors="replace"))
+    out.rc, out.wall_s = rc, time.monotonic() - t0
+    return out
+
+
+def max_rel_diff(a: Dict[int, float], b: Dict[int, float], iters) -> float:
+    return max(abs(a[i] - b[i]) / max(abs(b[i]), 1e-12) for i in iters)
+
+
+def loss_table(runs: Dict[str, Run]) -> str:
+    names = list(runs)
+    iters = sorted(set().union(*(r.losses for r in runs.values())))
+    lines = ["iter " + " ".join(f"{n:>14}" for n in names)]
+    for i in iters:
+        lines.append(f"{i:>4} " + " ".join(
+            f"{runs[n].losses[i]:>14.6E}" if i in runs[n].losses else f"{'-':>14}" for n in names))
+    return "\n".join(lines)

@@ -1,0 +1,336 @@
+"""Fast tests of the Megatron-Bridge glue: the Qwen-VL grid cost, the ``mm_balance`` config
+section and its checks, dataclass packs on the wire, the Bridge form of make-dataset, the
+Bridge block of apply_patches.sh, the CPU harness's import stand-ins and the launcher's
+dry run. None needs Megatron-Bridge's Python 3.12 environment."""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import subprocess
+import sys
+import tarfile
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+import bridge_util as bu
+from megatron_mm_balance.bridge.config import MMBalanceBridgeConfig, as_args
+from megatron_mm_balance.megatron.checks import MMBalanceConfigError, checked_config
+from megatron_mm_balance.cost.pack import QwenVLCost, QwenVLGridFeatures
+from megatron_mm_balance.runtime import wire
+
+
+# --------------------------------------------------------------------------- Qwen-VL cost
+
+@dataclasses.dataclass
+class VisualInputs:          # the shape of Bridge's GenericVisualInputs
+    pixel_values: object = None
+    image_grid_thw: object = None
+    video_grid_thw: object = None
+
+
+def _batch(images=(), videos=(), rows=((1, 40),)):
+    vi = VisualInputs(image_grid_thw=torch.tensor(images, dtype=torch.long).reshape(-1, 3) if images else None,
+                      video_grid_thw=torch.tensor(videos, dtype=torch.long).reshape(-1, 3) if videos else None)
+    mask = torch.zeros(len(rows), max(n for _, n in rows), dtype=torch.long)
+    for r, (_, n) in enumerate(rows):
+        mask[r, :n] = 1
+    return {"input_ids": torch.zeros_like(mask), "attention_mask": mask, "visual_inputs": vi}
+
+
+def test_grid_features_before_and_after_merge():
+    f = QwenVLGridFeatures(2)
+    b = _batch(images=[(1, 16, 8), (1, 4, 4)], videos=[(4, 8, 8)])
+    assert f.encoder_tokens(b) == [128, 16, 256]            # t*h*w patches
+    assert f.lm_tokens(b) == [32, 4, 64]                    # t*h*w / 2**2
+    assert QwenVLCost(2)(b) == 128 + 16 + 256
+    # the same grids at the top level of the batch, as nested lists, or in a dict
+    assert QwenVLCost(2)({"image_grid_thw": [[[1, 16, 8]], [[1, 4, 4]]]}) == 144
+    assert QwenVLCost(2)({"visual_inputs": {"image_grid_thw": [[1, 2, 2]]}}) == 4
+    assert QwenVLCost(2)({"input_ids": torch.zeros(1, 5)}) == 0        # text only
+    assert QwenVLCost(2)("not a dict") == 0
+
+
+def test_grid_cost_rejects_bad_grids():
+    with pytest.raises(ValueError, match="triples"):
+        QwenVLCost(2)({"image_grid_thw": [1, 2]})
+    with pytest.raises(ValueError, match="non-negative"):
+        QwenVLCost(2)({"image_grid_thw": [[1, -2, 2]]})
+    with pytest.raises(ValueError):
+        QwenVLCost(0)
+
+
+def test_grid_cost_model_quadratic_term_is_per_image(tmp_path):
+    from megatron_mm_balance.cost import CostModel
+    m = CostModel(vision_ms_per_token=0.0, vision_ms_per_token_sq=1e-3, llm_ms_per_len_sq=0.0,
+                  const_ms=0.0, backward_ratio=0.0)
+    path = tmp_path / "cost.json"
+    m.save(str(path))
+    cost = QwenVLCost.from_file(str(path), 2)
+    one_big = cost(_batch(images=[(1, 16, 16)]))          # 256 patches in one image
+    four_small = cost(_batch(images=[(1, 8, 8)] * 4))      # 4 x 64 patches: same total
+    assert one_big == round(1000 * 1e-3 * 256 ** 2) and four_small == round(1000 * 1e-3 * 4 * 64 ** 2)
+    assert one_big == 4 * four_small
+    two = QwenVLCost.from_file(str(path), 2, phases=True)
+    assert two.components == 2 and two(_batch(images=[(1, 16, 16)])) == (one_big, 0)
+    assert cost.identity != two.identity != QwenVLCost(2).identity
+
+
+def test_grid_cost_lengths_from_attention_mask():
+    assert QwenVLGridFeatures.lengths(_batch(rows=((0, 7), (1, 3)))) == (7, 3)
+    assert QwenVLGridFeatures.lengths({"input_ids": torch.zeros(2, 9)}) == (9, 9)
+
+
+# --------------------------------------------------------------------------- config + checks
+
+def _bridge_cfg(mbs=1, ep=2, lb="aux_loss", coeff=1e-2, per_token=False):
+    model = types.SimpleNamespace(expert_model_parallel_size=ep, num_moe_experts=4,
+                                  moe_router_load_balancing_type=lb, moe_aux_loss_coeff=coeff,
+                                  calculate_per_token_loss=per_token, hybrid_context_parallel=False,
+                                  vision_config=types.SimpleNamespace(spatial_merge_size=2))
+    train = types.SimpleNamespace(micro_batch_size=mbs, global_batch_size=8, rampup_batch_size=None,
+                                  decrease_batch_size_if_needed=False)
+    logger = types.SimpleNamespace(log_interval=5, tensorboard_dir="/tmp/tb")
+    return types.SimpleNamespace(model=model, train=train, logger=logger, data_parallel_size=2,
+                                 dataset=types.SimpleNamespace(dataloader_type="external"))
+
+
+def test_config_defaults_are_the_flags_defaults():
+    from megatron_mm_balance.megatron.config import MMBalanceConfig
+    mm, core = MMBalanceBridgeConfig(), MMBalanceConfig()
+    assert not mm.enabled and mm.mode == "auto" and mm.sync == "auto"
+    assert (mm.overlap, mm.cost, mm.timeout) == (core.overlap, core.cost, core.timeout)
+
+
+def test_config_resolves_like_the_megatron_lm_path():
+    ts = types.SimpleNamespace(step=7, consumed_train_samples=56)
+    args = as_args(MMBalanceBridgeConfig(enabled=True), _bridge_cfg(ep=2), train_state=ts)
+    cfg = checked_config(args)
+    assert cfg.enabled and cfg.sync == "microstep" and cfg.log_interval == 5
+    assert args.curr_iteration == 7
+    ts.step = 8
+    assert args.curr_iteration == 8                     # follows Bridge's live counter
+    cfg1 = checked_config(as_args(MMBalanceBridgeConfig(enabled=True, mode="shadow", log_interval=2),
+                                  _bridge_cfg(ep=1)))
+    assert cfg1.sync == "step" and cfg1.mode == "shadow" and cfg1.log_interval == 2
+    assert cfg1.runtime().shadow
+
+
+@pytest.mark.parametrize("mm,cfg,match", [
+    (dict(mode="sampler"), {}, "mm_balance.mode=sampler"),
+    (dict(mode="bogus"), {}, "--mm-balance-mode"),
+    (dict(sync="bogus"), {}, "--mm-balance-sync"),
+    (dict(cost="model"), {}, "cost-file"),
+    (dict(timeout=0), {}, "timeout"),
+    ({}, dict(mbs=2), "micro-batch-size 2"),
+    ({}, dict(lb="global_aux_loss"), "global_aux_loss"),
+])
+def test_config_refuses(mm, cfg, match):
+    with pytest.raises(MMBalanceConfigError, match=match):
+        checked_config(as_args(MMBalanceBridgeConfig(enabled=True, **mm), _bridge_cfg(**cfg)))
+
+
+def test_config_accepts_per_token_loss_with_larger_micro_batches():
+    checked_config(as_args(MMBalanceBridgeConfig(enabled=True), _bridge_cfg(mbs=2, per_token=True)))
+
+
+# --------------------------------------------------------------------------- wire
+
+def test_dataclass_packs_travel_by_fields():
+    vi = VisualInputs(pixel_values=torch.arange(12, dtype=torch.bfloat16).reshape(3, 4),
+                      image_grid_thw=torch.tensor([[1, 2, 2]]))
+    pack = {"input_ids": torch.arange(5), "visual_inputs": vi, "__keys__": ["a"]}
+    s = wire.split(pack)
+    assert len(s.parts) == 3                              # the dataclass's tensors are parts, not pickled
+    buf = torch.zeros(s.data_nbytes, dtype=torch.uint8)
+    header = pickle_loads(s.header)
+    for ref, part in zip(wire.refs_of(header), s.parts):
+        buf[ref.offset:ref.offset + ref.nbytes] = part
+    out = wire.decode(header, lambda ref: buf)
+    assert type(out["visual_inputs"]) is VisualInputs and out["__keys__"] == ["a"]
+    assert torch.equal(out["visual_inputs"].pixel_values, vi.pixel_values)
+    assert out["visual_inputs"].pixel_values.dtype == torch.bfloat16
+    assert torch.equal(out["visual_inputs"].image_grid_thw, vi.image_grid_thw)
+    assert out["visual_inputs"].video_grid_thw is None
+
+
+def pickle_loads(b):
+    import pickle
+    return pickle.loads(b)
+
+
+# --------------------------------------------------------------------------- make-dataset
+
+def _tree_digest(root: Path) -> str:
+    h = hashlib.sha256()
+    for p in sorted(root.rglob("*")):
+        if p.is_file():
+            h.update(str(p.relative_to(root)).encode())
+            h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+def test_make_dataset_bridge_form(tmp_path):
+    pytest.importorskip("megatron.energon")
+    from megatron_mm_balance.bridge.dataset import SPECIAL_TOKENS, make_qwen_vl_dataset, token_ids
+    lines = make_qwen_vl_dataset(tmp_path / "a", samples=32, seed=3)
+    make_qwen_vl_dataset(tmp_path / "b", samples=32, seed=3)
+    assert _tree_digest(tmp_path / "a") == _tree_digest(tmp_path / "b")     # same seed, same bytes
+    make_qwen_vl_dataset(tmp_path / "a", samples=32, seed=3)                # rewriting its own output
+    assert _tree_digest(tmp_path / "a") == _tree_digest(tmp_path / "b")
+    assert f"DATA_PATH={tmp_path / 'a'}" in lines
+    meta = (tmp_path / "a" / ".nv-meta" / "dataset.yaml").read_text()
+    assert "ChatMLWebdataset" in meta and "imgs: jpgs" in meta
+    # the ids the tiny config gives the model are the processor's
+    ids = token_ids(tmp_path / "a" / "processor")
+    assert ids["image_token_id"] == SPECIAL_TOKENS.index("<|image_pad|>")
+    assert ids["vision_start_token_id"] == SPECIAL_TOKENS.index("<|vision_start|>")
+    # every image is whole merge units of 32 px (native-resolution grids), light and heavy
+    import io
+    import pickle
+    from PIL import Image
+    sizes = set()
+    with tarfile.open(tmp_path / "a" / "train-000000.tar") as tf:
+        for m in tf.getmembers():
+            if m.name.endswith(".jpgs"):
+                for png in pickle.loads(tf.extractfile(m).read()):
+                    w, h = Image.open(io.BytesIO(png)).size
+                    assert w % 32 == 0 and h % 32 == 0
+                    sizes.add(w * h // (32 * 32))
+    assert min(sizes) <= 2 and max(sizes) >= 32
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "x").write_text("x")
+    from megatron_mm_balance.data.make_dataset import MakeDatasetError
+    with pytest.raises(MakeDatasetError, match="not empty"):
+        make_qwen_vl_dataset(tmp_path / "c", samples=32)
+
+
+def test_make_dataset_default_form_unchanged_by_the_format_flag(tmp_path):
+    pytest.importorskip("megatron.energon")
+    env = dict(os.environ, PYTHONPATH=str(bu.REPO))
+    cmd = [sys.executable, "-m", "megatron_mm_balance.cli", "make-dataset"]
+    for name, extra in (("plain", []), ("flag", ["--format", "megatron-multimodal"])):
+        r = subprocess.run(cmd + [str(tmp_path / name), "--samples", "16", "--seed", "1", *extra],
+                           env=env, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+    assert _tree_digest(tmp_path / "plain") == _tree_digest(tmp_path / "flag")
+    assert (tmp_path / "plain" / "captions").is_dir() and not (tmp_path / "plain" / "processor").exists()
+
+
+# --------------------------------------------------------------------------- apply_patches.sh
+
+def _bridge_tree(tmp_path) -> Path:
+    src = bu.archive_dir() / bu.BRIDGE_ARCHIVE
+    if not src.is_file():
+        pytest.skip(f"no {src}")
+    with tarfile.open(src) as tf:
+        tf.extractall(tmp_path, filter="data")
+    return tmp_path / "Megatron-Bridge-v0.6.0"
+
+
+def _files_digest(root: Path) -> str:
+    return _tree_digest(root)
+
+
+def _apply(tree, *mode):
+    return subprocess.run(["bash", str(bu.REPO / "scripts" / "apply_patches.sh"), str(tree), *mode],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_apply_patches_bridge_plain_tree(tmp_path):
+    tree = _bridge_tree(tmp_path)
+    before = _files_digest(tree)
+    r = _apply(tree, "--check")
+    assert r.returncode == 0 and "Megatron-Bridge v0.6.0" in r.stdout and r.stdout.count(": pending") == 3
+    assert _files_digest(tree) == before                                  # --check writes nothing
+    assert _apply(tree).returncode == 0
+    r = _apply(tree)
+    assert r.returncode == 0 and "applied 0 patch(es)" in r.stdout         # idempotent
+    text = (tree / "src/megatron/bridge/training/config.py").read_text()
+    assert "mm_balance: Optional[Any]" in text
+    r = _apply(tree, "--revert")
+    assert r.returncode == 0 and _files_digest(tree) == before             # byte for byte
+
+
+def test_apply_patches_bridge_refuses_other_release_and_conflicts(tmp_path):
+    tree = _bridge_tree(tmp_path)
+    info = tree / "src/megatron/bridge/package_info.py"
+    orig = info.read_text()
+    info.write_text(orig.replace("MINOR = 6", "MINOR = 7"))
+    before = _files_digest(tree)
+    r = _apply(tree)
+    assert r.returncode == 1 and "not a supported Megatron-Bridge release" in r.stderr and "v0.6.0" in r.stderr
+    assert _files_digest(tree) == before
+    info.write_text(orig)
+    setup = tree / "src/megatron/bridge/training/setup.py"
+    setup.write_text(setup.read_text().replace('    print_rank_0("done with setup ...")',
+                                               '    print_rank_0("setup done ...")'))
+    before = _files_digest(tree)
+    r = _apply(tree)
+    assert r.returncode == 1 and "setup.py" in r.stderr and _files_digest(tree) == before   # all or nothing
+
+
+# --------------------------------------------------------------------------- CPU harness stand-ins
+
+def test_import_stand_ins_only_for_bridge_importers():
+    code = (
+        "import builtins, importlib.util\n"
+        "from megatron_mm_balance.testing import cpu_bridge\n"
+        "cpu_bridge._install_bridge_import_stubs()\n"
+        "m = builtins.__import__('nvidia_resiliency_ext.inprocess', {'__name__': 'megatron.bridge.x'}, None,"
+        " ['CallWrapper'], 0)\n"
+        "W = m.CallWrapper\n"
+        "class Sub(W): pass\n"                                  # usable as a base class / annotation
+        "try:\n    W()\nexcept RuntimeError as e:\n    print('calls fail:', 'not installed' in str(e))\n"
+        "try:\n    builtins.__import__('nvidia_resiliency_ext', {'__name__': 'megatron.core.x'}, None, (), 0)\n"
+        "except ImportError:\n    print('core sees absent')\n"
+        "print('spec', importlib.util.find_spec('nvidia_resiliency_ext'))\n"
+        "import sys; print('in sys.modules', 'nvidia_resiliency_ext' in sys.modules)\n")
+    r = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=str(bu.REPO)),
+                       capture_output=True, text=True, timeout=120)
+    if "nvidia_resiliency_ext" in r.stdout and "spec ModuleSpec" in r.stdout:
+        pytest.skip("nvidia_resiliency_ext is installed here")
+    assert r.returncode == 0, r.stderr
+    assert "calls fail: True" in r.stdout and "core sees absent" in r.stdout
+    assert "spec None" in r.stdout and "in sys.modules False" in r.stdout
+
+
+# --------------------------------------------------------------------------- launcher
+
+def test_launcher_dry_run_one_setting():
+    env = dict(os.environ, DRY_RUN="1", DATA_PATH="/data/q")
+    env.pop("MEGATRON_BRIDGE_DIR", None)
+    on = subprocess.run(["bash", str(bu.LAUNCHER), "--config", str(bu.CONFIG), "train.exit_interval=3"],
+                        env=env, capture_output=True, text=True, timeout=60)
+    off = subprocess.run(["bash", str(bu.LAUNCHER), "--config", str(bu.CONFIG)],
+                         env=dict(env, MM_BALANCE="0", EP="1"), capture_output=True, text=True, timeout=60)
+    assert on.returncode == 0 and off.returncode == 0, on.stderr + off.stderr
+    a, b = on.stdout.splitlines(), off.stdout.splitlines()
+    assert "mm_balance.enabled=true" in a and "mm_balance.enabled=false" in b
+    assert "megatron_mm_balance.bridge.run" in a and a[-1] == "train.exit_interval=3"
+    assert "dataset.path=/data/q" in a and "dataset.task_encoder.hf_processor_path=/data/q/processor" in a
+    assert "model.expert_model_parallel_size=1" in b
+    assert any(x.endswith("runs/qwen3_vl_moe_tiny_cpu-baseline/checkpoints") for x in b)
+    assert not any("cpu_bridge" in x for x in a)          # DRY_RUN prints the GPU command
+
+
+def test_launcher_refuses_unpatched_tree(tmp_path):
+    tree = _bridge_tree(tmp_path)
+    r = subprocess.run(["bash", str(bu.LAUNCHER), "--config", str(bu.CONFIG)],
+                       env=dict(os.environ, MEGATRON_BRIDGE_DIR=str(tree), DATA_PATH="/x"),
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "patches are not applied" in r.stderr
+
+
+def test_bridge_patches_import_our_package_only_when_asked():
+    """Each added import of megatron_mm_balance sits behind ``mm_balance.enabled`` or a guarded try."""
+    for p in sorted(bu.PATCHES.glob("*.patch")):
+        plus = [l[1:] for l in p.read_text().splitlines() if l.startswith("+") and not l.startswith("+++")]
+        for k, line in enumerate(plus):
+            if "megatron_mm_balance" in line and "import" in line:
+                before = "\n".join(plus[max(0, k - 3):k])
+                assert "try:" in before or "mm_balance" in before and "enabled" in before, (p.name, line)
+    assert sorted(p.name[:4] for p in bu.PATCHES.glob("*.patch")) == ["0001", "0002", "0003"]

@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, field
-from typing import Any, Optional, Tuple
+from typing import Any, Callable, Optional, Tuple
 
 from ..cost.pack import DEFAULT_TOKENS_PER_TILE
 from ..runtime.config import DEFAULT_TIMEOUT_S, TOLERANCE_BELOW, BalancerConfig, SettingError
@@ -191,6 +191,16 @@ class MegatronArgs:
                 consumed_train_samples=int(get("consumed_train_samples", 0))),
             local_world_size=ranks_per_node_from_env(default=None),
         )
+
+
+def live_iteration(args) -> Callable[[], Optional[int]]:
+    """The iteration Megatron's loop is in, read when called (the number it prints:
+    ``args.curr_iteration + 1``; None before training starts). The one live read of
+    ``args``: the per-micro-batch records (samples, timings) label their lines with it."""
+    def now() -> Optional[int]:
+        it = getattr(args, "curr_iteration", None)
+        return None if it is None else int(it) + 1
+    return now
 
 
 def _multimodal_tokens_per_tile(args) -> Optional[int]:

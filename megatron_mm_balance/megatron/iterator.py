@@ -25,7 +25,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from .checks import checked_config
-from .config import MMBalanceConfig
+from .config import MMBalanceConfig, live_iteration
 from .sampler import installed_train_samplers
 from .schedule import MicrobatchSchedule
 
@@ -252,7 +252,8 @@ def _install_timing(model, cfg: MMBalanceConfig, args):
     if model is None or not cfg.timing:
         return None
     from .timing import install_timing
-    return install_timing(model, out_dir=cfg.timing_dir, interval=cfg.log_interval, args=args)
+    return install_timing(model, out_dir=cfg.timing_dir, interval=cfg.log_interval,
+                          iteration_fn=live_iteration(args))
 
 
 def wrap_train_data_iterator(train_data_iterator, args=None, *, exchange_groups=None,
@@ -306,7 +307,8 @@ def _recorder(cfg: MMBalanceConfig, args, chunk: int):
     if not cfg.record_samples:
         return None
     from .samples import SampleRecorder
-    return SampleRecorder(cfg.record_samples, args, chunk=chunk)
+    return SampleRecorder(cfg.record_samples, iteration_fn=live_iteration(args),
+                          job_start=cfg.megatron.start_iteration, chunk=chunk)
 
 
 def _recording_only(train_data_iterator, cfg: MMBalanceConfig, args):

@@ -24,7 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 
 def batch_keys(item) -> Optional[list]:
@@ -68,13 +68,16 @@ def batch_digest(item) -> str:
 class SampleRecorder:
     """Writes one JSON line per consumed micro-batch of one rank (and model chunk)."""
 
-    def __init__(self, directory: str, args=None, *, rank: Optional[int] = None,
-                 dp_rank: Optional[int] = None, chunk: int = 0):
-        self.args = args
+    def __init__(self, directory: str, *, iteration_fn: Optional[Callable[[], Optional[int]]] = None,
+                 job_start: int = 0, rank: Optional[int] = None, dp_rank: Optional[int] = None,
+                 chunk: int = 0):
+        """``iteration_fn``: the iteration Megatron's loop is in (:func:`~.config.live_iteration`);
+        ``job_start``: the iteration the job loaded (0: a fresh job)."""
+        self.iteration_fn = iteration_fn
         self.rank = _global_rank() if rank is None else rank
         self.dp_rank = _dp_rank() if dp_rank is None else dp_rank
         self.chunk = chunk
-        self.job_start = int(getattr(args, "iteration", 0) or 0)
+        self.job_start = int(job_start)
         os.makedirs(directory, exist_ok=True)
         name = f"samples-rank{self.rank:05d}" + (f"-chunk{chunk}" if chunk else "") + ".jsonl"
         self.path = os.path.join(directory, name)
@@ -83,8 +86,8 @@ class SampleRecorder:
         self._microbatch = 0
 
     def record(self, item) -> None:
-        it = getattr(self.args, "curr_iteration", None)
-        it = self._microbatch if it is None else int(it) + 1
+        it = self.iteration_fn() if self.iteration_fn is not None else None
+        it = self._microbatch if it is None else it
         if it != self._iteration:
             self._iteration, self._microbatch = it, 0
         rec = {"iteration": it, "microbatch": self._microbatch, "rank": self.rank,

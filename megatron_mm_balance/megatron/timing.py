@@ -40,7 +40,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 logger = logging.getLogger("megatron_mm_balance")
 
@@ -391,7 +391,8 @@ def install_hooks(model_chunks, recorder: TimingRecorder) -> List:
     return handles
 
 
-def install_timing(model_chunks, *, out_dir: Optional[str], interval: int, args=None) -> TimingRecorder:
+def install_timing(model_chunks, *, out_dir: Optional[str], interval: int,
+                   iteration_fn: Optional[Callable[[], Optional[int]]] = None) -> TimingRecorder:
     """``--mm-balance-timing``: a :class:`TimingRecorder` for this rank and its hooks on
     ``model_chunks`` (what ``setup_model_and_optimizer`` returned). Called on every rank
     by :func:`~.iterator.wrap_train_data_iterator`."""
@@ -407,11 +408,7 @@ def install_timing(model_chunks, *, out_dir: Optional[str], interval: int, args=
     except Exception:          # megatron-core only (tests): log and file only
         pass
 
-    def iteration():
-        it = getattr(args, "curr_iteration", None)
-        return None if it is None else int(it) + 1          # the number Megatron prints
-
-    recorder = TimingRecorder(rank=rank, clock=clock, out_dir=out_dir, iteration_fn=iteration,
+    recorder = TimingRecorder(rank=rank, clock=clock, out_dir=out_dir, iteration_fn=iteration_fn,
                               interval=interval, report=rank == 0, tb_writer=tb, wandb_writer=wandb)
     recorder.handles = install_hooks(model_chunks, recorder)
     return recorder

@@ -18,6 +18,7 @@ import os
 import sys
 import time
 
+from ..cost.pack import DEFAULT_TOKENS_PER_TILE
 from ..data.mixtures import MIXTURES, make_mixture
 from ..data.traces import TraceError, load_trace, summarize
 from .engine import BALANCE_COSTS, SimConfig, simulate_dp
@@ -86,8 +87,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pool-samples", default="30000",
                    help="pack at most the first N samples of the trace into each pool "
                         "(default 30000; 0 = all); global batches resample the pool")
-    p.add_argument("--tokens-per-tile", default="256",
-                   help="image tokens per tile for OmniBal-style traces (default 256)")
+    p.add_argument("--tokens-per-tile", default=str(DEFAULT_TOKENS_PER_TILE),
+                   help=f"image tokens per tile for OmniBal-style traces (default {DEFAULT_TOKENS_PER_TILE})")
     p.add_argument("--seed", default="0", help="seed of the mixture and the pack draws")
     p.add_argument("--heatmap-ranks", default="64", help="ranks shown in the heat map")
     p.add_argument("--out", required=True, metavar="DIR", help="output directory")
@@ -158,7 +159,7 @@ def _choice(name, text, choices):
     return text
 
 
-def load_samples(spec: str, *, samples=None, seed=0, tokens_per_tile=256):
+def load_samples(spec: str, *, samples=None, seed=0, tokens_per_tile=DEFAULT_TOKENS_PER_TILE):
     """(samples, cache key, description) for a trace file or a mixture name."""
     if os.path.exists(spec):
         st = os.stat(spec)

@@ -35,7 +35,8 @@ def test_keys_and_digest():
 
 def test_recorder_writes_one_line_per_micro_batch(tmp_path):
     args = argparse.Namespace(curr_iteration=3, iteration=3)
-    rec = SampleRecorder(str(tmp_path), args, rank=2, dp_rank=1)
+    from megatron_mm_balance.megatron.config import live_iteration
+    rec = SampleRecorder(str(tmp_path), iteration_fn=live_iteration(args), job_start=3, rank=2, dp_rank=1)
     for it in (3, 4):
         args.curr_iteration = it
         for m in range(2):

@@ -92,19 +92,7 @@ def _dataset_yaml() -> str:
 
 
 def _write_processor(out: Path, corpus: List[str], vocab_size: int = 2048) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, show_progress=False,
-                                  special_tokens=list(SPECIAL_TOKENS),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(corpus, trainer=trainer)
-    out.mkdir(parents=True, exist_ok=True)
-    tok.save(str(out / "tokenizer.json"))
-    added = {str(tok.token_to_id(t)): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
-                                       "single_word": False, "special": True} for t in SPECIAL_TOKENS}
+    _, added = md.train_bpe_tokenizer(out, corpus, SPECIAL_TOKENS, vocab_size)
 
     def dump(name, obj):
         (out / name).write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")

@@ -384,20 +384,28 @@ def _metadataset_yaml(weights: Dict[str, int]) -> str:
 # ----------------------------------------------------------------------------------------
 # tokenizer
 
-def _write_tokenizer(out: Path, corpus: List[str], vocab_size: int = 2048) -> None:
+def train_bpe_tokenizer(out: Path, corpus: List[str], special_tokens, vocab_size: int = 2048):
+    """A byte-level BPE tokenizer trained on ``corpus`` (deterministic), saved as
+    ``out/tokenizer.json``; returns it and the ``added_tokens_decoder`` entries of its
+    special tokens (for the Hugging Face config files each dataset format writes)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, show_progress=False,
-                                  special_tokens=list(SPECIAL_TOKENS),
+                                  special_tokens=list(special_tokens),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(corpus, trainer=trainer)
     out.mkdir(parents=True, exist_ok=True)
     tok.save(str(out / "tokenizer.json"))
     added = {str(tok.token_to_id(t)): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
-                                       "single_word": False, "special": True} for t in SPECIAL_TOKENS}
+                                       "single_word": False, "special": True} for t in special_tokens}
+    return tok, added
+
+
+def _write_tokenizer(out: Path, corpus: List[str], vocab_size: int = 2048) -> None:
+    _, added = train_bpe_tokenizer(out, corpus, SPECIAL_TOKENS, vocab_size)
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "added_tokens_decoder": added,

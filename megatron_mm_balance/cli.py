@@ -238,7 +238,19 @@ def _make_dataset_arguments(parser) -> None:
 
 def cmd_make_dataset(args) -> int:
     from .data import make_dataset
-    return make_dataset.run(args)
+    if args.format != "bridge-qwen-vl":
+        return make_dataset.run(args)
+    if args.mix != "default" or args.tile_size != make_dataset.DEFAULT_TILE_SIZE:
+        raise make_dataset.MakeDatasetError("--mix and --tile-size apply to --format megatron-multimodal; "
+                                            "bridge-qwen-vl images come at their own resolutions")
+    try:
+        from .bridge.dataset import make_qwen_vl_dataset
+        lines = make_qwen_vl_dataset(args.out_dir, samples=args.samples, seed=args.seed)
+    except ImportError as exc:
+        raise make_dataset.MakeDatasetError(f"make-dataset needs {exc.name or exc} (pip install "
+                                            "megatron-energon pillow tokenizers)") from None
+    print("\n".join(lines))
+    return 0
 
 
 # ---------------------------------------------------------------------------

@@ -553,15 +553,8 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    if getattr(args, "format", FORMATS[0]) == "bridge-qwen-vl":
-        from .bridge.dataset import make_qwen_vl_dataset
-        try:
-            lines = make_qwen_vl_dataset(args.out_dir, samples=args.samples, seed=args.seed)
-        except ImportError as exc:
-            raise MakeDatasetError(f"make-dataset needs {exc.name or exc} (pip install megatron-energon "
-                                   f"pillow tokenizers)") from None
-        print("\n".join(lines))
-        return 0
+    """``mm-balance make-dataset`` in the Megatron-LM examples/multimodal format (the CLI
+    sends ``--format bridge-qwen-vl`` to :mod:`megatron_mm_balance.bridge.dataset`)."""
     try:
         summary = make_dataset(args.out_dir, samples=args.samples, seed=args.seed, tile_size=args.tile_size,
                                mix=args.mix)

@@ -220,6 +220,24 @@ def test_make_dataset_default_form_unchanged_by_the_format_flag(tmp_path):
     assert (tmp_path / "plain" / "captions").is_dir() and not (tmp_path / "plain" / "processor").exists()
 
 
+def test_make_dataset_bridge_form_through_the_cli(tmp_path):
+    """The user's command: ``mm-balance make-dataset OUT --format bridge-qwen-vl`` writes the
+    same bytes as the function; the Megatron-LM format's ``--mix`` is refused there."""
+    pytest.importorskip("megatron.energon")
+    from megatron_mm_balance.bridge.dataset import make_qwen_vl_dataset
+    env = dict(os.environ, PYTHONPATH=str(bu.REPO))
+    cmd = [sys.executable, "-m", "megatron_mm_balance.cli", "make-dataset"]
+    r = subprocess.run(cmd + [str(tmp_path / "cli"), "--samples", "32", "--seed", "3", "--format",
+                              "bridge-qwen-vl"], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert f"DATA_PATH={tmp_path / 'cli'}" in r.stdout.splitlines()
+    make_qwen_vl_dataset(tmp_path / "fn", samples=32, seed=3)
+    assert _tree_digest(tmp_path / "cli") == _tree_digest(tmp_path / "fn")
+    bad = subprocess.run(cmd + [str(tmp_path / "bad"), "--format", "bridge-qwen-vl", "--mix", "vision-heavy"],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "--mix and --tile-size apply to --format megatron-multimodal" in bad.stderr
+
+
 # --------------------------------------------------------------------------- apply_patches.sh
 
 def _bridge_tree(tmp_path) -> Path:

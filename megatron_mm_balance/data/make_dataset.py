@@ -546,7 +546,7 @@ def add_arguments(parser) -> None:
 
 def run(args) -> int:
     if getattr(args, "format", FORMATS[0]) == "bridge-qwen-vl":
-        from .bridge.dataset import make_qwen_vl_dataset
+        from ..bridge.dataset import make_qwen_vl_dataset
         try:
             lines = make_qwen_vl_dataset(args.out_dir, samples=args.samples, seed=args.seed)
         except ImportError as exc:

@@ -59,9 +59,21 @@ Each stand-in added here, with the CUDA-only (or GPU-stack-only) assumption it r
   of step 1 (the resumed run then drifts from the uninterrupted one by about 7e-3 after
   one update, with ``exp_avg``, ``exp_avg_sq`` and the weights restored bit for bit).
   The copy skips ``step``; the restored one stays.
-* **fused kernels Bridge's providers ask for by default on GPU** (Qwen3-VL rope
+* **gradient-accumulation fusion** (``gradient_accumulation_fusion``, Bridge's default on
+  GPU, where transformer-engine's linears accumulate each weight gradient into the fp32
+  ``main_grad`` inside the GEMM; megatron-core's local linears call apex's
+  ``fused_weight_gradient_mlp_cuda`` for it, a CUDA extension): the same accumulation on
+  CPU, ``main_grad += grad_output^T @ input`` computed in fp32 from the bf16 operands
+  (``wgrad_gemm_accum_fp32``; ``_fp16`` rounds the fp32 sum to ``main_grad``'s dtype).
+  It matters for exactness, not speed: without it each micro-step's weight gradient is a
+  bf16 GEMM output before it reaches ``main_grad``, and under expert parallelism an
+  expert's GEMM covers the tokens of every micro-batch that met in it, so moving
+  micro-batches between ranks changed that bf16 rounding (docs/bridge.md section 5).
+  Given to ``megatron.core.tensor_parallel.layers`` only (nothing enters ``sys.modules``,
+  so Bridge's own probe still finds no apex).
+* **other fused kernels Bridge's providers ask for by default on GPU** (Qwen3-VL rope
   fusion, ``persist_layer_norm``, bias-activation / bias-dropout fusion,
-  ``moe_permute_fusion``, gradient-accumulation fusion, grouped GEMM) are switched off by the config
+  ``moe_permute_fusion``, grouped GEMM) are switched off by the config
   (``configs/bridge/qwen3_vl_moe_tiny_cpu.py``), not here; ``dist.distributed_backend=gloo``
   is the launcher config's ``CPU_OVERRIDES``.
 """
@@ -286,6 +298,26 @@ def _torch_adam_load_template() -> None:
     dopt.DistributedOptimizer._set_main_param_and_optimizer_states = _set_main_param_and_optimizer_states
 
 
+def _wgrad_accumulation() -> None:
+    """apex's ``fused_weight_gradient_mlp_cuda`` for megatron-core's local linears:
+    ``main_grad += grad_output^T @ input``, the product in fp32 from the (bf16) operands, as
+    the CUDA kernel's fp32-accumulating GEMM does; the weight gradient is never rounded to
+    the parameters' dtype on its way to ``main_grad``."""
+    import torch
+    from megatron.core.tensor_parallel import layers
+
+    def wgrad_gemm_accum_fp32(total_input, grad_output, main_grad):
+        main_grad.add_(torch.matmul(grad_output.t().float(), total_input.float()))
+
+    def wgrad_gemm_accum_fp16(total_input, grad_output, main_grad):
+        acc = main_grad.float() + torch.matmul(grad_output.t().float(), total_input.float())
+        main_grad.copy_(acc)
+
+    layers.fused_weight_gradient_mlp_cuda = types.SimpleNamespace(
+        wgrad_gemm_accum_fp32=wgrad_gemm_accum_fp32, wgrad_gemm_accum_fp16=wgrad_gemm_accum_fp16)
+    layers._grad_accum_fusion_available = True
+
+
 def install() -> None:
     """Install every stand-in listed in the module docstring (idempotent)."""
     global _DONE
@@ -305,6 +337,7 @@ def install() -> None:
     _no_modelopt_state()
     cpu_pretrain._torch_adam_resume()
     _torch_adam_load_template()
+    _wgrad_accumulation()
     _DONE = True
 
 

@@ -40,7 +40,8 @@ class BridgeCoordinator(ExchangeCoordinator):
         tb, wandb = self._writers
         return Telemetry(stats_source, interval=self.cfg.log_interval,
                          start_iteration=self.cfg.megatron.start_iteration, group=group,
-                         chunk=chunk, tb_writer=tb, wandb_writer=wandb)
+                         chunk=chunk, tensorboard_dir=self.cfg.tensorboard_dir, tb_writer=tb,
+                         wandb_writer=wandb)
 
 
 def cost_fn_for(core_cfg, model_cfg):

@@ -49,12 +49,31 @@ Each stand-in added here, with the CUDA-only (or GPU-stack-only) assumption it r
 * **torch AdamW under the distributed optimizer** (no apex/TE): resuming a
   ``torch_dist`` checkpoint first builds the optimizer's sharded state dict from the
   fresh optimizer, which needs per-parameter state that torch's AdamW creates only at its
-  first step (TE/apex Adam have an ``init_state_fn``): a zero state with ``step`` 0 that the
-  load overwrites; and the restored ``step`` gets one copy per parameter
-  (``cpu_pretrain._torch_adam_resume``).
-* **fused kernels Bridge's providers ask for by default on GPU** (Qwen3-VL rope fusion,
-  ``persist_layer_norm``, bias-activation / bias-dropout fusion, ``moe_permute_fusion``,
-  gradient-accumulation fusion, grouped GEMM) are switched off by the config
+  first step (TE/apex Adam keep ``step`` in the param groups, not per parameter): a zero
+  state with ``step`` 0 that the load overwrites; the restored ``step`` gets one copy per
+  parameter (``cpu_pretrain._torch_adam_resume``). The load restores ``step`` from the
+  saved param groups, and then copies each parameter's tensors from the ``dp_reshardable``
+  state (Bridge's default ``torch_dist`` layout), where ``step`` is not saved but carried
+  as the *template's* tensor (``LocalNonpersistentObject``, value 0): that copy would set
+  every parameter's ``step`` back to 0, and the next update would use the bias correction
+  of step 1 (the resumed run then drifts from the uninterrupted one by about 7e-3 after
+  one update, with ``exp_avg``, ``exp_avg_sq`` and the weights restored bit for bit).
+  The copy skips ``step``; the restored one stays.
+* **gradient-accumulation fusion** (``gradient_accumulation_fusion``, Bridge's default on
+  GPU, where transformer-engine's linears accumulate each weight gradient into the fp32
+  ``main_grad`` inside the GEMM; megatron-core's local linears call apex's
+  ``fused_weight_gradient_mlp_cuda`` for it, a CUDA extension): the same accumulation on
+  CPU, ``main_grad += grad_output^T @ input`` computed in fp32 from the bf16 operands
+  (``wgrad_gemm_accum_fp32``; ``_fp16`` rounds the fp32 sum to ``main_grad``'s dtype).
+  It matters for exactness, not speed: without it each micro-step's weight gradient is a
+  bf16 GEMM output before it reaches ``main_grad``, and under expert parallelism an
+  expert's GEMM covers the tokens of every micro-batch that met in it, so moving
+  micro-batches between ranks changed that bf16 rounding (docs/bridge.md section 5).
+  Given to ``megatron.core.tensor_parallel.layers`` only (nothing enters ``sys.modules``,
+  so Bridge's own probe still finds no apex).
+* **other fused kernels Bridge's providers ask for by default on GPU** (Qwen3-VL rope
+  fusion, ``persist_layer_norm``, bias-activation / bias-dropout fusion,
+  ``moe_permute_fusion``, grouped GEMM) are switched off by the config
   (``configs/bridge/qwen3_vl_moe_tiny_cpu.py``), not here; ``dist.distributed_backend=gloo``
   is the launcher config's ``CPU_OVERRIDES``.
 """
@@ -245,7 +264,11 @@ def _torch_adam_load_template() -> None:
     fresh optimizer first. Without apex/TE the distributed optimizer wraps ``torch.optim.AdamW``,
     whose state (and its per-parameter ``step``, which ``state_dict`` requires) exists only after
     a first step; TE's and apex's Adam have an ``init_state_fn`` for this. The template gets the
-    same zero state (``exp_avg``, ``exp_avg_sq``, ``step`` 0) that the load then overwrites."""
+    same zero state (``exp_avg``, ``exp_avg_sq``, ``step`` 0) that the load then overwrites.
+
+    ``step`` is restored from the saved param groups (``load_state_dict``); the per-parameter
+    copy that follows (``_set_main_param_and_optimizer_states``, from the ``dp_reshardable``
+    state) carries the template's ``step`` (0, not saved), so it must not be copied."""
     import torch
     from megatron.core.optimizer import distrib_optimizer as dopt
 
@@ -262,6 +285,37 @@ def _torch_adam_load_template() -> None:
         return orig(self, model_sharded_state_dict, is_loading, *a, **k)
 
     dopt.DistributedOptimizer.sharded_state_dict = sharded_state_dict
+
+    # The per-parameter copy of a load keeps the restored step (the incoming one is the
+    # template's 0, see above); cpu_pretrain's wrapper then keeps the state's own entry.
+    orig_set = dopt.DistributedOptimizer._set_main_param_and_optimizer_states
+
+    def _set_main_param_and_optimizer_states(self, model_param, tensors):
+        if not getattr(dopt, "HAVE_APEX_OR_TE", True):
+            tensors = {k: v for k, v in tensors.items() if k != "step"}
+        return orig_set(self, model_param, tensors)
+
+    dopt.DistributedOptimizer._set_main_param_and_optimizer_states = _set_main_param_and_optimizer_states
+
+
+def _wgrad_accumulation() -> None:
+    """apex's ``fused_weight_gradient_mlp_cuda`` for megatron-core's local linears:
+    ``main_grad += grad_output^T @ input``, the product in fp32 from the (bf16) operands, as
+    the CUDA kernel's fp32-accumulating GEMM does; the weight gradient is never rounded to
+    the parameters' dtype on its way to ``main_grad``."""
+    import torch
+    from megatron.core.tensor_parallel import layers
+
+    def wgrad_gemm_accum_fp32(total_input, grad_output, main_grad):
+        main_grad.add_(torch.matmul(grad_output.t().float(), total_input.float()))
+
+    def wgrad_gemm_accum_fp16(total_input, grad_output, main_grad):
+        acc = main_grad.float() + torch.matmul(grad_output.t().float(), total_input.float())
+        main_grad.copy_(acc)
+
+    layers.fused_weight_gradient_mlp_cuda = types.SimpleNamespace(
+        wgrad_gemm_accum_fp32=wgrad_gemm_accum_fp32, wgrad_gemm_accum_fp16=wgrad_gemm_accum_fp16)
+    layers._grad_accum_fusion_available = True
 
 
 def install() -> None:
@@ -283,6 +337,7 @@ def install() -> None:
     _no_modelopt_state()
     cpu_pretrain._torch_adam_resume()
     _torch_adam_load_template()
+    _wgrad_accumulation()
     _DONE = True
 
 

@@ -75,33 +75,45 @@ def test_shadow_moves_nothing_trains_as_off(runner):
     assert shadow.rc == 0, shadow.tail()
     table = bu.loss_table({"off": off, "shadow": shadow})
     assert shadow.losses == off.losses, f"shadow mode changed training\n{table}"
-    assert shadow.stat("shadow") and all(v == 1.0 for v in shadow.stat("shadow").values()), shadow.tail()
-    assert sum(shadow.stat("packs_moved").values()) > 0, "shadow mode predicts no moves"
-    assert "bytes_sent: 0" in shadow.log or not any(shadow.stat("bytes_sent").values())
-    print(f"\nshadow: predicted packs moved {shadow.stat('packs_moved')}, imbalance "
-          f"{shadow.stat('imbalance_before')} -> {shadow.stat('imbalance_after')}")
+    # every line a shadow one (what balancing would do: packs_would_move, *_would_be), and
+    # the delivered figures those of the unbalanced run: nothing moved, nothing sent
+    would, moved = shadow.stat("packs_would_move"), shadow.stat("packs_moved")
+    assert would and sorted(would) == sorted(shadow.telemetry), shadow.tail()
+    assert sum(would.values()) > 0, "shadow mode predicts no moves"
+    assert moved and not any(moved.values()) and not any(shadow.stat("bytes_sent").values()), shadow.tail()
+    assert shadow.stat("imbalance_after") == shadow.stat("imbalance_before"), shadow.tail()
+    print(f"\nshadow: predicted packs moved {would}, imbalance {shadow.stat('imbalance_before')} -> "
+          f"would be {shadow.stat('imbalance_would_be')}")
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "not reached: the resumed job restores the data stream and the model (iteration 4 equals the "
-    "uninterrupted run) but its next updates differ (iterations 5-6 by 7e-3 on the CPU harness): "
-    "the optimizer state after a torch_dist load of torch AdamW under the distributed optimizer "
-    "is not yet exact (docs/bridge.md section 5)"))
 def test_resume_equals_uninterrupted(runner, bridge_runs_dir):
+    """3 iterations (``train.exit_interval=3``: torch_dist checkpoint, exit 0), then the same
+    command resumed to 6: every iteration's lm loss equals the uninterrupted run's, the energon
+    dataloader state was restored, and each resumed global batch is the uninterrupted one's
+    (the balancer's per-iteration figures of the data it was given, costs before balancing
+    and the moves they call for, are the same: a stream resumed elsewhere would differ)."""
     layout = "dp2_ep2_fp32"
     full = runner(f"{layout}-on", layout, True)
     out = bridge_runs_dir / f"{layout}-resume"
     first = runner("resume-first", layout, True, extra=["train.exit_interval=3"], output=out)
     second = runner("resume-second", layout, True, output=out)
     table = bu.loss_table({"uninterrupted": full, "first job": first, "resumed": second})
-    print(f"\nresume ({layout}, mm_balance on):\n{table}")
     assert full.rc == 0 and first.rc == 0 and second.rc == 0, f"exit {full.rc}/{first.rc}/{second.rc}\n{second.tail()}"
     assert sorted(first.losses) == [1, 2, 3], table
     assert sorted(second.losses) == [4, 5, 6], f"the second job did not resume at iteration 4\n{table}"
     assert "restoring dataloader state at iteration 3" in second.log, "energon dataloader state was not restored"
-    assert bu.max_rel_diff(first.losses, full.losses, [1, 2, 3]) <= REL_TOL, table
+    assert "restoring dataloader state" not in first.log, "the first job resumed from an old checkpoint"
+    before = bu.max_rel_diff(first.losses, full.losses, [1, 2, 3])
     diff = bu.max_rel_diff(second.losses, full.losses, [4, 5, 6])
+    print(f"\nresume ({layout}, mm_balance on): max relative lm-loss difference iterations 1-3 "
+          f"{before:.2e}, 4-6 {diff:.2e}\n{table}")
+    assert before <= REL_TOL, table
     assert diff <= REL_TOL, f"resumed iterations differ by {diff:.2e}\n{table}"
+    # (a global batch is reported when the next one starts: the last iteration has no line)
+    for key in ("imbalance_before", "packs_moved"):
+        got, want = second.stat(key), {i: v for i, v in full.stat(key).items() if i > 3}
+        assert got and min(got) == 4 and got == want, (
+            f"{key} of the resumed global batches differs from the uninterrupted run's: {got} vs {want}")
     assert sum(second.stat("packs_moved").values()) > 0, "no packs moved after the resume"
 
 

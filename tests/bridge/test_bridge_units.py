@@ -352,3 +352,40 @@ def test_bridge_patches_import_our_package_only_when_asked():
                 before = "\n".join(plus[max(0, k - 3):k])
                 assert "try:" in before or "mm_balance" in before and "enabled" in before, (p.name, line)
     assert sorted(p.name[:4] for p in bu.PATCHES.glob("*.patch")) == ["0001", "0002", "0003"]
+
+
+def test_wgrad_accumulation_stand_in_accumulates_in_fp32():
+    """The CPU stand-in for apex's fused_weight_gradient_mlp_cuda, through megatron-core's
+    own linear with ``gradient_accumulation_fusion``: two micro-steps of a bf16 weight's
+    gradient land in its fp32 ``main_grad`` unrounded (as the fp32 product of the bf16
+    operands), where the unfused path rounds each micro-step's gradient to bf16 first."""
+    code = (
+        "import os, torch, torch.distributed as dist\n"
+        "os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=os.environ['PORT'])\n"
+        "dist.init_process_group('gloo', rank=0, world_size=1)\n"
+        "from megatron.core import parallel_state as ps\n"
+        "ps.initialize_model_parallel()\n"
+        "from megatron_mm_balance.testing import cpu_bridge\n"
+        "cpu_bridge._wgrad_accumulation()\n"
+        "from megatron.core.tensor_parallel.layers import linear_with_grad_accumulation_and_async_allreduce as lin\n"
+        "g = torch.Generator().manual_seed(0)\n"
+        "xs = [torch.randn(300, 64, generator=g).bfloat16() for _ in range(2)]\n"
+        "dys = [torch.randn(300, 32, generator=g).bfloat16() for _ in range(2)]\n"
+        "want = sum(dy.double().t() @ x.double() for x, dy in zip(xs, dys))\n"
+        "def run(fused):\n"
+        "    w = torch.randn(32, 64, generator=torch.Generator().manual_seed(1)).bfloat16().requires_grad_()\n"
+        "    w.main_grad = torch.zeros(32, 64)\n"
+        "    for x, dy in zip(xs, dys):\n"
+        "        lin(x.requires_grad_(), w, None, fused, False, False).backward(dy)\n"
+        "        if not fused:\n"
+        "            w.main_grad += w.grad.float(); w.grad = None\n"
+        "    return float((w.main_grad.double() - want).abs().max() / want.abs().max())\n"
+        "print('fused', run(True)); print('unfused', run(False))\n")
+    env = dict(os.environ, PYTHONPATH=str(bu.REPO), PORT=str(bu.free_port()))
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    err = {k: float(v) for k, v in (line.split() for line in r.stdout.splitlines() if line.split()[0] in
+                                     ("fused", "unfused"))}
+    assert err["fused"] < 1e-5, r.stdout           # fp32 rounding only
+    assert err["unfused"] > 1e-4, r.stdout         # bf16 rounding of each micro-step's gradient
+    print(f"\nmain_grad error vs fp64, relative to its largest entry: {err}")

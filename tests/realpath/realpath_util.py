@@ -283,8 +283,8 @@ class FreshVenv:
     """A virtual environment set up by scripts/setup_env.sh, and what that took."""
 
     python: str
-    built: bool          # created in this session (False: reused)
-    setup_s: float       # wall time of venv creation + setup_env.sh in this session
+    built: bool          # created by this test run (False: reused)
+    setup_s: float       # wall time of venv creation + setup_env.sh in this test run
     setup_log: str
 
 

@@ -19,6 +19,8 @@ from typing import Dict, List, Optional
 from megatron_mm_balance.bench.runtime import free_port
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tests" / "realpath"))
+from realpath_util import loss_table, max_rel_diff  # noqa: E402,F401  (the Megatron-LM path's, shared)
 BRIDGE_ARCHIVE = "Megatron-Bridge-v0.6.0.tar.gz"
 MLM_ARCHIVE = "Megatron-LM-cd4afffa.tar.gz"
 CACHE = REPO / ".bridge-cache"
@@ -148,15 +150,3 @@ def run(env: Dict[str, str], extra: List[str] = (), *, log_path: Path, timeout: 
     return out
 
 
-def max_rel_diff(a: Dict[int, float], b: Dict[int, float], iters) -> float:
-    return max(abs(a[i] - b[i]) / max(abs(b[i]), 1e-12) for i in iters)
-
-
-def loss_table(runs: Dict[str, Run]) -> str:
-    names = list(runs)
-    iters = sorted(set().union(*(r.losses for r in runs.values())))
-    lines = ["iter " + " ".join(f"{n:>14}" for n in names)]
-    for i in iters:
-        lines.append(f"{i:>4} " + " ".join(
-            f"{runs[n].losses[i]:>14.6E}" if i in runs[n].losses else f"{'-':>14}" for n in names))
-    return "\n".join(lines)

@@ -4,6 +4,10 @@
 #
 #   scripts/setup_env.sh                                  into python3's environment
 #   PYTHON=venv/bin/python scripts/setup_env.sh           into a virtual environment
+#   MM_BALANCE_TORCH_FROM=ENV PYTHON=venv/bin/python scripts/setup_env.sh
+#                       hard-link the pinned torch pair's files from ENV (a venv or an
+#                       interpreter's prefix that has exactly that pair, same filesystem)
+#                       instead of installing 5.5 GB again (scripts/share_torch.py)
 #   MEGATRON_LM_DIR=/path/to/Megatron-LM scripts/setup_env.sh
 #                       also check that the checkout's training entry points import
 #                       (scripts/check_training_imports.py: megatron.training.training,
@@ -37,6 +41,11 @@ TORCH_VERSION=${MM_BALANCE_TORCH_VERSION:-2.14.1}
 TORCHVISION_VERSION=${MM_BALANCE_TORCHVISION_VERSION:-0.29.1}
 quiet() { grep -v -E "^(WARNING: (Running pip as|Location 'file:)|\[notice\])" || true; }
 if ! "$PY" -c "import torch, torchvision" >/dev/null 2>&1; then
+  if [ -n "${MM_BALANCE_TORCH_FROM:-}" ] && [ "$MM_BALANCE_TORCH_FROM" != none ]; then
+    PREFIX=$("$PY" -c "import sys; print(sys.prefix)")
+    "$PY" scripts/share_torch.py "$MM_BALANCE_TORCH_FROM" "$PREFIX" \
+      "torch==${TORCH_VERSION}" "torchvision==${TORCHVISION_VERSION}" || true
+  fi
   "$PY" -m pip install -q "torch==${TORCH_VERSION}" "torchvision==${TORCHVISION_VERSION}" 2>&1 | quiet
 fi
 # Keep the torch pair that is there now: a bare `torch` requirement below must not pull

@@ -16,7 +16,9 @@
 # package (PYTHONPATH=<repo>), and Bridge's GPU-side dependencies (transformer-engine,
 # nvidia-modelopt, nvidia-resiliency-ext, flashinfer, datasets, ...): a GPU node brings those
 # (e.g. the NGC PyTorch container); the CPU harness (megatron_mm_balance/testing/cpu_bridge.py)
-# stands in for the ones Bridge imports at load. The pip cache makes a rebuild cheap.
+# stands in for the ones Bridge imports at load. When .venv-py312/ already has the same torch
+# pair, its files are hard-linked instead of installed again (scripts/py312_venv.sh:
+# MM_BALANCE_TORCH_FROM); the pip cache makes a rebuild cheap.
 # Prints the venv's python path on success.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -32,26 +34,12 @@ REQS=(
 MODULES=(torch torchvision transformers tokenizers huggingface_hub hydra omegaconf rich qwen_vl_utils av
          tensorboard megatron.energon einops yaml packaging numpy PIL)
 
-find_python312() {
-  if [ -n "${PYTHON312:-}" ]; then echo "$PYTHON312"; return; fi
-  if command -v pyenv >/dev/null && [ -x "$(pyenv root)/versions/3.12.1/bin/python" ]; then
-    echo "$(pyenv root)/versions/3.12.1/bin/python"; return
-  fi
-  command -v python3.12 || true
-}
-
+source scripts/py312_venv.sh
 PY=$VENV/bin/python
-if [ ! -x "$PY" ]; then
-  BASE=$(find_python312)
-  [ -n "$BASE" ] && "$BASE" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null \
-    || { echo "setup_env_bridge: no Python 3.12 found (set PYTHON312=/path/to/python3.12)" >&2; exit 1; }
-  "$BASE" -m venv "$VENV"      # no system site-packages: only what is listed here
-fi
-# Presence check without importing (importing the CUDA build of torch takes seconds).
-have() { "$PY" -c 'import importlib.util, sys; sys.exit(any(importlib.util.find_spec(m) is None for m in sys.argv[1:]))' "$@"; }
+make_venv312 setup_env_bridge "$VENV"      # no system site-packages: only what is listed here
 if ! have "${MODULES[@]}"; then
-  "$PY" -m pip install -q --disable-pip-version-check "${REQS[@]}" 2>&1 \
-    | grep -v -E "^(WARNING: (Running pip as|Location .* is ignored)|\[notice\])" || true
+  have torch torchvision || share_torch "$VENV" "${REQS[0]}" "${REQS[1]}"
+  pipq312 "${REQS[@]}"
   "$PY" -c "import torch, transformers, hydra, omegaconf, qwen_vl_utils, megatron.energon, tensorboard" \
     || { echo "setup_env_bridge: install into $VENV failed" >&2; exit 1; }
 fi

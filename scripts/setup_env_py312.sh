@@ -10,7 +10,9 @@
 # megatron-mm-balance itself is not installed into it: tests run it from the source tree
 # (PYTHONPATH=<repo>), and a Megatron-LM checkout supplies megatron/core (put it first
 # on PYTHONPATH). torch 2.13.0 from the registry for Python 3.12 is a CUDA build (about
-# 4.7 GB); it runs on the CPU. The venv never sees the system's site-packages (checked).
+# 4.7 GB); it runs on the CPU. When .venv-bridge/ already has that torch pair, its files are
+# hard-linked instead of installed again (scripts/py312_venv.sh: MM_BALANCE_TORCH_FROM).
+# The venv never sees the system's site-packages (checked).
 # pydantic (megatron.rl) and tensorboard (--tensorboard-dir) as in scripts/setup_env.sh;
 # every install after torch is constrained to the torch pair installed, so no requirement
 # replaces it.
@@ -27,30 +29,13 @@ VENV=${MM_BALANCE_PY312_VENV:-$PWD/.venv-py312}
 TORCH_VERSION=${MM_BALANCE_PY312_TORCH_VERSION:-2.13.0}
 TORCHVISION_VERSION=${MM_BALANCE_PY312_TORCHVISION_VERSION:-0.28.0}
 
-find_python312() {
-  if [ -n "${PYTHON312:-}" ]; then echo "$PYTHON312"; return; fi
-  if command -v pyenv >/dev/null && [ -x "$(pyenv root)/versions/3.12.1/bin/python" ]; then
-    echo "$(pyenv root)/versions/3.12.1/bin/python"; return
-  fi
-  command -v python3.12 || true
-}
-
+source scripts/py312_venv.sh
 PY=$VENV/bin/python
-if [ ! -x "$PY" ]; then
-  BASE=$(find_python312)
-  [ -n "$BASE" ] && "$BASE" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null \
-    || { echo "setup_env_py312: no Python 3.12 found (set PYTHON312=/path/to/python3.12)" >&2; exit 1; }
-  "$BASE" -m venv "$VENV"
-fi
-grep -q "^include-system-site-packages = false" "$VENV/pyvenv.cfg" 2>/dev/null \
-  || { echo "setup_env_py312: $VENV sees the system's site-packages (pyvenv.cfg); remove it and run again" >&2; exit 1; }
-
-pipq() { "$PY" -m pip install -q --disable-pip-version-check "$@" 2>&1 | grep -v -E "^(WARNING: (Running pip as|Location .* is ignored)|\[notice\])" || true; }
-# Presence check without importing (importing the CUDA build of torch takes seconds).
-have() { "$PY" -c 'import importlib.util, sys; sys.exit(any(importlib.util.find_spec(m) is None for m in sys.argv[1:]))' "$@"; }
+make_venv312 setup_env_py312 "$VENV"
 installed=0
 if ! have torch torchvision; then
-  pipq "torch==${TORCH_VERSION}" "torchvision==${TORCHVISION_VERSION}"; installed=1
+  share_torch "$VENV" "torch==${TORCH_VERSION}" "torchvision==${TORCHVISION_VERSION}"
+  pipq312 "torch==${TORCH_VERSION}" "torchvision==${TORCHVISION_VERSION}"; installed=1
 fi
 REQS=("megatron-energon==7.4.1" "transformers>=4.40,<5" "pybind11" "numpy" "einops" "packaging"
       "pydantic>=2,<3" "tensorboard>=2.14"
@@ -58,7 +43,7 @@ REQS=("megatron-energon==7.4.1" "transformers>=4.40,<5" "pybind11" "numpy" "eino
 if ! have megatron.energon transformers pybind11 numpy einops packaging pydantic tensorboard pytest pytest_timeout hypothesis yaml; then
   KEEP=$(mktemp)
   "$PY" -c "import importlib.metadata as m; print(f\"torch=={m.version('torch')}\"); print(f\"torchvision=={m.version('torchvision')}\")" > "$KEEP"
-  pipq -c "$KEEP" "${REQS[@]}"; installed=1
+  pipq312 -c "$KEEP" "${REQS[@]}"; installed=1
   rm -f "$KEEP"
 fi
 if [ $installed = 1 ]; then

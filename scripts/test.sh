@@ -3,4 +3,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
+# The suite builds three more environments (Python 3.12 for core_v0.19.0 and for
+# Megatron-Bridge, a venv from nothing); a pip cache would keep a second copy of torch's
+# multi-GB wheels on disk for nothing.
+export PIP_NO_CACHE_DIR=${PIP_NO_CACHE_DIR:-1}
 exec "${PYTHON:-python3}" -m pytest tests -q "$@"

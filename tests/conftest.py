@@ -1,6 +1,8 @@
-"""Shared test settings: hypothesis profile sized for a 2-core CI machine, and the
-Python 3.12 interpreter fixture that the newer-release tests share."""
+"""Shared test settings: hypothesis profile sized for a 2-core CI machine, the Python 3.12
+interpreter fixture that the newer-release tests share, and a disk report (the suite builds
+several multi-GB environments: when a machine runs out, the summary says how close it was)."""
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -29,3 +31,31 @@ def py312() -> str:
     if r.returncode != 0:
         pytest.skip(f"the Python 3.12 environment cannot be built here: {(r.stderr or r.stdout).strip()[-500:]}")
     return r.stdout.strip().splitlines()[-1]
+
+
+_lowest_free = {"bytes": None, "after": "start"}
+
+
+def _note_free(where: str) -> None:
+    free = shutil.disk_usage(REPO).free
+    if _lowest_free["bytes"] is None or free < _lowest_free["bytes"]:
+        _lowest_free.update(bytes=free, after=where)
+
+
+def pytest_sessionstart(session):
+    session.config._mm_balance_free_at_start = shutil.disk_usage(REPO).free
+    _note_free("start")
+
+
+def pytest_runtest_teardown(item, nextitem):
+    _note_free(item.nodeid)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    start = getattr(config, "_mm_balance_free_at_start", None)
+    if start is None or _lowest_free["bytes"] is None:
+        return
+    gib = 2 ** 30
+    terminalreporter.write_line(
+        f"disk free at {REPO}: {start / gib:.1f} GiB at start, {shutil.disk_usage(REPO).free / gib:.1f} GiB "
+        f"at end, lowest {_lowest_free['bytes'] / gib:.1f} GiB (after {_lowest_free['after']})")

@@ -294,7 +294,10 @@ FRESH_VENV = Path(os.environ.get("MM_BALANCE_FRESH_VENV") or REPO / ".venv-fresh
 def fresh_venv(megatron_lm: Path, path: Path = FRESH_VENV, timeout: float = 2400.0) -> FreshVenv:
     """``python -m venv PATH`` (no system site-packages) when PATH does not exist, then
     ``PYTHON=PATH/bin/python MEGATRON_LM_DIR=megatron_lm bash scripts/setup_env.sh``; raises
-    AssertionError with the script's output if it fails."""
+    AssertionError with the script's output if it fails. The torch pair's files are
+    hard-linked from this test run's own environment when it has exactly the pinned pair
+    (``MM_BALANCE_TORCH_FROM``, scripts/share_torch.py: 5.5 GB not written twice); every
+    other package is installed from nothing."""
     t0 = time.monotonic()
     python = path / "bin" / "python"
     built = not python.exists()
@@ -303,6 +306,7 @@ def fresh_venv(megatron_lm: Path, path: Path = FRESH_VENV, timeout: float = 2400
         subprocess.run([base, "-m", "venv", str(path)], check=True, timeout=300)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
     env.update(PYTHON=str(python), MEGATRON_LM_DIR=str(megatron_lm))
+    env.setdefault("MM_BALANCE_TORCH_FROM", sys.prefix)
     res = subprocess.run(["bash", str(REPO / "scripts" / "setup_env.sh")], env=env, capture_output=True,
                          text=True, timeout=timeout, cwd=str(REPO))
     log = res.stdout + res.stderr

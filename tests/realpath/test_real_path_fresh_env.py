@@ -5,7 +5,9 @@ bash scripts/setup_env.sh``, then ``mm-balance make-dataset`` (its defaults) and
 off/on pair of ``scripts/pretrain_vlm_moe.sh --config configs/megatron/tiny_cpu.sh`` on
 core_v0.16.1, all run by the venv's interpreter: a package the training path imports but
 the setup does not install (pydantic, for megatron.rl, was one) fails here, whatever the
-machine's own Python has. The venv is reused across sessions when it exists (see the
+machine's own Python has. Only the torch pair's files are hard-linked from the test run's
+own environment when it has exactly that pair (scripts/share_torch.py; 5.5 GB not written
+twice); every other package is installed from nothing. The venv is reused across sessions when it exists (see the
 ``fresh_venv`` fixture); CI builds it once per run.
 Slow: ``python -m pytest tests/realpath -m realpath``.
 """

@@ -1,0 +1,138 @@
+"""Give a new virtual environment the torch build of an existing one by hard links.
+
+    python scripts/share_torch.py SEED_ENV NEW_VENV torch==2.13.0 torchvision==0.28.0
+
+Both Python 3.12 environments (scripts/setup_env_py312.sh, scripts/setup_env_bridge.sh) pin
+the same torch pair, whose registry build for Python 3.12 is the CUDA one: about 4.7 GB in
+each venv, most of it nvidia-* libraries; scripts/setup_env.sh's pair for Python 3.11 is
+5.5 GB. When SEED_ENV (a venv, or an interpreter's prefix such as pyenv's, of the same
+Python minor version) already has exactly the pinned pair and lies on the same filesystem,
+this links the files of torch, torchvision, triton and the cuda-*/nvidia-* distributions
+into NEW_VENV (listed by each distribution's RECORD), so the second environment costs no
+disk for them; pip then installs the rest as usual and finds the pair satisfied. Console scripts under bin/ are copied with their interpreter line rewritten.
+
+Hard links are safe to share: pip never writes an installed file in place (an upgrade or
+uninstall in one venv removes its links and writes new files), and Python replaces .pyc
+files atomically. Exits 0 after linking, 3 when it does nothing (seed absent or different,
+another filesystem, NEW_VENV already has torch), printing why on stderr; the caller then
+installs from the registry. Standard library only.
+"""
+from __future__ import annotations
+
+import csv
+import os
+import re
+import sys
+from pathlib import Path
+
+SHARED = re.compile(r"^(torch|torchvision|triton|cuda[-_].*|nvidia[-_].*)$", re.IGNORECASE)
+
+
+def site_packages(venv: Path) -> Path:
+    """The one lib/pythonX.Y/site-packages of a POSIX venv."""
+    found = sorted(venv.glob("lib/python3.*/site-packages"))
+    if len(found) != 1:
+        raise SystemExit(f"share_torch: {venv} has {len(found)} site-packages directories, expected 1")
+    return found[0]
+
+
+def dists(site: Path) -> dict[str, tuple[str, Path]]:
+    """Normalised distribution name -> (version, dist-info directory)."""
+    out = {}
+    for info in site.glob("*.dist-info"):
+        meta = info / "METADATA"
+        if not meta.exists():
+            continue
+        fields = dict(line.split(": ", 1) for line in meta.read_text(errors="replace").splitlines()[:20]
+                      if ": " in line)
+        name, version = fields.get("Name"), fields.get("Version")
+        if name and version:
+            out[re.sub(r"[-_.]+", "-", name).lower()] = (version, info)
+    return out
+
+
+def pins_match(seed: dict, pins: list[str]) -> str | None:
+    """None when the seed has every pinned version, else the first difference."""
+    for pin in pins:
+        name, _, version = pin.partition("==")
+        have = seed.get(name.lower())
+        if have is None or have[0] != version:
+            return f"{name} {'absent' if have is None else have[0]} in the seed, {version} pinned"
+    return None
+
+
+def record_files(info: Path) -> list[str]:
+    with open(info / "RECORD", newline="") as f:
+        return [row[0] for row in csv.reader(f) if row]
+
+
+def repoint(script: bytes, python: bytes) -> bytes:
+    """A console script with its ``#!...python...`` line naming PYTHON instead."""
+    first, nl, rest = script.partition(b"\n")
+    if first.startswith(b"#!") and b"python" in first:
+        return b"#!" + python + nl + rest
+    return script
+
+
+def share(seed_venv: Path, new_venv: Path) -> tuple[int, int]:
+    """Link the shared distributions' files; returns (files, bytes). Undoes itself on error."""
+    seed_site, new_site = site_packages(seed_venv), site_packages(new_venv)
+    new_py = str(new_venv / "bin" / "python").encode()
+    files = size = 0
+    made: list[Path] = []
+    try:
+        for name, (_, info) in sorted(dists(seed_site).items()):
+            if not SHARED.match(name):
+                continue
+            for rel in record_files(info):
+                outside = rel.startswith("..")       # a console script under bin/
+                src = Path(os.path.normpath(seed_site / rel))
+                dst = Path(os.path.normpath(new_site / rel))
+                if not src.is_file() or dst.exists():
+                    continue
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                if outside:                          # copied, its interpreter line re-pointed
+                    dst.write_bytes(repoint(src.read_bytes(), new_py))
+                    dst.chmod(src.stat().st_mode)
+                else:
+                    os.link(src, dst)
+                made.append(dst)
+                files += 1
+                size += src.stat().st_size
+    except BaseException:
+        for path in made:            # no half-shared torch: the caller installs from the registry
+            path.unlink(missing_ok=True)
+        raise
+    return files, size
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) < 3:
+        print(__doc__.strip().splitlines()[2], file=sys.stderr)
+        return 2
+    seed_venv, new_venv, pins = Path(argv[0]).resolve(), Path(argv[1]).resolve(), argv[2:]
+
+    def skip(why: str) -> int:
+        print(f"share_torch: not sharing from {seed_venv}: {why}", file=sys.stderr)
+        return 3
+
+    if seed_venv == new_venv or not (seed_venv / "bin" / "python").exists():
+        return skip("no such venv")
+    seed_site, new_site = site_packages(seed_venv), site_packages(new_venv)
+    if seed_site.name != new_site.name or seed_site.parent.name != new_site.parent.name:
+        return skip(f"{seed_site.parent.name} there, {new_site.parent.name} here")
+    if "torch" in dists(new_site):
+        return skip("torch is already installed here")
+    why = pins_match(dists(seed_site), pins)
+    if why:
+        return skip(why)
+    if os.stat(seed_site).st_dev != os.stat(new_site).st_dev:
+        return skip("another filesystem (hard links need one)")
+    files, size = share(seed_venv, new_venv)
+    print(f"share_torch: linked {files} files ({size / 2**30:.1f} GiB) of torch, torchvision, triton and "
+          f"cuda/nvidia from {seed_venv}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -11,6 +11,8 @@ order, so that load drifting over the rounds falls on every mode alike):
 * ``overlap``: ``--mm-balance`` (the exchange on its background thread);
 * ``auto``: ``--mm-balance --mm-balance-cost auto`` (costs fitted from the job's own
   timings after ``--calibration-iters`` iterations);
+* ``images`` (only when asked for in ``--modes``): ``overlap`` with
+  ``--mm-balance-vision images`` (tiles also balanced across ranks every micro-step);
 * ``untimed`` (only when asked for in ``--modes``): ``off`` without the timing hooks,
   which measures what the hooks cost.
 
@@ -47,8 +49,9 @@ REPO = Path(__file__).resolve().parents[2]
 LAUNCHER = REPO / "scripts" / "pretrain_vlm_moe.sh"
 CONFIG = REPO / "configs" / "megatron" / "vision_heavy_cpu.sh"
 MODES = ("off", "sync", "overlap", "auto")
-#: Not in the default rounds: ``off`` without the timing hooks, to measure what they cost.
-EXTRA_MODES = ("untimed",)
+#: Not in the default rounds: pack and tile balancing together, and ``off`` without the
+#: timing hooks (to measure what they cost).
+EXTRA_MODES = ("images", "untimed")
 DEFAULTS = dict(rounds=3, iters=6, warmup=2, calibration_iters=3, samples=512, seed=0,
                 timeout=1800.0, loss_tolerance=1e-5)
 #: Megatron's per-iteration log line.
@@ -58,6 +61,9 @@ ITER_RE = re.compile(r"\biteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteratio
 TELEMETRY_RE = re.compile(r"^\[mm-balance\] iteration (\d+) \| (.*)$", re.M)
 #: The cost-fit line of --mm-balance-cost auto.
 FIT_RE = re.compile(r"^\[mm-balance\] cost auto: (.*)$", re.M)
+#: The tile-balance line of --mm-balance-vision images (megatron/vision.py).
+VISION_RE = re.compile(r"^\[mm-balance\] vision images: micro-steps \d+-\d+: tiles (\d+), moved (\d+) .*?"
+                       r"per micro-step ([0-9.]+) -> ([0-9.]+) \(even split ([0-9.]+)\)", re.M)
 #: Telemetry fields read, by meaning (a renamed field is looked up under each name).
 FIELDS = {"consumer_wait_ms": ("consumer_wait_ms",), "exchange_ms": ("exchange_ms",),
           "exchange_cpu_ms": ("exchange_cpu_ms",), "packs_moved": ("packs_moved",)}
@@ -83,6 +89,8 @@ class RunResult:
     losses: Dict[int, float] = field(default_factory=dict)
     telemetry: Dict[int, dict] = field(default_factory=dict)
     fit_line: str = ""
+    #: --mm-balance-vision images: per log window (tiles, moved, max before, max after, even)
+    vision: List[tuple] = field(default_factory=list)
 
     @property
     def timing_dir(self) -> str:
@@ -132,9 +140,11 @@ def mode_flags(mode: str, calibration_iters: int) -> tuple:
         return "1", ["--no-mm-balance-overlap"]
     if mode == "overlap":
         return "1", []
+    if mode == "images":
+        return "1", ["--mm-balance-vision", "images"]
     if mode == "auto":
         return "1", ["--mm-balance-cost", "auto", "--mm-balance-calibration-iters", str(calibration_iters)]
-    raise BenchError(f"unknown mode {mode!r} (choose from {', '.join(MODES)})")
+    raise BenchError(f"unknown mode {mode!r} (choose from {', '.join(MODES + EXTRA_MODES)})")
 
 
 def run_launcher(mode: str, rnd: int, *, megatron_lm: str, data: dict, out: Path, train_iters: int,
@@ -173,7 +183,7 @@ def run_launcher(mode: str, rnd: int, *, megatron_lm: str, data: dict, out: Path
     wall = time.monotonic() - t0
     text = log_path.read_text(errors="replace")
     elapsed, losses, tele, fit = parse_log(text)
-    res = RunResult(mode, rnd, rc, wall, str(run_dir), elapsed, losses, tele, fit)
+    res = RunResult(mode, rnd, rc, wall, str(run_dir), elapsed, losses, tele, fit, parse_vision(text))
     med = statistics.median([elapsed[i] for i in sorted(elapsed)[2:]]) if len(elapsed) > 2 else float("nan")
     log(f"  round {rnd} {mode:<8} exit {rc}, {wall:6.0f} s wall, median iteration {med:8.1f} ms"
         + (f"  [{fit[:90]}]" if fit else ""))
@@ -198,6 +208,13 @@ def _stats(values: List[float]) -> dict:
         return {"median": None, "min": None, "max": None, "n": 0}
     return {"median": statistics.median(values), "min": min(values), "max": max(values),
             "n": len(values)}
+
+
+def parse_vision(text: str) -> List[tuple]:
+    """The ``--mm-balance-vision images`` log windows: (tiles, moved, most tiles on one rank
+    per micro-step before, after, even split)."""
+    return [(int(m.group(1)), int(m.group(2)), float(m.group(3)), float(m.group(4)), float(m.group(5)))
+            for m in VISION_RE.finditer(text)]
 
 
 def measured_window(res: RunResult, warmup: int, switch: Optional[int] = None) -> List[int]:
@@ -237,6 +254,13 @@ def analyze(results: List[RunResult], *, warmup: int, loss_tolerance: float,
             "exchange_cpu_ms_per_iteration": _stats(cpu), "packs_moved_per_iteration": _stats(moved),
             "runs": [{"round": r.round, "wall_s": r.wall_s, "out_dir": r.out_dir,
                       "elapsed_ms": r.elapsed_ms, "fit": r.fit_line} for r in runs]}
+        windows = [w for r in runs for w in r.vision]
+        if windows:
+            report["modes"][mode]["tiles"] = {
+                "moved_fraction": sum(w[1] for w in windows) / max(1, sum(w[0] for w in windows)),
+                "max_per_microstep_before": statistics.mean(w[2] for w in windows),
+                "max_per_microstep_after": statistics.mean(w[3] for w in windows),
+                "even_split": statistics.mean(w[4] for w in windows)}
         if mode != "off":
             for r in runs:
                 off = off_by_round.get(r.round)
@@ -361,6 +385,12 @@ def format_report(rep: dict) -> str:
             f"   {f(m['exchange_ms_per_iteration']['median']):>8}"
             f"   {f(m['exchange_cpu_ms_per_iteration']['median']):>18}"
             f"   {f(m['packs_moved_per_iteration']['median'], '.0f'):>11}")
+    for mode, m in rep["modes"].items():
+        t = m.get("tiles")
+        if t:
+            lines.append(f"{mode}: tiles moved {100 * t['moved_fraction']:.1f}%, most tiles on one rank per "
+                         f"micro-step {t['max_per_microstep_before']:.2f} -> {t['max_per_microstep_after']:.2f} "
+                         f"(even split {t['even_split']:.2f})")
     p = rep.get("predicted") or {}
     if p:
         lines.append("")
@@ -465,8 +495,10 @@ def reanalyze(a) -> dict:
         log_path = d / "train.log"
         if not m or not log_path.is_file():
             continue
-        elapsed, losses, tele, fit = parse_log(log_path.read_text(errors="replace"))
-        results.append(RunResult(m.group(2), int(m.group(1)), 0, 0.0, str(d), elapsed, losses, tele, fit))
+        text = log_path.read_text(errors="replace")
+        elapsed, losses, tele, fit = parse_log(text)
+        results.append(RunResult(m.group(2), int(m.group(1)), 0, 0.0, str(d), elapsed, losses, tele, fit,
+                                 parse_vision(text)))
     if not results:
         raise BenchError(f"--reanalyze: no roundN-MODE/train.log under {out}")
     order = [m for m in MODES + EXTRA_MODES if any(r.mode == m for r in results)]

@@ -32,7 +32,10 @@ plus those that keep a mode from silently not doing what it was asked:
   than ``image-tokens`` (the dataset reports only a sample's image tokens by index,
   so no other cost can be honoured there; ``auto`` then uses the exchange);
 * ``--mm-balance-cost auto`` with pipeline or context parallelism (several exchange
-  groups would each fit their own costs).
+  groups would each fit their own costs);
+* ``--mm-balance-vision images`` without ``--mm-balance``, in shadow mode (which promises
+  to move nothing), with ``--mm-balance-cost auto`` (the per-pack vision timings it fits
+  would time other ranks' tiles) or with context parallelism (CP ranks share tiles).
 
 The checks read the typed :class:`~.config.MegatronArgs` of a built
 :class:`~.config.MMBalanceConfig`, never ``args``: :func:`checked_config` is the
@@ -43,7 +46,7 @@ from __future__ import annotations
 from .config import UPSTREAM_BALANCERS, MegatronArgs, MMBalanceConfig, MMBalanceConfigError
 
 __all__ = ["MMBalanceConfigError", "check_args", "checked_config", "global_aux_loss_coeff",
-           "refuse_loss_changing", "refuse_upstream_balancers"]
+           "refuse_loss_changing", "refuse_upstream_balancers", "refuse_vision_images"]
 
 
 def global_aux_loss_coeff(megatron: MegatronArgs) -> float:
@@ -89,6 +92,23 @@ def refuse_loss_changing(cfg: MMBalanceConfig) -> None:
                                    "or --mm-balance-cost image-tokens")
 
 
+def refuse_vision_images(cfg: MMBalanceConfig) -> None:
+    """The combinations ``--mm-balance-vision images`` does not support (see above)."""
+    if cfg.vision != "images":
+        return
+    if not cfg.enabled:
+        raise MMBalanceConfigError("--mm-balance-vision images needs --mm-balance")
+    if cfg.mode == "shadow":
+        raise MMBalanceConfigError("--mm-balance-vision images moves tiles, --mm-balance-mode shadow "
+                                   "moves nothing: use one of them")
+    if cfg.cost == "auto":
+        raise MMBalanceConfigError("--mm-balance-vision images cannot be combined with --mm-balance-cost "
+                                   "auto: a pack's vision timing would be that of other ranks' tiles; "
+                                   "use --mm-balance-cost image-tokens or model")
+    if cfg.megatron.context_parallel_size > 1:
+        raise MMBalanceConfigError("--mm-balance-vision images needs --context-parallel-size 1")
+
+
 def refuse_upstream_balancers(megatron: MegatronArgs) -> None:
     """Refuse Megatron-LM's own data rebalancing together with ``--mm-balance``.
 
@@ -111,6 +131,7 @@ def checked_config(args) -> MMBalanceConfig:
     cfg = MMBalanceConfig.from_args(args)
     if cfg.enabled:
         refuse_loss_changing(cfg)
+    refuse_vision_images(cfg)
     return cfg
 
 

@@ -37,6 +37,7 @@ SYNC_CHOICES = ("auto", "microstep", "step")
 COST_CHOICES = ("image-tokens", "model", "auto")
 DEFAULT_CALIBRATION_ITERS = 10
 MODE_CHOICES = ("auto", "exchange", "sampler", "shadow")
+VISION_CHOICES = ("packs", "images")
 #: the statistics interval when neither --mm-balance-log-interval nor --log-interval is set
 DEFAULT_LOG_INTERVAL = 100
 
@@ -266,6 +267,12 @@ class MMBalanceConfig:
                      "image-tokens); 'auto' uses the sampler when it applies, else the exchange; "
                      "'shadow' gathers costs and solves like the exchange and logs what balancing "
                      "would do, but moves nothing.", type=str, choices=MODE_CHOICES)
+    vision: str = flag("packs", "--mm-balance-vision", "'packs' (default): the vision encoder "
+                       "computes the tiles of the packs its rank holds. 'images': every micro-step, "
+                       "also send tiles across data-parallel ranks so each encodes about the same "
+                       "number, and the embeddings back (gradients likewise; exact for per-tile "
+                       "encoders such as the example's CLIP/SigLIP/InternViT). Needs --mm-balance.",
+                       type=str, choices=VISION_CHOICES)
     #: resolved: ``--log-interval``, else DEFAULT_LOG_INTERVAL
     log_interval: Optional[int] = flag(None, "--mm-balance-log-interval", "Write balance "
                                        "statistics every this many iterations (default: "

@@ -256,6 +256,20 @@ def _install_timing(model, cfg: MMBalanceConfig, args):
                           iteration_fn=live_iteration(args))
 
 
+def _install_vision_balance(model, cfg: MMBalanceConfig):
+    """``--mm-balance-vision images``: its communicators (collective over the world: every
+    rank, here) and its hooks on this rank's vision encoder, if it has one."""
+    if cfg.vision != "images":
+        return None
+    if model is None:
+        raise ValueError("--mm-balance-vision images needs the model chunks (model=...)")
+    from .vision import init_vision_groups, install_vision_balance
+    sched = cfg.schedule
+    per_step = max(1, (sched.global_batch_size or 0) // max(1, sched.micro_batch_size * sched.data_parallel_size))
+    return install_vision_balance(model, init_vision_groups(cfg.timeout),
+                                  log_every=cfg.log_interval * per_step)
+
+
 def wrap_train_data_iterator(train_data_iterator, args=None, *, exchange_groups=None,
                              num_microbatches=None, cost_fn=None, layout=None, model=None):
     """Wrap Megatron's train iterator(s) for ``--mm-balance``; a no-op when the flag is off.
@@ -295,6 +309,7 @@ def wrap_train_data_iterator(train_data_iterator, args=None, *, exchange_groups=
                          f"iterators {len(iterators)}")
     coordinator = coordinator_for(cfg, installed_train_samplers(args), cost_fn=cost_fn,
                                   num_microbatches=num_microbatches, timing=timing)
+    _install_vision_balance(model, cfg)
     wrapped = [it if it is None or group is None
                else coordinator.wrap(_unwrap(it), group, chunk, _recorder(cfg, args, chunk))
                for chunk, (it, group) in enumerate(zip(iterators, exchange_groups))]

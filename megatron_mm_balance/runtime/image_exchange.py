@@ -63,19 +63,21 @@ class ImagePlan:
         return int((self.owner != self.encoder).sum())
 
 
-def gather_image_costs(local_costs, group=None) -> list[np.ndarray]:
-    """All-gather every rank's per-image integer costs (a 1-D sequence on each rank)."""
-    c = torch.as_tensor(np.asarray(local_costs, dtype=np.int64).reshape(-1))
+def gather_image_costs(local_costs, group=None, device=None) -> list[np.ndarray]:
+    """All-gather every rank's per-image integer costs (a 1-D sequence on each rank).
+    ``device``: where the collective's tensors live (the group's backend decides: CPU for
+    gloo, the rank's GPU for NCCL); CPU by default."""
+    c = torch.as_tensor(np.asarray(local_costs, dtype=np.int64).reshape(-1)).to(device)
     world = dist.get_world_size(group)
-    n = torch.tensor([c.numel()], dtype=torch.int64)
-    counts = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    n = torch.tensor([c.numel()], dtype=torch.int64, device=c.device)
+    counts = [torch.zeros_like(n) for _ in range(world)]
     dist.all_gather(counts, n, group=group)
     width = max(int(x.item()) for x in counts)
-    padded = torch.zeros(max(width, 1), dtype=torch.int64)
+    padded = torch.zeros(max(width, 1), dtype=torch.int64, device=c.device)
     padded[: c.numel()] = c
     parts = [torch.zeros_like(padded) for _ in range(world)]
     dist.all_gather(parts, padded, group=group)
-    return [p[: int(k.item())].numpy().copy() for p, k in zip(parts, counts)]
+    return [p[: int(k.item())].cpu().numpy().copy() for p, k in zip(parts, counts)]
 
 
 def _route(x: torch.Tensor, send: dict, recv: dict, out_rows: int, group, ranks) -> torch.Tensor:

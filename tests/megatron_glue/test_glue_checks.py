@@ -137,3 +137,19 @@ def test_cost_auto_settings():
     msg = refused(make_args("--mm-balance-cost", "auto", "--mm-balance-mode", "sampler",
                             dataloader_type="single"))
     assert "sampler" in msg and "--mm-balance-cost auto" in msg
+
+
+def test_vision_images_settings():
+    check_args(make_args("--mm-balance-vision", "images"))
+    check_args(make_args("--mm-balance-vision", "images", pipeline_model_parallel_size=2))
+    off = make_args("--mm-balance-vision", "images")
+    off.mm_balance = False
+    assert refused(off) == "--mm-balance-vision images needs --mm-balance"
+    assert "shadow moves nothing" in refused(make_args("--mm-balance-vision", "images",
+                                                       "--mm-balance-mode", "shadow"))
+    assert "--mm-balance-cost auto" in refused(make_args("--mm-balance-vision", "images",
+                                                         "--mm-balance-cost", "auto"))
+    assert "--context-parallel-size 1" in refused(make_args("--mm-balance-vision", "images",
+                                                            context_parallel_size=2))
+    with pytest.raises(SystemExit):
+        make_args("--mm-balance-vision", "tiles")

@@ -81,6 +81,27 @@ def test_off_on_equal(runner, layout):
             assert f"validation loss at iteration {iters}" in run.log, "no final validation"
 
 
+@pytest.mark.parametrize("layout", ["dp2_ep2", "pp2_dp2"])
+def test_vision_images_off_on_equal(runner, layout):
+    """``--mm-balance --mm-balance-vision images`` (tiles also balanced across ranks every
+    micro-step, embeddings and their gradients sent back) against the same layout's off run:
+    lm loss equal every iteration, packs and tiles moved, the busiest rank's tile count per
+    micro-step never raised, exit 0. Under PP=2 the encoder is on the first stage only."""
+    from megatron_mm_balance.bench.realpath import parse_vision
+
+    iters, env = LAYOUTS[layout]
+    off = runner(layout, False, iters, **env)
+    on = runner(f"{layout}-images", True, iters, extra=["--mm-balance-vision", "images"], **env)
+    _check_pair(off, on, iters, f"{layout} --mm-balance-vision images")
+    windows = parse_vision(on.log)
+    assert windows, f"no tile-balance log line\n{on.tail()}"
+    tiles, moved = sum(w[0] for w in windows), sum(w[1] for w in windows)
+    print(f"tiles moved {moved}/{tiles}; most tiles on one rank per micro-step "
+          f"{[w[2] for w in windows]} -> {[w[3] for w in windows]} (even {[w[4] for w in windows]})")
+    assert moved > 0 and all(after <= before for _, _, before, after, _ in windows)
+    assert not parse_vision(off.log)
+
+
 #: The resume matrix: {2 datasets} x {1, 2 loader workers} x {off, on}, every pair of values
 #: once (an orthogonal array: 4 configurations instead of 8). name -> (dataset: "256" is the
 #: session's make-dataset --samples 256 --seed 0, "default" is make-dataset's defaults;

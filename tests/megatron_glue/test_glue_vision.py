@@ -9,46 +9,18 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
-import tempfile
 
-import pytest
-
-from megatron_mm_balance.bench.runtime import free_port
+from megatron_mm_balance.testing.ranks import run_rank_script
 
 HERE = os.path.abspath(__file__)
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
 
 #: tiles per rank per micro-step (world 3): rank 0 heavy, rank 1 none on step 0, step 2 empty
 TILES = [[5, 0, 1], [2, 3, 0], [0, 0, 0], [1, 6, 2]]
 
 
-def _launch(world: int, timeout: float = 120.0) -> list:
-    port = free_port()
-    with tempfile.TemporaryDirectory() as tmp:
-        env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-                   OMP_NUM_THREADS="1")
-        procs = [subprocess.Popen([sys.executable, HERE, str(r), str(world), str(port), tmp], env=env,
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                 for r in range(world)]
-        logs = []
-        for p in procs:
-            try:
-                logs.append(p.communicate(timeout=timeout)[0])
-            except subprocess.TimeoutExpired:
-                for q in procs:
-                    q.kill()
-                logs.append(p.communicate()[0] + "\n(killed: timeout)")
-        out = []
-        for r, log in enumerate(logs):
-            path = os.path.join(tmp, f"rank{r}.json")
-            out.append(json.load(open(path)) if os.path.exists(path) else {"error": log[-3000:]})
-        return out
-
-
 def test_balanced_vision_equals_unbalanced_forward_and_backward():
-    results = _launch(3)
+    results = run_rank_script(HERE, 3)
     for r, res in enumerate(results):
         assert "error" not in res, f"rank {r}: {res.get('error')}"
     assert len({json.dumps(res["plans"]) for res in results}) == 1     # one plan everywhere

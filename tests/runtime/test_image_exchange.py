@@ -2,43 +2,18 @@
 encoder forward and backward (embeddings, image gradients, encoder gradients)."""
 import json
 import os
-import subprocess
 import sys
-import tempfile
 
 import pytest
 
-from megatron_mm_balance.bench.runtime import free_port
+from megatron_mm_balance.testing.ranks import run_rank_script
 
 HERE = os.path.abspath(__file__)
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
-
-
-def _launch(world: int, timeout: float = 120.0) -> list:
-    port = free_port()
-    with tempfile.TemporaryDirectory() as tmp:
-        env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-                   OMP_NUM_THREADS="1")
-        procs = [subprocess.Popen([sys.executable, HERE, str(r), str(world), str(port), tmp], env=env,
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                 for r in range(world)]
-        logs = []
-        for p in procs:
-            try:
-                logs.append(p.communicate(timeout=timeout)[0])
-            except subprocess.TimeoutExpired:
-                p.kill()
-                logs.append(p.communicate()[0] + "\n(killed: timeout)")
-        out = []
-        for r, log in enumerate(logs):
-            path = os.path.join(tmp, f"rank{r}.json")
-            out.append(json.load(open(path)) if os.path.exists(path) else {"error": log[-3000:]})
-        return out
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_balanced_encoding_is_exact_forward_and_backward(world):
-    results = _launch(world)
+    results = run_rank_script(HERE, world)
     for r, res in enumerate(results):
         assert "error" not in res, f"rank {r}: {res.get('error')}"
     moved = {res["moved"] for res in results}

@@ -36,7 +36,7 @@ balanced (no collectives).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import List, Optional
 
 import numpy as np
@@ -64,9 +64,10 @@ class VisionBalanceStats:
     tiles_moved: int = 0
     #: micro-steps on which this rank's pack had no tiles but it encoded others'
     encoded_for_others_only: int = 0
-    #: per micro-step: the largest per-rank tile count before and after balancing
-    max_before: List[int] = field(default_factory=list)
-    max_after: List[int] = field(default_factory=list)
+    #: summed over the micro-steps: the largest per-rank tile count before and after
+    #: balancing (sums, not lists: the counts live as long as the job)
+    max_before_sum: int = 0
+    max_after_sum: int = 0
 
 
 def format_stats(s: VisionBalanceStats, upto: int, num_ranks: int) -> str:
@@ -75,7 +76,8 @@ def format_stats(s: VisionBalanceStats, upto: int, num_ranks: int) -> str:
     ideal = s.tiles / max(1, s.microsteps) / max(1, num_ranks)
     return (f"[mm-balance] vision images: micro-steps {first}-{upto}: tiles {s.tiles}, moved "
             f"{s.tiles_moved} ({100.0 * s.tiles_moved / max(1, s.tiles):.1f}%), most tiles on one "
-            f"rank per micro-step {np.mean(s.max_before):.2f} -> {np.mean(s.max_after):.2f} (even "
+            f"rank per micro-step {s.max_before_sum / max(1, s.microsteps):.2f} -> "
+            f"{s.max_after_sum / max(1, s.microsteps):.2f} (even "
             f"split {ideal:.2f})")
 
 
@@ -167,8 +169,8 @@ class BalancedVision:
             s.microsteps += 1
             s.tiles += int(plan.owner.size)
             s.tiles_moved += plan.moved()
-            s.max_before.append(before)
-            s.max_after.append(after)
+            s.max_before_sum += before
+            s.max_after_sum += after
             if num_local == 0 and exchange.num_encoded > 0:
                 s.encoded_for_others_only += 1
         if self.log_every and self._window.microsteps >= self.log_every:

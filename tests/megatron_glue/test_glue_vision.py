@@ -32,11 +32,13 @@ def test_balanced_vision_equals_unbalanced_forward_and_backward():
     assert results[1]["encoded_for_others_only"] >= 1                  # rank 1 had none on step 0
     assert all(after <= before for before, after in zip(results[0]["max_before"], results[0]["max_after"]))
     assert results[0]["max_after"][0] == 2                             # 6 tiles: 2 per rank
+    assert results[0]["max_sums"] == [sum(results[0]["max_before"]), sum(results[0]["max_after"])]
 
 
 def _rank_main(rank: int, world: int, port: int, outdir: str) -> None:
     import datetime
 
+    import numpy as np
     import torch
     import torch.distributed as dist
 
@@ -125,7 +127,9 @@ def _rank_main(rank: int, world: int, port: int, outdir: str) -> None:
         res = {"plans": plans, "loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses)),
                "grad_diff": float((grads - ref_grads).abs().max()), "tiles_moved": s.tiles_moved,
                "microsteps": s.microsteps, "encoded_for_others_only": s.encoded_for_others_only,
-               "max_before": s.max_before, "max_after": s.max_after, "eval_equal": eval_equal,
+               "max_before": [int(np.bincount(o, minlength=world).max()) for o, _ in plans],
+               "max_after": [int(np.bincount(e, minlength=world).max()) for _, e in plans],
+               "max_sums": [s.max_before_sum, s.max_after_sum], "eval_equal": eval_equal,
                "restored": "forward" not in vars(model.vision_model) and not model._forward_pre_hooks}
     except BaseException as e:                              # reported, not hidden
         import traceback

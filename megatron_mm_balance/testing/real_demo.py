@@ -87,8 +87,11 @@ def _span(s: dict) -> str:
 def headline(s: dict) -> str:
     """The real figure in one line, labelled."""
     gain = "-" if s["gain"] is None else f"{100 * s['gain']:+.1f}%"
+    off, on = s["off_ms"], s["on_ms"]
+    overlap = on["min"] <= off["max"] and off["min"] <= on["max"]
     return (f"REAL (Megatron-LM's own 'elapsed time per iteration', median [min-max], vision-heavy "
-            f"DP=2 x EP=2 MoE job on CPU): off {_span(s['off_ms'])}, --mm-balance {_span(s['on_ms'])}: {gain}")
+            f"DP=2 x EP=2 MoE job on CPU): off {_span(off)}, --mm-balance {_span(on)}: {gain}"
+            + (" (the spreads overlap: the difference is within this machine's noise)" if overlap else ""))
 
 
 def details(s: dict) -> str:

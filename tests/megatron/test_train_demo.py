@@ -102,6 +102,11 @@ def test_headline_is_megatrons_own_iteration_times_after_the_warmup(tmp_path):
     assert "off 1,475 ms [1,400-1,600] (4 iterations)" in line and "--mm-balance 1,225 ms [1,100-1,300]" in line
     assert line.endswith(f"{100 * (1475 / 1225 - 1):+.1f}%")
 
+    slower = _result("overlap", _log([9000, 9500, 1300, 1500, 1700, 1450], losses, moved=6), tmp_path)
+    noisy = real_demo.headline(real_demo.summarize(realpath.analyze([off, slower], warmup=2, loss_tolerance=1e-5)))
+    assert noisy.endswith(f"{100 * (1475 / 1475 - 1):+.1f}% (the spreads overlap: the difference is within this "
+                          f"machine's noise)"), noisy
+
     changed = _result("overlap", _log([9000, 9500, 1200, 1300, 1250, 1100], losses[:5] + [6.01], moved=6), tmp_path)
     s = real_demo.summarize(realpath.analyze([off, changed], warmup=2, loss_tolerance=1e-5))
     assert not s["losses_equal"] and "equal within 1e-5: NO" in real_demo.details(s)

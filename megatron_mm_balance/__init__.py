@@ -26,9 +26,6 @@ def __getattr__(name):
     if name == "plan_placement":
         from .solver.placement import plan_placement
         return plan_placement
-    if name == "solve_placement":          # deprecated alias (warns when called)
-        from .solver.placement import solve_placement
-        return solve_placement
     if name == "pack_greedy":
         from .data.packing import pack_greedy
         return pack_greedy

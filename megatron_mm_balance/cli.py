@@ -200,6 +200,8 @@ def _place_summary(r: dict) -> str:
 # demo
 
 def cmd_demo(args) -> int:
+    if args.real_iters < 1:
+        raise CliError(f"demo: --real-iters must be >= 1, got {args.real_iters}")
     print(f"== pack: built-in mixture 'mixed' (AI2D + ChartQA real statistics, 40% text-only, "
           f"10% multi-image documents) into {args.seq_len}-token sequences")
     samples = mixtures.mixed(seed=0)
@@ -215,20 +217,56 @@ def cmd_demo(args) -> int:
           f"std of image tokens per pack {spread(greedy.packs):.0f} -> {spread(b.packs):.0f} "
           f"(balances packs, empties sequences: the seed's trade-off)")
     costs = np.array([p.image_tokens for p in greedy.packs], dtype=np.int64)
-    for dp, ga in ((args.dp, args.ga),):
-        if len(costs) < dp * ga:
-            raise CliError(f"demo: {len(costs)} packs are fewer than DP={dp} x GA={ga}")
-        for sync in ("microstep", "step"):
-            print(f"== place: DP={dp}, GA={ga}, sync={sync}")
-            r = place_batches(costs, dp, ga, sync, placement.DEFAULT_BALANCE_TOLERANCE)
-            print(_place_summary(r))
-    if args.train:
-        # The training demo is the opt-in CPU harness (testing/), not part of the product:
-        # it runs as its own program rather than being imported here.
+    dp, ga = args.dp, args.ga
+    if len(costs) < dp * ga:
+        raise CliError(f"demo: {len(costs)} packs are fewer than DP={dp} x GA={ga}")
+    placed = {}
+    for sync in ("microstep", "step"):
+        print(f"== place: DP={dp}, GA={ga}, sync={sync}")
+        placed[sync] = place_batches(costs, dp, ga, sync, placement.DEFAULT_BALANCE_TOLERANCE)
+        print(_place_summary(placed[sync]))
+    return _demo_training(args, placed["microstep"])
+
+
+def _demo_training(args, placed: dict) -> int:
+    """The demo's training runs, each its own program of the opt-in CPU harness (testing/),
+    not part of the product: the real off-vs-on runs through the launcher (the headline),
+    then the emulated-accelerator training; then one labelled line per figure."""
+    out = os.path.abspath(args.out)
+    real_json, emulated_json = os.path.join(out, "real.json"), os.path.join(out, "emulated.json")
+    if args.real or args.train:
+        os.makedirs(out, exist_ok=True)
+    for path in (real_json, emulated_json):
+        if os.path.exists(path):
+            os.remove(path)
+    rc = 0
+    if args.real:
         sys.stdout.flush()
-        cmd = [sys.executable, "-m", "megatron_mm_balance.testing.train_demo", *args.train_args]
-        return subprocess.run(cmd, check=False).returncode
-    return 0
+        rc = subprocess.run([sys.executable, "-m", "megatron_mm_balance.testing.real_demo", "--out",
+                             os.path.join(out, "real"), "--iters", str(args.real_iters), "--json", real_json,
+                             *sum((["--set", kv] for kv in args.real_set or []), [])], check=False).returncode
+        if rc == 2:           # no tree or a failed run: the program said why, in one line
+            return rc
+    if args.train:
+        print("== emulated: the tiny CPU VLM + MoE with megatron-core, accelerator time emulated by sleeps",
+              flush=True)
+        cmd = [sys.executable, "-m", "megatron_mm_balance.testing.train_demo", *DEMO_EMULATED_DEFAULTS,
+               "--json", emulated_json, *args.train_args]
+        rc = max(rc, subprocess.run(cmd, check=False).returncode)
+    print("== summary")
+    for path in (real_json, emulated_json):
+        if os.path.exists(path):
+            with open(path, encoding="utf-8") as f:
+                print(json.load(f)["summary"])
+    print(f"PLACEMENT (the solver on real AI2D + ChartQA statistics, DP={placed['dp']} x GA={placed['ga']}): "
+          f"micro-step objective / ideal {placed['baseline_microstep_ratio']:.3f} -> "
+          f"{placed['microstep_ratio']:.3f}, packs moved {100 * placed['moved_fraction']:.1f}%")
+    return rc
+
+
+#: The emulated training's length in the demo (the program's own defaults are longer);
+#: options after ``mm-balance demo`` override them.
+DEMO_EMULATED_DEFAULTS = ("--steps", "3", "--microbatches", "6")
 
 
 def _make_dataset_arguments(parser) -> None:
@@ -315,10 +353,18 @@ def build_parser() -> argparse.ArgumentParser:
     dm.add_argument("--seq-len", type=int, default=8192)
     dm.add_argument("--dp", type=int, default=64)
     dm.add_argument("--ga", type=int, default=16)
+    dm.add_argument("--real", action=argparse.BooleanOptionalAction, default=True,
+                    help="run Megatron-LM's examples/multimodal/train.py through scripts/pretrain_vlm_moe.sh "
+                         "on configs/megatron/vision_heavy_cpu.sh, --mm-balance off vs on, real compute "
+                         "(default: on; needs MEGATRON_LM_DIR or the release archive in ../shared/megatron-lm)")
+    dm.add_argument("--real-iters", type=int, default=4, help="measured iterations per real run (default 4)")
+    dm.add_argument("--real-set", action="append", metavar="VAR=VALUE",
+                    help="launcher/config environment override of the real runs, e.g. GBS=8 (repeatable)")
+    dm.add_argument("--out", default="runs/demo", help="the demo's runs and dataset (default %(default)s)")
     dm.add_argument("--train", action=argparse.BooleanOptionalAction, default=True,
                     help="also train the tiny CPU VLM + MoE (DP=2 x EP=2, 4 processes) with "
-                         "balancing off vs on (default: on); other options go to the training demo, "
-                         "see 'python -m megatron_mm_balance.testing.train_demo --help'")
+                         "balancing off vs on and emulated accelerator time (default: on); other options "
+                         "go to it, see 'python -m megatron_mm_balance.testing.train_demo --help'")
     dm.set_defaults(func=cmd_demo)
 
     md = sub.add_parser("make-dataset", help="write a small synthetic energon VLM dataset and tokenizer "

@@ -7,4 +7,6 @@ bash scripts/setup_env.sh
 # Megatron-Bridge, a venv from nothing); a pip cache would keep a second copy of torch's
 # multi-GB wheels on disk for nothing.
 export PIP_NO_CACHE_DIR=${PIP_NO_CACHE_DIR:-1}
-exec "${PYTHON:-python3}" -m pytest tests -q "$@"
+# --durations=10: the ten slowest tests at the end, so a test that grows shows (a later
+# --durations=N on the command line wins).
+exec "${PYTHON:-python3}" -m pytest tests -q --durations=10 "$@"

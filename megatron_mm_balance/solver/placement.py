@@ -4,8 +4,7 @@ The one entry point is :func:`plan_placement` (``costs``, and a
 :class:`SolverOptions` or its keywords): it dispatches to the strategy for the
 cost kind and sync mode (private: micro-step, step, and two-phase in
 :mod:`.two_phase`), orders the micro-steps as the runtime delivers them and
-checks the result. ``solve_placement`` is a deprecated alias of the unordered
-strategy result.
+checks the result.
 
 Input: an integer cost matrix ``costs[r, i]``: the cost of the ``i``-th pack that
 data-parallel rank ``r`` drew for this global batch (D ranks x G micro-steps).
@@ -52,7 +51,6 @@ Complexity: O(G * D * G) element operations vectorised over the D x G matrix
 from __future__ import annotations
 
 import numbers
-import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -385,19 +383,6 @@ class _Stage2:
             inn = self._heaviest_first(rest)[:excess]
             chosen.ravel()[out[:excess]] = False
             chosen.ravel()[inn] = True
-
-
-def solve_placement(costs, *, sync: str = "microstep",
-                    balance_tolerance: float = DEFAULT_BALANCE_TOLERANCE,
-                    future_slack: float = DEFAULT_FUTURE_SLACK,
-                    ranks_per_node=None) -> Placement:
-    """Deprecated: use :func:`plan_placement`. The solver's placement without the
-    runtime's micro-step order (:func:`order_steps`) and check; kept for callers that
-    have not moved yet (the same placement as before)."""
-    warnings.warn("solve_placement is deprecated; use plan_placement (the delivered plan)",
-                  DeprecationWarning, stacklevel=2)
-    return _solve(costs, SolverOptions(sync=sync, balance_tolerance=balance_tolerance,
-                                       ranks_per_node=ranks_per_node, future_slack=future_slack))
 
 
 def evaluate(costs, placement: Placement) -> dict:

@@ -128,7 +128,17 @@ def test_console_entry_point_reports_errors_without_traceback(tmp_path):
     assert proc.stderr.strip() == f"mm-balance: error: {tmp_path / 'missing.jsonl'}: no such file"
 
 
-def test_demo_runs_and_reports_balance(capsys):
-    code, out, _ = run(capsys, "demo", "--no-train", "--dp", "16", "--ga", "8")
+def test_demo_runs_and_reports_balance(capsys, tmp_path):
+    code, out, _ = run(capsys, "demo", "--no-train", "--no-real", "--dp", "16", "--ga", "8",
+                       "--out", str(tmp_path / "demo"))
     assert code == 0
     assert "efficiency 0.99" in out and "sync=microstep" in out and "packs moved" in out
+    # no training runs, so the summary has the placement line only, and nothing was written
+    summary = out.split("== summary\n", 1)[1].strip().splitlines()
+    assert len(summary) == 1 and summary[0].startswith("PLACEMENT (") and "DP=16 x GA=8" in summary[0], summary
+    assert not (tmp_path / "demo").exists()
+
+
+def test_demo_refuses_a_bad_real_iteration_count(capsys):
+    code, _, err = run(capsys, "demo", "--real-iters", "0")
+    assert code == 2 and "--real-iters must be >= 1" in err

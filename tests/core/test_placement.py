@@ -110,15 +110,11 @@ def test_solver_options_are_validated_once_and_equal_the_keywords():
         plan_placement(c, SolverOptions(), sync="step")
 
 
-def test_solve_placement_is_a_deprecated_alias_of_the_unordered_plan():
+def test_the_package_exports_plan_placement_as_its_one_placement_entry_point():
     import megatron_mm_balance
-    from megatron_mm_balance.solver.placement import SolverOptions, _solve, solve_placement
-    c = np.random.default_rng(4).integers(0, 9, size=(8, 4)) * 256
-    with pytest.warns(DeprecationWarning, match="plan_placement"):
-        old = megatron_mm_balance.solve_placement(c, ranks_per_node=4)
-    assert megatron_mm_balance.solve_placement is solve_placement
-    assert np.array_equal(old.src_rank, _solve(c, SolverOptions(ranks_per_node=4)).src_rank)
+    from megatron_mm_balance.solver import placement
     assert megatron_mm_balance.plan_placement is plan_placement
+    assert not hasattr(megatron_mm_balance, "solve_placement") and not hasattr(placement, "solve_placement")
 
 
 def test_invalid_inputs():

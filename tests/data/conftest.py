@@ -1,7 +1,8 @@
 """Fixtures for the dataset tests: a small make-dataset output and a Megatron-LM source tree.
 
 The Megatron-LM tree is ``$MEGATRON_LM_DIR`` or, when unset, the core_v0.16.1 release
-archive at ``../shared/megatron-lm/`` beside the repository, unpacked once per session;
+archive (``shared/megatron-lm/`` beside the repository or its parent:
+:mod:`megatron_mm_balance.testing.megatron_tree`), partly unpacked once per session;
 tests that need it are skipped with the reason when neither exists.
 """
 import os
@@ -10,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-ARCHIVE = ROOT.parent / "shared" / "megatron-lm" / "Megatron-LM-core_v0.16.1.tar.gz"
+from megatron_mm_balance.testing import megatron_tree
+
+ARCHIVE = megatron_tree.archive("core_v0.16.1")
 
 
 @pytest.fixture(scope="session")

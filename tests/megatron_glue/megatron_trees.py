@@ -3,7 +3,8 @@
 Source of each release, in order:
   * ``MEGATRON_LM_DIR`` (a Megatron-LM checkout) for the release it holds;
   * the unmodified archives ``Megatron-LM-<tag>.tar.gz`` in ``MEGATRON_LM_ARCHIVES``,
-    default ``../shared/megatron-lm/`` next to the repository root.
+    default ``shared/megatron-lm/`` next to the repository root or next to its parent
+    (:func:`megatron_mm_balance.testing.megatron_tree.archives_dir`).
 A test that needs a release neither provides is skipped with that reason. Tests never
 touch the cache: they get their own copy, as a plain source tree or as a git checkout
 that carries one local commit on top of the release.
@@ -17,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from megatron_mm_balance.testing import megatron_tree
+
 ROOT = Path(__file__).resolve().parents[2]
 RELEASES = ("core_v0.16.1", "core_v0.17.1", "core_v0.18.2", "core_v0.19.0")
 # The file and line the "local commit" of the git variant changes: a context line of the
@@ -29,7 +32,7 @@ GIT_ENV = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@example.com", "GIT_COM
 
 
 def archives_dir() -> Path:
-    return Path(os.environ.get("MEGATRON_LM_ARCHIVES") or ROOT.parent / "shared" / "megatron-lm")
+    return megatron_tree.archives_dir()
 
 
 def package_version(tree: Path) -> str:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from test_glue_patches import ROOT, run_script
+from test_glue_patches import ROOT
 
 LAUNCH = ROOT / "scripts" / "pretrain_vlm_moe.sh"
 SLURM = ROOT / "scripts" / "slurm_pretrain_vlm_moe.sh"
@@ -118,9 +118,8 @@ print("VALID", args.world_size, args.data_parallel_size, args.expert_model_paral
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: c.stem)
-def test_megatron_accepts_each_config(cfg, tmp_path, mlm_trees):
-    clone = mlm_trees.copy("core_v0.16.1", tmp_path / "Megatron-LM")
-    assert run_script(clone).returncode == 0
+def test_megatron_accepts_each_config(cfg, tmp_path, patched_v16):
+    clone = patched_v16
     r = dry_run(cfg, {"MEGATRON_LM_DIR": str(clone)})
     assert r.returncode == 0, r.stderr
     argv_file = tmp_path / "argv.txt"
@@ -156,12 +155,11 @@ def check_upstream_balancer_lines(stdout, tmp_path):
     assert want in stdout and f"VALID-UPSTREAM {off}" in stdout, stdout[-2000:]
 
 
-def test_megatron_refuses_hybrid_context_parallel_with_mm_balance(tmp_path, mlm_trees):
+def test_megatron_refuses_hybrid_context_parallel_with_mm_balance(tmp_path, patched_v16):
     """Through core_v0.16.1's own parse_args + validate_args (with the settings Megatron's
     validate_args asks of hybrid context parallel): refused with --mm-balance by our one-line
     error, accepted without it."""
-    clone = mlm_trees.copy("core_v0.16.1", tmp_path / "Megatron-LM")
-    assert run_script(clone).returncode == 0
+    clone = patched_v16
     specs = upstream_balancer_specs(clone, sys.executable, tmp_path)
     r = subprocess.run([sys.executable, str(Path(__file__).parent / "release_check.py"), str(clone), str(ROOT),
                         *specs], capture_output=True, text=True, timeout=300, cwd=str(tmp_path),
@@ -170,11 +168,10 @@ def test_megatron_refuses_hybrid_context_parallel_with_mm_balance(tmp_path, mlm_
     check_upstream_balancer_lines(r.stdout, tmp_path)
 
 
-def test_gpu_path_refuses_without_transformer_engine_and_probes_apex(tmp_path, mlm_trees):
+def test_gpu_path_refuses_without_transformer_engine_and_probes_apex(tmp_path, patched_v16):
     """Without the CPU harness (a GPU config) and no transformer-engine, the launcher stops
     before torchrun with one message; an importable apex drops the no-fusion flags."""
-    clone = mlm_trees.copy("core_v0.16.1", tmp_path / "Megatron-LM")
-    assert run_script(clone).returncode == 0
+    clone = patched_v16
     e = {k: v for k, v in os.environ.items() if k not in ("DRY_RUN", "NNODES", "NPROC_PER_NODE")}
     e.update(MEGATRON_LM_DIR=str(clone), DATA_PATH=str(tmp_path), OUTPUT_DIR=str(tmp_path / "run"))
     r = subprocess.run(["bash", str(LAUNCH), "--config", str(ROOT / "configs/megatron/vlm_2b_dense.sh")],

@@ -310,8 +310,8 @@ except Exception as e:
 """
 
 
-def test_patched_megatron_imports_parses_and_validates(clone):
-    assert run_script(clone).returncode == 0
+def test_patched_megatron_imports_parses_and_validates(patched_v16):
+    clone = patched_v16
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(clone), str(ROOT), str(Path(__file__).parent)]))
     r = subprocess.run([sys.executable, "-c", PARSE_CHECK, str(clone)], capture_output=True, text=True,
                        env=env, timeout=300, cwd=str(clone))

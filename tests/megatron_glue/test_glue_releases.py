@@ -11,7 +11,9 @@ and run, in that interpreter, against each release's patched tree (its own
   * the glue's own tests (real gloo processes), which exercise the release's API:
     RerunDataIterator, parallel_state, the micro-batch calculator, the samplers.
 They are skipped, with the reason, only when the environment cannot be built or a
-release's archive is missing. The launcher's release checks run under any Python.
+release's archive is missing. They carry the ``realpath`` marker (about 4.5 minutes on 2
+cores, most of the ``-m "not realpath"`` subset's time before): they run in the whole suite,
+not in the fast subset. The launcher's release checks run under any Python.
 """
 import os
 import subprocess
@@ -93,6 +95,7 @@ def test_launcher_takes_patch_releases_and_forced_lines(mlm_trees, tmp_path):
 
 
 # -- in the Python 3.12 environment ---------------------------------------------------------------
+@pytest.mark.realpath
 @pytest.mark.parametrize("tag", NEWER)
 def test_patched_release_imports_and_validates_every_config(py312, mlm_trees, tmp_path, tag):
     d = patched(mlm_trees, tmp_path, tag)
@@ -121,6 +124,7 @@ GLUE_TESTS = {tag: ["test_glue_units.py", "test_glue_multirank.py"] for tag in N
 GLUE_TESTS["core_v0.19.0"] += ["test_glue_sampler.py", "test_glue_checks.py", "test_glue_arguments.py"]
 
 
+@pytest.mark.realpath
 @pytest.mark.parametrize("tag", NEWER)
 def test_glue_tests_pass_against_the_release(py312, mlm_trees, tmp_path, tag):
     d = patched(mlm_trees, tmp_path, tag)

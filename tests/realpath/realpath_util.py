@@ -6,13 +6,11 @@ nothing imports Megatron-LM into the test process.
 """
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 import signal
 import subprocess
 import sys
-import tarfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,19 +18,15 @@ from typing import Dict, List, Optional
 
 from megatron_mm_balance.bench.runtime import free_port
 from megatron_mm_balance.megatron import logs as megatron_logs
+from megatron_mm_balance.testing import megatron_tree
 
 REPO = Path(__file__).resolve().parents[2]
-TAG = "core_v0.16.1"
+TAG = megatron_tree.DEFAULT_TAG
 #: The release archive: ``shared/megatron-lm/`` beside the clone (CI), or beside its parent.
-def archive(tag: str = TAG) -> Path:
-    """The release archive of ``tag`` (the first candidate location when none exists)."""
-    cands = [d / "shared" / "megatron-lm" / f"Megatron-LM-{tag}.tar.gz" for d in (REPO.parent, REPO.parent.parent)]
-    return next((a for a in cands if a.is_file()), cands[0])
-
-
+archive = megatron_tree.archive
 ARCHIVE = archive(TAG)
 #: Unpacked, patched trees (gitignored; .megatron-lm/ is the glue tests' git checkout).
-CACHE = REPO / ".megatron-lm-cache"
+CACHE = megatron_tree.CACHE
 LAUNCHER = REPO / "scripts" / "pretrain_vlm_moe.sh"
 CONFIG = REPO / "configs" / "megatron" / "tiny_cpu.sh"
 
@@ -43,42 +37,15 @@ MOVED_RE = re.compile(r"^\[mm-balance\] iteration (\d+) \|.*?\bpacks_moved: (\d+
 PREFETCH_RE = re.compile(r"^\[mm-balance\] iteration (\d+) \|.*?\bprefetched: ([0-9.]+)", re.M)
 
 
-def _patches_digest() -> str:
-    h = hashlib.sha256()
-    for p in sorted((REPO / "patches").rglob("*.patch")):
-        h.update(p.name.encode())
-        h.update(p.read_bytes())
-    return h.hexdigest()[:12]
-
-
 def megatron_lm_dir(tag: str = TAG) -> Optional[Path]:
-    """A Megatron-LM core_v0.16.1 tree with ``patches/`` applied, or None if there is none.
+    """A Megatron-LM tree of ``tag`` with ``patches/`` applied, or None if there is none.
 
-    ``MEGATRON_LM_DIR`` when set (used as is: the launcher refuses it if patches are
-    pending); otherwise the release archive beside the repository, unpacked and patched
-    once into ``.megatron-lm-cache/<tag>-<digest of patches/>`` (a changed patch gets a fresh tree).
+    For core_v0.16.1, ``MEGATRON_LM_DIR`` when set (used as is: the launcher refuses it if
+    patches are pending); otherwise the release archive, unpacked and patched once into
+    ``.megatron-lm-cache/<tag>-<digest of patches/>``, the tree the demo uses too
+    (:mod:`megatron_mm_balance.testing.megatron_tree`).
     """
-    env = os.environ.get("MEGATRON_LM_DIR")
-    if env and tag == TAG:
-        return Path(env)
-    src = archive(tag)
-    if not src.is_file():
-        return None
-    dest = CACHE / f"{tag}-{_patches_digest()}"
-    tree = dest / f"Megatron-LM-{tag}"
-    if (dest / ".ready").is_file():
-        return tree
-    tmp = CACHE / f".unpack-{os.getpid()}"
-    subprocess.run(["rm", "-rf", str(tmp)], check=True)
-    tmp.mkdir(parents=True)
-    with tarfile.open(src) as tf:
-        tf.extractall(tmp, filter="data")
-    subprocess.run(["bash", str(REPO / "scripts" / "apply_patches.sh"), str(tmp / f"Megatron-LM-{tag}")],
-                   check=True, timeout=120, stdout=subprocess.DEVNULL)
-    (tmp / ".ready").write_text("patched\n")
-    subprocess.run(["rm", "-rf", str(dest)], check=True)
-    os.replace(tmp, dest)
-    return tree
+    return megatron_tree.user_tree(tag) if tag == TAG else megatron_tree.patched_tree(tag)
 
 
 def make_dataset(out: Path, samples: Optional[int] = 128, seed: Optional[int] = 0,

@@ -63,8 +63,8 @@ from .topology import check_ranks_per_node, node_ids, pair_within_nodes
 from .two_phase import _two_phase_placement, as_cost_pairs
 
 __all__ = ["DEFAULT_BALANCE_TOLERANCE", "SYNC_MODES", "Placement", "PlanStats", "SolverOptions",
-           "as_cost_matrix", "check_placement", "evaluate", "microstep_objective", "order_steps",
-           "plan_placement", "sorted_grouping_optimum", "step_imbalance"]
+           "as_cost_matrix", "check_placement", "control_placement", "evaluate", "microstep_objective", "order_steps",
+           "plan_placement", "reordered_packs", "sorted_grouping_optimum", "step_imbalance"]
 
 SYNC_MODES = ("microstep", "step")
 #: The one default of ``balance_tolerance`` (the runtime, the Megatron flags and the
@@ -154,6 +154,30 @@ class Placement:
     def identity(num_ranks: int, num_steps: int) -> "Placement":
         r, m = np.meshgrid(np.arange(num_ranks), np.arange(num_steps), indexing="ij")
         return Placement(r.astype(np.int64), m.astype(np.int64))
+
+
+def control_placement(solved: Placement) -> Placement:
+    """The control of ``solved``: every rank keeps exactly its own packs, in the micro-step
+    order balancing gives them.
+
+    Rank ``r``'s pack ``i`` is computed, in ``solved``, at some micro-step ``s(r, i)`` (on
+    whichever rank); the control delivers rank ``r``'s own packs sorted by ``(s(r, i), i)``.
+    Nothing crosses ranks, yet which packs meet at a micro-step changes about as much as
+    balancing changes it, so a run in this order shows the arithmetic-order band of a job
+    (the loss differences that only summation order makes) against which balancing's own
+    difference is judged. A pure function of ``solved``: identical on every rank.
+    """
+    D, G = solved.shape
+    step_of = np.empty((D, G), dtype=np.int64)
+    step_of[solved.src_rank, solved.src_index] = np.arange(G)[None, :]
+    order = np.lexsort((np.broadcast_to(np.arange(G), (D, G)), step_of), axis=1)
+    return Placement(np.repeat(np.arange(D, dtype=np.int64)[:, None], G, axis=1),
+                     order.astype(np.int64))
+
+
+def reordered_packs(placement: Placement) -> int:
+    """Slots that compute a pack at another micro-step than the one it was drawn for."""
+    return int((placement.src_index != np.arange(placement.shape[1])[None, :]).sum())
 
 
 def as_cost_matrix(costs) -> np.ndarray:

@@ -306,6 +306,17 @@ def _compare_with_control(args, off, on, columns) -> int:
     return 1 if cmp.verdict == band.DIFFERENT else 0
 
 
+def cmd_compare_checkpoints(args) -> int:
+    from .megatron import checkpoints
+    cmp = checkpoints.compare_checkpoints(args.a, args.b)
+    if args.json:
+        print(json.dumps({"identical": cmp.identical, "same": len(cmp.same), "different": cmp.different,
+                          "only_a": cmp.only_a, "only_b": cmp.only_b}))
+    else:
+        print(cmp.summary())
+    return 0 if cmp.identical else 1
+
+
 # ---------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
@@ -375,6 +386,13 @@ def build_parser() -> argparse.ArgumentParser:
                     "iteration, undone) or 'bridge' (Megatron-Bridge: every line as printed)")
     cl.add_argument("--json", action="store_true", help="print one JSON object")
     cl.set_defaults(func=cmd_compare_logs)
+
+    cc = sub.add_parser("compare-checkpoints", help="compare two torch_dist checkpoints bit for bit "
+                        "(every tensor's SHA-256); exit 0 if identical")
+    cc.add_argument("a", metavar="A", help="a checkpoint directory (iter_NNNNNNN) or save directory")
+    cc.add_argument("b", metavar="B", help="the other checkpoint")
+    cc.add_argument("--json", action="store_true", help="print one JSON object")
+    cc.set_defaults(func=cmd_compare_checkpoints)
 
     for name in EXTENSIONS:
         try:

@@ -27,17 +27,21 @@ LAYOUTS = {
     "dp4": dict(nproc_per_node=4, ep=1, iters=3),
     "dp2_ep2_fp32": dict(nproc_per_node=4, ep=2, iters=ITERS, precision="fp32"),   # DP=4 = expert DP=2 x EP=2
 }
+#: bf16 under expert parallelism: judged against the control run's band, not a fixed tolerance
+BAND_LAYOUT = dict(nproc_per_node=4, ep=2, iters=4)
 
 
 @pytest.fixture(scope="module")
 def runner(bridge_python, bridge_trees, bridge_dataset, bridge_runs_dir):
+    """``runner(name, layout, mm_balance, extra=(), output=None, data=None)`` -> :class:`bu.Run`,
+    cached by name; ``layout`` names a LAYOUTS entry or is a dict of its own."""
     cache = {}
 
-    def go(name, layout, mm_balance, extra=(), output=None):
+    def go(name, layout, mm_balance, extra=(), output=None, data=None):
         if name not in cache:
-            lay = dict(LAYOUTS[layout])
+            lay = dict(LAYOUTS[layout] if isinstance(layout, str) else layout)
             iters = lay.pop("iters")
-            env = bu.launcher_env(bridge_trees, bridge_dataset, bridge_python, mm_balance=mm_balance,
+            env = bu.launcher_env(bridge_trees, data or bridge_dataset, bridge_python, mm_balance=mm_balance,
                                   output_dir=output or bridge_runs_dir / name, train_iters=iters, **lay)
             cache[name] = bu.run(env, list(extra), log_path=bridge_runs_dir / f"{name}.log")
         return cache[name]
@@ -67,6 +71,33 @@ def test_off_on_equal(runner, layout, bridge_runs_dir):
     assert list((bridge_runs_dir / f"{layout}-on" / "tensorboard").glob("*.mm_balance")), "no mm-balance events"
     later = [on.stat("prefetched")[i] for i in sorted(on.stat("prefetched"))[1:]]
     assert later and all(v == 1.0 for v in later), f"global batches not prefetched: {on.stat('prefetched')}"
+
+
+def test_fp32_off_on_checkpoints_bit_identical(runner):
+    """fp32 DP=2 x EP=2 (the off-vs-on layout test's runs): balancing on and off end with
+    bit-identical torch_dist checkpoints, every parameter and optimizer tensor
+    (``mm-balance compare-checkpoints``), not only the same 7 printed digits."""
+    from megatron_mm_balance.megatron.checkpoints import compare_checkpoints
+    off, on = runner("dp2_ep2_fp32-off", "dp2_ep2_fp32", False), runner("dp2_ep2_fp32-on", "dp2_ep2_fp32", True)
+    assert off.rc == 0 and on.rc == 0, on.tail()
+    cmp = compare_checkpoints(str(off.output_dir / "checkpoints"), str(on.output_dir / "checkpoints"))
+    print(f"\nfp32 dp2_ep2 final checkpoints, off vs on: {cmp.summary()}")
+    assert cmp.identical, cmp.summary()
+
+
+@pytest.mark.parametrize("which", ["default", "heldout"])
+def test_bf16_expert_parallel_off_on_within_the_control_band(runner, request, which):
+    """bf16 DP=2 x EP=2, 4 iterations: off, on and control (``mm_balance.mode=control``:
+    every rank its own micro-batches, reordered across micro-steps in balancing's order).
+    ``mm-balance compare-logs --format bridge OFF ON --control CONTROL`` is not DIFFERENT and
+    the control moved nothing. ``default``: the session's data set; ``heldout``: 192 samples,
+    seed 7."""
+    data = request.getfixturevalue("bridge_dataset" if which == "default" else "bridge_heldout_dataset")
+    name = f"band-{which}"
+    off = runner(f"{name}-off", BAND_LAYOUT, False, data=data)
+    on = runner(f"{name}-on", BAND_LAYOUT, True, data=data)
+    ctl = runner(f"{name}-control", BAND_LAYOUT, True, extra=["mm_balance.mode=control"], data=data)
+    bu.check_band(off, on, ctl, f"Bridge bf16 dp2_ep2, {which} data set")
 
 
 def test_shadow_moves_nothing_trains_as_off(runner):

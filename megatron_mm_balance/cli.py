@@ -308,9 +308,11 @@ def _compare_with_control(args, off, on, columns) -> int:
 
 def cmd_compare_checkpoints(args) -> int:
     from .megatron import checkpoints
-    cmp = checkpoints.compare_checkpoints(args.a, args.b)
+    cmp = checkpoints.compare_checkpoints(args.a, args.b, everything=args.optimizer)
     if args.json:
         print(json.dumps({"identical": cmp.identical, "same": len(cmp.same), "different": cmp.different,
+                          "max_relative_difference": cmp.max_relative_difference,
+                          "norm_relative_difference": cmp.norm_relative_difference,
                           "only_a": cmp.only_a, "only_b": cmp.only_b}))
     else:
         print(cmp.summary())
@@ -391,6 +393,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(every tensor's SHA-256); exit 0 if identical")
     cc.add_argument("a", metavar="A", help="a checkpoint directory (iter_NNNNNNN) or save directory")
     cc.add_argument("b", metavar="B", help="the other checkpoint")
+    cc.add_argument("--optimizer", action="store_true", help="also compare the optimizer's tensors "
+                    "(the distributed optimizer's flat buckets save their padding as uninitialised memory)")
     cc.add_argument("--json", action="store_true", help="print one JSON object")
     cc.set_defaults(func=cmd_compare_checkpoints)
 

@@ -161,10 +161,10 @@ def compare_logs(off: Run, on: Run, control: Run) -> subprocess.CompletedProcess
                           capture_output=True, text=True, timeout=120, env=env)
 
 
-def check_band(off: Run, on: Run, control: Run, label: str) -> str:
+def check_band(off: Run, on: Run, control: Run, label: str, verdict: Optional[str] = None) -> str:
     """Off, on and control (``mm_balance.mode=control``): all exit 0, every control line a
     control one that moved and sent nothing and some reordered, and compare-logs' verdict
-    against the control's band is not DIFFERENT. Returns its report."""
+    against the control's band is not DIFFERENT (``verdict``: is that one). Returns its report."""
     for name, r in (("off", off), ("on", on), ("control", control)):
         assert r.rc == 0, f"{label} {name}: exit {r.rc}\n{r.tail()}"
     assert control.telemetry and sorted(control.stat("control")) == sorted(control.telemetry), control.tail()
@@ -176,6 +176,7 @@ def check_band(off: Run, on: Run, control: Run, label: str) -> str:
     report = res.stdout + res.stderr
     print(f"\n{label}: off/on/control wall {off.wall_s:.0f}/{on.wall_s:.0f}/{control.wall_s:.0f} s\n{report}")
     assert res.returncode == 0 and not report.strip().endswith("DIFFERENT"), report
+    assert verdict is None or report.strip().endswith(f": {verdict}"), report
     return report
 
 

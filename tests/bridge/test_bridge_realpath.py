@@ -73,16 +73,29 @@ def test_off_on_equal(runner, layout, bridge_runs_dir):
     assert later and all(v == 1.0 for v in later), f"global batches not prefetched: {on.stat('prefetched')}"
 
 
-def test_fp32_off_on_checkpoints_bit_identical(runner):
-    """fp32 DP=2 x EP=2 (the off-vs-on layout test's runs): balancing on and off end with
-    bit-identical torch_dist checkpoints, every parameter and optimizer tensor
-    (``mm-balance compare-checkpoints``), not only the same 7 printed digits."""
+#: the least checkpoint band (||control - off|| / ||off||): a tenth of fp32's epsilon
+FP32_CHECKPOINT_FLOOR = 1e-8
+
+
+def test_fp32_off_on_checkpoints_within_the_control_band(runner):
+    """fp32 DP=2 x EP=2 (the layout test's off and on runs, and a control run): compare-logs
+    says EQUAL (every printed loss identical), and on the bits of the final torch_dist
+    checkpoints (``mm-balance compare-checkpoints``, every model tensor) balancing is within
+    the control's band. Not bit-identical: under expert parallelism an expert's weight
+    gradient sums the tokens that met there in another order, which fp32 rounds too."""
+    from megatron_mm_balance.megatron.band import DEFAULT_K
     from megatron_mm_balance.megatron.checkpoints import compare_checkpoints
     off, on = runner("dp2_ep2_fp32-off", "dp2_ep2_fp32", False), runner("dp2_ep2_fp32-on", "dp2_ep2_fp32", True)
-    assert off.rc == 0 and on.rc == 0, on.tail()
-    cmp = compare_checkpoints(str(off.output_dir / "checkpoints"), str(on.output_dir / "checkpoints"))
-    print(f"\nfp32 dp2_ep2 final checkpoints, off vs on: {cmp.summary()}")
-    assert cmp.identical, cmp.summary()
+    ctl = runner("dp2_ep2_fp32-control", "dp2_ep2_fp32", True, extra=["mm_balance.mode=control"])
+    bu.check_band(off, on, ctl, "Bridge fp32 dp2_ep2", verdict="EQUAL")
+    ckpt = {name: str(r.output_dir / "checkpoints") for name, r in (("off", off), ("on", on), ("control", ctl))}
+    on_off = compare_checkpoints(ckpt["off"], ckpt["on"])
+    ctl_off = compare_checkpoints(ckpt["off"], ckpt["control"])
+    print(f"\nfp32 final checkpoints (model tensors): on vs off {on_off.summary()}\n"
+          f"control vs off {ctl_off.summary()}")
+    assert on_off.same and not (on_off.only_a or on_off.only_b), on_off.summary()
+    band = max(ctl_off.norm_relative_difference, FP32_CHECKPOINT_FLOOR)
+    assert on_off.norm_relative_difference <= DEFAULT_K * band, (on_off.summary(), ctl_off.summary())
 
 
 @pytest.mark.parametrize("which", ["default", "heldout"])

@@ -37,11 +37,13 @@ def _cli(*argv):
 def test_identical_checkpoints_compare_identical(tmp_path):
     a, b = _save(tmp_path / "a", _state()), _save(tmp_path / "b", _state())
     cmp = checkpoints.compare_checkpoints(str(tmp_path / "a"), str(b))   # save dir or iter dir
-    assert cmp.identical and len(cmp.same) == 5 and cmp.summary().endswith("IDENTICAL")
+    assert cmp.identical and len(cmp.same) == 4 and cmp.summary().endswith("IDENTICAL")   # the model's
+    assert len(checkpoints.compare_checkpoints(str(a), str(b), everything=True).same) == 5  # + optimizer
     loaded = checkpoints.load_tensors(str(a))
     assert torch.equal(loaded["decoder.weight"], _state()["decoder.weight"])
     r = _cli(tmp_path / "a", tmp_path / "b")
-    assert r.returncode == 0 and "5 tensors bit-identical" in r.stdout, r.stdout + r.stderr
+    assert r.returncode == 0 and "4 tensors bit-identical" in r.stdout, r.stdout + r.stderr
+    assert "5 tensors bit-identical" in _cli(tmp_path / "a", tmp_path / "b", "--optimizer").stdout
 
 
 def test_one_ulp_is_a_difference(tmp_path):
@@ -52,9 +54,17 @@ def test_one_ulp_is_a_difference(tmp_path):
     _save(tmp_path / "a", _state())
     _save(tmp_path / "b", other)
     cmp = checkpoints.compare_checkpoints(str(tmp_path / "a"), str(tmp_path / "b"))
-    assert not cmp.identical and cmp.different == ["decoder.weight"] and len(cmp.same) == 4
+    assert not cmp.identical and list(cmp.different) == ["decoder.weight"] and len(cmp.same) == 3
+    ulp = (w[3, 1] - _state()["decoder.weight"][3, 1]).abs().item() / _state()["decoder.weight"].abs().max().item()
+    assert cmp.max_relative_difference == pytest.approx(ulp) and 0 < ulp < 1e-6
+    ref = _state()
+    norm = sum(float(ref[k].double().pow(2).sum()) for k in ("decoder.weight", "decoder.bias")) ** 0.5
+    step = (w[3, 1].double() - ref["decoder.weight"][3, 1].double()).abs().item()
+    assert cmp.norm_relative_difference == pytest.approx(step / norm)
     r = _cli(tmp_path / "a", tmp_path / "b", "--json")
-    assert r.returncode == 1 and json.loads(r.stdout)["different"] == ["decoder.weight"]
+    out = json.loads(r.stdout)
+    assert r.returncode == 1 and list(out["different"]) == ["decoder.weight"]
+    assert out["norm_relative_difference"] == pytest.approx(cmp.norm_relative_difference)
 
 
 def test_missing_tensor_and_bad_paths(tmp_path):

@@ -33,8 +33,12 @@ def test_control_keeps_each_rank_its_own_packs_in_balanced_step_order(shape, see
     assert not control.moved().any()                                 # nothing crosses ranks
     for r in range(D):
         assert sorted(control.src_index[r]) == list(range(G))
-        steps = [_balanced_step(solved, r, int(i)) for i in control.src_index[r]]
-        assert steps == sorted(steps)                                # balancing's order
+        # balancing's micro-step order of the rank's own packs, rotated by the rank's index
+        unrotated = np.roll(control.src_index[r], r % G)
+        steps = [_balanced_step(solved, r, int(i)) for i in unrotated]
+        assert steps == sorted(steps)
+        ties = [int(i) for i in unrotated]
+        assert all(ties[m] < ties[m + 1] for m in range(G - 1) if steps[m] == steps[m + 1])
     again = control_placement(plan_placement(costs.copy()))
     assert np.array_equal(again.src_index, control.src_index)        # deterministic
     stats = PlanStats.of(costs, control)
@@ -49,9 +53,13 @@ def test_control_reorders_when_balancing_regroups():
     assert reordered_packs(Placement.identity(2, 6)) == 0
 
 
-def test_control_of_the_identity_is_the_identity():
-    ident = Placement.identity(3, 4)
-    assert np.array_equal(control_placement(ident).src_index, ident.src_index)
+def test_control_of_the_identity_rotates_each_rank_by_its_index():
+    """Even where balancing keeps every pack in place, the ranks meet other partners at every
+    micro-step: rank r trains its packs r, r+1, ... (mod G)."""
+    control = control_placement(Placement.identity(3, 4))
+    assert control.src_index.tolist() == [[0, 1, 2, 3], [1, 2, 3, 0], [2, 3, 0, 1]]
+    assert not control.moved().any() and reordered_packs(control) == 8
+    assert control_placement(Placement.identity(2, 1)).src_index.tolist() == [[0], [0]]    # G = 1
 
 
 @pytest.mark.parametrize("overlap", [True, False])

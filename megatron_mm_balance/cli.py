@@ -289,20 +289,23 @@ def _compare_with_control(args, off, on, columns) -> int:
         raise CliError(f"--band-k must be >= 1, got {args.band_k}")
     if not args.band_floor >= 0:
         raise CliError(f"--band-floor must be >= 0, got {args.band_floor}")
-    paths = args.control.split(",")
-    control_run = band.check_control_log(logs.read_texts(paths), args.control)
-    control = logs.read_log_files(paths, args.format)
-    cmp = band.compare_with_control(off, on, control, columns, k=args.band_k, floor=args.band_floor)
+    runs, controls = [], []
+    for name in args.control:
+        paths = name.split(",")
+        runs.append(band.check_control_log(logs.read_texts(paths), name))
+        controls.append(logs.read_log_files(paths, args.format))
+    cmp = band.compare_with_control(off, on, controls, columns, k=args.band_k, floor=args.band_floor)
     if args.json:
         print(json.dumps({
             "verdict": cmp.verdict, "k": cmp.k, "floor": cmp.floor, "columns": cmp.columns,
-            "control": {"telemetry_lines": control_run.lines, "packs_reordered": control_run.packs_reordered},
+            "controls": [{"log": name, "telemetry_lines": run.lines, "packs_reordered": run.packs_reordered}
+                         for name, run in zip(args.control, runs)],
             "rows": [{"iteration": label, **{c: {"off": x.off, "on": x.on, "control": x.control,
                                                   "on_diff": x.on_diff, "band": x.band, "verdict": x.verdict}
                                               for c, x in row.items()}} for label, row in cmp.rows],
             "missing": cmp.missing}))
     else:
-        print(band.band_report((args.a, args.b, args.control), cmp, control_run))
+        print(band.band_report((args.a, args.b, args.control), cmp, runs))
     return 1 if cmp.verdict == band.DIFFERENT else 0
 
 
@@ -374,10 +377,11 @@ def build_parser() -> argparse.ArgumentParser:
                     "(default 1e-5)")
     cl.add_argument("--columns", default=None, help="comma-separated columns to compare (default: every "
                     "loss column both logs print), e.g. 'lm loss,grad norm'")
-    cl.add_argument("--control", metavar="CONTROL.log", default=None, help="a control run's log "
-                    "(--mm-balance-mode control / mm_balance.mode=control; FILE[,FILE...]): judge B "
-                    "(balancing on) against A (off) within the control's arithmetic-order band; "
-                    "verdict EQUAL, WITHIN BAND or DIFFERENT (exit 1); --rtol is then not used")
+    cl.add_argument("--control", metavar="CONTROL.log", action="append", default=None, help="a control "
+                    "run's log (--mm-balance-mode control / mm_balance.mode=control; FILE[,FILE...]; "
+                    "repeat for several controls: the band is the widest): judge B (balancing on) "
+                    "against A (off) within the control's arithmetic-order band; verdict EQUAL, "
+                    "WITHIN BAND or DIFFERENT (exit 1); --rtol is then not used")
     from .megatron.band import DEFAULT_FLOOR, DEFAULT_K
     cl.add_argument("--band-k", type=float, default=DEFAULT_K, help="with --control: B may differ from A "
                     "by this many times the band (default %(default)s)")

@@ -133,33 +133,39 @@ def judge(on_diff: float, band: float, k: float, floor: float, identical: bool) 
     return WITHIN_BAND if on_diff <= k * max(band, floor) else DIFFERENT
 
 
-def compare_with_control(off: TrainingLog, on: TrainingLog, control: TrainingLog,
-                         columns: Optional[Sequence[str]] = None, *, k: float = DEFAULT_K,
-                         floor: float = DEFAULT_FLOOR) -> BandComparison:
-    """On vs off against control vs off over the spans all three runs logged: ``columns``,
-    or every loss column the three logs print."""
+def compare_with_control(off: TrainingLog, on: TrainingLog, control, columns: Optional[Sequence[str]] = None,
+                         *, k: float = DEFAULT_K, floor: float = DEFAULT_FLOOR) -> BandComparison:
+    """On vs off against control vs off over the spans all runs logged: ``columns``, or
+    every loss column they all print. ``control``: one control run's log, or several (the
+    band is then the largest of their differences: more controls, fewer false alarms)."""
+    controls = list(control) if isinstance(control, (list, tuple)) else [control]
+    if not controls:
+        raise ValueError("at least one control log is needed")
     if not k >= 1:
         raise ValueError(f"k must be >= 1, got {k}")
     if not floor >= 0:
         raise ValueError(f"floor must be >= 0, got {floor}")
     if columns is None:
-        common = set(on.columns()) & set(control.columns())
+        common = set(on.columns()).intersection(*(c.columns() for c in controls))
         columns = [c for c in off.columns() if is_loss_column(c) and c in common]
-    r_off, r_on, r_ctl = off.by_range(), on.by_range(), control.by_range()
-    keys = sorted(set(r_off) & set(r_on) & set(r_ctl))
-    missing = [r_off.get(key, r_on.get(key, r_ctl.get(key))).label
-               for key in sorted((set(r_off) | set(r_on) | set(r_ctl)) - set(keys))]
+    r_off, r_on = off.by_range(), on.by_range()
+    r_ctls = [c.by_range() for c in controls]
+    keys = sorted(set(r_off) & set(r_on) & set.intersection(*(set(r) for r in r_ctls)))
+    every = [r_off, r_on, *r_ctls]
+    missing = [next(r[key] for r in every if key in r).label
+               for key in sorted(set().union(*(set(r) for r in every)) - set(keys))]
     band = {c: 0.0 for c in columns}
     rows = []
     for key in keys:
         row = {}
         for c in columns:
-            vals = [r[key].values.get(c) for r in (r_off, r_on, r_ctl)]
+            vals = [r[key].values.get(c) for r in every]
             if any(v is None for v in vals):
                 missing.append(f"{r_off[key].label} ({c})")
                 continue
-            v_off, v_on, v_ctl = vals
-            band[c] = max(band[c], relative_difference(v_ctl, v_off))
+            v_off, v_on, *v_ctls = vals
+            band[c] = max(band[c], *(relative_difference(v, v_off) for v in v_ctls))
+            v_ctl = max(v_ctls, key=lambda v: relative_difference(v, v_off))
             on_diff = relative_difference(v_on, v_off)
             row[c] = BandCell(v_off, v_on, v_ctl, on_diff, band[c],
                               judge(on_diff, band[c], k, floor, v_on == v_off))
@@ -168,12 +174,15 @@ def compare_with_control(off: TrainingLog, on: TrainingLog, control: TrainingLog
     return BandComparison(list(columns), rows, float(k), float(floor), missing)
 
 
-def band_report(names: Tuple[str, str, str], cmp: BandComparison, control_run: ControlRun) -> str:
-    """The text ``mm-balance compare-logs OFF ON --control CONTROL`` prints."""
-    off_name, on_name, ctl_name = names
-    out = [f"off: {off_name}", f"on: {on_name}",
-           f"control: {ctl_name} ({control_run.lines} telemetry lines, control mode, no pack moved "
-           f"across ranks, {control_run.packs_reordered:g} reordered)",
+def band_report(names: Tuple[str, str, Sequence[str]], cmp: BandComparison,
+                control_runs: Sequence[ControlRun]) -> str:
+    """The text ``mm-balance compare-logs OFF ON --control CONTROL [--control ...]`` prints
+    (the control column: the control farthest from off at that span)."""
+    off_name, on_name, ctl_names = names
+    out = [f"off: {off_name}", f"on: {on_name}"]
+    out += [f"control: {name} ({run.lines} telemetry lines, control mode, no pack moved across ranks, "
+            f"{run.packs_reordered:g} reordered)" for name, run in zip(ctl_names, control_runs)]
+    out += [
            f"rule: EQUAL if on and off print the same value; WITHIN BAND if |on-off|/|off| <= "
            f"{cmp.k:g} x max(band, {cmp.floor:.0e}), band = largest |control-off|/|off| so far; "
            "else DIFFERENT"]

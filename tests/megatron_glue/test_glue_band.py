@@ -80,7 +80,18 @@ def test_cli_equal_within_band_and_different(tmp_path):
     out = json.loads(r.stdout)
     assert out["verdict"] == "DIFFERENT" and out["k"] == band.DEFAULT_K
     assert [row["iteration"] for row in out["rows"]] == ["1", "2", "3", "4", "5", "6"]
-    assert out["rows"][4]["lm loss"]["verdict"] == "DIFFERENT" and out["control"]["packs_reordered"] == 36
+    assert out["rows"][4]["lm loss"]["verdict"] == "DIFFERENT" and out["controls"][0]["packs_reordered"] == 36
+
+
+def test_several_controls_widen_the_band(tmp_path):
+    """With a second control that drifted further, the band is the widest of the two."""
+    off, on, ctl = _write(tmp_path, on_rel={i: 8e-6 * i for i in ITERS})
+    assert _cli(off, on, "--control", ctl).returncode == 1            # 8e-6 i > 4 x 2e-6 i
+    wide = tmp_path / "control2.log"
+    wide.write_text(megatron_log(_perturbed({i: -3e-6 * i for i in ITERS}), 1, 6) + _telemetry())
+    r = _cli(off, on, "--control", ctl, "--control", wide)
+    assert r.returncode == 0 and r.stdout.strip().endswith(": WITHIN BAND"), r.stdout + r.stderr
+    assert r.stdout.count("control: ") == 2
 
 
 def test_second_line_averaging_is_undone_for_all_three(tmp_path):

@@ -5,7 +5,10 @@ over gloo through the CPU harness, with the Bridge environment of ``scripts/setu
 (built here when missing) and Megatron-Bridge v0.6.0 + its pinned Megatron-LM from the archives,
 patched with ``patches/megatron-bridge-v0.6.0/``. Off vs on equal per iteration in two layouts
 (DP=2 x EP=2 MoE, 4 ranks, microstep sync; DP=2, 2 ranks, step sync), packs moved, exit 0;
-resume equals the uninterrupted run; shadow mode moves nothing and trains exactly as off.
+resume equals the uninterrupted run; shadow mode moves nothing and trains exactly as off;
+bf16 under expert parallelism is judged against a control run (``mm_balance.mode=control``)
+by ``mm-balance compare-logs --control``, on two data sets, and fp32's final checkpoints
+against the control's on their bits (``mm-balance compare-checkpoints``).
 Slow: ``python -m pytest tests/bridge -m realpath``.
 """
 from __future__ import annotations

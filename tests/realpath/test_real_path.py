@@ -4,7 +4,9 @@ Each test launches the patched Megatron-LM ``examples/multimodal/train.py`` (its
 ``pretrain()``) on 4 CPU ranks over gloo, as a user would, with ``MM_BALANCE=0`` and
 ``MM_BALANCE=1``, and reads Megatron's own iteration lines (``lm loss``), our
 telemetry (``packs_moved``) and the samples every rank consumed per iteration
-(``--mm-balance-record-samples``). Runs are shared between tests through module-scoped
+(``--mm-balance-record-samples``); bf16 DP=2 x EP=2 off vs on is also judged against a
+control run (``--mm-balance-mode control``) by ``mm-balance compare-logs --control``, on the
+session's and a held-out data set. Runs are shared between tests through module-scoped
 fixtures (the 6-iteration DP=2 x EP=2 runs serve the layout test, the off/on sample test
 and one resume configuration). Slow: ``python -m pytest tests/realpath -m realpath``.
 """

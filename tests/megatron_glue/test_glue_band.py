@@ -76,6 +76,7 @@ def test_cli_equal_within_band_and_different(tmp_path):
     assert r.returncode == 1 and r.stdout.strip().endswith(": DIFFERENT"), r.stdout + r.stderr
     assert "| DIFFERENT" in r.stdout                                       # the span is named
     assert _cli(off, on, "--control", ctl, "--band-k", "200").returncode == 0
+    assert _cli(off, on, "--control", ctl, "--band-k", "1").returncode == 1
     r = _cli(off, on, "--control", ctl, "--json")
     out = json.loads(r.stdout)
     assert out["verdict"] == "DIFFERENT" and out["k"] == band.DEFAULT_K
@@ -85,10 +86,10 @@ def test_cli_equal_within_band_and_different(tmp_path):
 
 def test_several_controls_widen_the_band(tmp_path):
     """With a second control that drifted further, the band is the widest of the two."""
-    off, on, ctl = _write(tmp_path, on_rel={i: 8e-6 * i for i in ITERS})
-    assert _cli(off, on, "--control", ctl).returncode == 1            # 8e-6 i > 4 x 2e-6 i
+    off, on, ctl = _write(tmp_path, on_rel={i: 20e-6 * i for i in ITERS})
+    assert _cli(off, on, "--control", ctl).returncode == 1            # 20e-6 i > 8 x 2e-6 i
     wide = tmp_path / "control2.log"
-    wide.write_text(megatron_log(_perturbed({i: -3e-6 * i for i in ITERS}), 1, 6) + _telemetry())
+    wide.write_text(megatron_log(_perturbed({i: -3e-6 * i for i in ITERS}), 1, 6) + _telemetry())  # 20/3 < 8
     r = _cli(off, on, "--control", ctl, "--control", wide)
     assert r.returncode == 0 and r.stdout.strip().endswith(": WITHIN BAND"), r.stdout + r.stderr
     assert r.stdout.count("control: ") == 2

@@ -299,13 +299,15 @@ def cmd_compare_logs(args) -> int:
     if not args.rtol >= 0:
         raise CliError(f"--rtol must be >= 0, got {args.rtol}")
     columns = [c.strip() for c in args.columns.split(",") if c.strip()] if args.columns else None
-    a = logs.read_log_files(args.a.split(","))
-    b = logs.read_log_files(args.b.split(","))
+    a = logs.read_log_files(args.a.split(","), args.format)
+    b = logs.read_log_files(args.b.split(","), args.format)
     if columns:
         unknown = [c for c in columns if c not in a.columns() and c not in b.columns()]
         if unknown:
             raise CliError(f"--columns: neither log has {', '.join(map(repr, unknown))} "
                            f"(columns: {', '.join(a.columns())})")
+    if args.control:
+        return _compare_with_control(args, a, b, columns)
     cmp = logs.compare(a, b, columns, rtol=args.rtol)
     if args.json:
         print(json.dumps({"equal": cmp.equal, "max_relative_difference": cmp.max_rel, "rtol": cmp.rtol,
@@ -316,6 +318,46 @@ def cmd_compare_logs(args) -> int:
     else:
         print(logs.report(args.a, a, args.b, b, cmp))
     return 0 if cmp.equal else 1
+
+
+def _compare_with_control(args, off, on, columns) -> int:
+    """``compare-logs OFF ON --control CONTROL``: on vs off against the control's band."""
+    from .megatron import band, logs
+    if not args.band_k >= 1:
+        raise CliError(f"--band-k must be >= 1, got {args.band_k}")
+    if not args.band_floor >= 0:
+        raise CliError(f"--band-floor must be >= 0, got {args.band_floor}")
+    runs, controls = [], []
+    for name in args.control:
+        paths = name.split(",")
+        runs.append(band.check_control_log(logs.read_texts(paths), name))
+        controls.append(logs.read_log_files(paths, args.format))
+    cmp = band.compare_with_control(off, on, controls, columns, k=args.band_k, floor=args.band_floor)
+    if args.json:
+        print(json.dumps({
+            "verdict": cmp.verdict, "k": cmp.k, "floor": cmp.floor, "columns": cmp.columns,
+            "controls": [{"log": name, "telemetry_lines": run.lines, "packs_reordered": run.packs_reordered}
+                         for name, run in zip(args.control, runs)],
+            "rows": [{"iteration": label, **{c: {"off": x.off, "on": x.on, "control": x.control,
+                                                  "on_diff": x.on_diff, "band": x.band, "verdict": x.verdict}
+                                              for c, x in row.items()}} for label, row in cmp.rows],
+            "missing": cmp.missing}))
+    else:
+        print(band.band_report((args.a, args.b, args.control), cmp, runs))
+    return 1 if cmp.verdict == band.DIFFERENT else 0
+
+
+def cmd_compare_checkpoints(args) -> int:
+    from .megatron import checkpoints
+    cmp = checkpoints.compare_checkpoints(args.a, args.b, everything=args.optimizer)
+    if args.json:
+        print(json.dumps({"identical": cmp.identical, "same": len(cmp.same), "different": cmp.different,
+                          "max_relative_difference": cmp.max_relative_difference,
+                          "norm_relative_difference": cmp.norm_relative_difference,
+                          "only_a": cmp.only_a, "only_b": cmp.only_b}))
+    else:
+        print(cmp.summary())
+    return 0 if cmp.identical else 1
 
 
 # ---------------------------------------------------------------------------
@@ -381,8 +423,30 @@ def build_parser() -> argparse.ArgumentParser:
                     "(default 1e-5)")
     cl.add_argument("--columns", default=None, help="comma-separated columns to compare (default: every "
                     "loss column both logs print), e.g. 'lm loss,grad norm'")
+    cl.add_argument("--control", metavar="CONTROL.log", action="append", default=None, help="a control "
+                    "run's log (--mm-balance-mode control / mm_balance.mode=control; FILE[,FILE...]; "
+                    "repeat for several controls: the band is the widest): judge B (balancing on) "
+                    "against A (off) within the control's arithmetic-order band; verdict EQUAL, "
+                    "WITHIN BAND or DIFFERENT (exit 1); --rtol is then not used")
+    from .megatron.band import DEFAULT_FLOOR, DEFAULT_K
+    cl.add_argument("--band-k", type=float, default=DEFAULT_K, help="with --control: B may differ from A "
+                    "by this many times the band (default %(default)s)")
+    cl.add_argument("--band-floor", type=float, default=DEFAULT_FLOOR, help="with --control: the least band, a "
+                    "relative difference (default %(default)s)")
+    cl.add_argument("--format", choices=("megatron", "bridge"), default="megatron", help="whose training "
+                    "log: 'megatron' (Megatron-LM: a job's second line also averages its first "
+                    "iteration, undone) or 'bridge' (Megatron-Bridge: every line as printed)")
     cl.add_argument("--json", action="store_true", help="print one JSON object")
     cl.set_defaults(func=cmd_compare_logs)
+
+    cc = sub.add_parser("compare-checkpoints", help="compare two torch_dist checkpoints bit for bit "
+                        "(every tensor's SHA-256); exit 0 if identical")
+    cc.add_argument("a", metavar="A", help="a checkpoint directory (iter_NNNNNNN) or save directory")
+    cc.add_argument("b", metavar="B", help="the other checkpoint")
+    cc.add_argument("--optimizer", action="store_true", help="also compare the optimizer's tensors "
+                    "(the distributed optimizer's flat buckets save their padding as uninitialised memory)")
+    cc.add_argument("--json", action="store_true", help="print one JSON object")
+    cc.set_defaults(func=cmd_compare_checkpoints)
 
     for name in EXTENSIONS:
         try:

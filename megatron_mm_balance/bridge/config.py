@@ -32,7 +32,10 @@ class MMBalanceBridgeConfig:
     #: balance every global batch's micro-batches across data-parallel ranks
     enabled: bool = False
     #: ``auto``/``exchange``: move micro-batches; ``shadow``: gather costs, solve, log the
-    #: predicted gain, move nothing (sampler mode needs Megatron-LM's sampler: refused)
+    #: predicted gain, move nothing; ``control``: every rank keeps its own micro-batches,
+    #: reordered across micro-steps in balancing's order (the arithmetic-order band of
+    #: ``mm-balance compare-logs --control``; docs/bridge.md). Sampler mode needs
+    #: Megatron-LM's sampler: refused
     mode: str = "auto"
     #: ``auto`` (microstep under expert parallel, else step), ``microstep``, ``step``
     sync: str = "auto"
@@ -65,7 +68,7 @@ def as_args(mm: MMBalanceBridgeConfig, cfg, *, train_state=None) -> types.Simple
     if mm.mode == "sampler":
         from ..megatron.checks import MMBalanceConfigError
         raise MMBalanceConfigError("mm_balance.mode=sampler needs Megatron-LM's pretraining sampler; "
-                                   "on Megatron-Bridge use mm_balance.mode=exchange (or auto, shadow)")
+                                   "on Megatron-Bridge use mm_balance.mode=exchange (or auto, shadow, control)")
     if mm.cost == "auto":
         from ..megatron.checks import MMBalanceConfigError
         raise MMBalanceConfigError("mm_balance.cost=auto fits costs from the per-pack timing hooks of "

@@ -20,5 +20,7 @@ transformer-engine or apex (those are imported inside functions):
 * :mod:`.telemetry` — balance statistics to the log and TensorBoard/W&B;
 * :mod:`.samples` — ``--mm-balance-record-samples``: what each rank consumed, per iteration;
 * :mod:`.logs` — Megatron's training log read back (a job's first-iteration averaging
-  undone) and two runs compared: ``mm-balance compare-logs``.
+  undone) and two runs compared: ``mm-balance compare-logs``;
+* :mod:`.band` — off vs on judged against a control run's arithmetic-order band
+  (``mm-balance compare-logs OFF ON --control CONTROL``).
 """

@@ -98,9 +98,9 @@ def refuse_vision_images(cfg: MMBalanceConfig) -> None:
         return
     if not cfg.enabled:
         raise MMBalanceConfigError("--mm-balance-vision images needs --mm-balance")
-    if cfg.mode == "shadow":
-        raise MMBalanceConfigError("--mm-balance-vision images moves tiles, --mm-balance-mode shadow "
-                                   "moves nothing: use one of them")
+    if cfg.mode in ("shadow", "control"):
+        raise MMBalanceConfigError(f"--mm-balance-vision images moves tiles, --mm-balance-mode {cfg.mode} "
+                                   "moves nothing between ranks: use one of them")
     if cfg.cost == "auto":
         raise MMBalanceConfigError("--mm-balance-vision images cannot be combined with --mm-balance-cost "
                                    "auto: a pack's vision timing would be that of other ranks' tiles; "

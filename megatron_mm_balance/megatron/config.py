@@ -36,7 +36,7 @@ from ..solver.topology import ranks_per_node_from_env
 SYNC_CHOICES = ("auto", "microstep", "step")
 COST_CHOICES = ("image-tokens", "model", "auto")
 DEFAULT_CALIBRATION_ITERS = 10
-MODE_CHOICES = ("auto", "exchange", "sampler", "shadow")
+MODE_CHOICES = ("auto", "exchange", "sampler", "shadow", "control")
 VISION_CHOICES = ("packs", "images")
 #: the statistics interval when neither --mm-balance-log-interval nor --log-interval is set
 DEFAULT_LOG_INTERVAL = 100
@@ -266,7 +266,11 @@ class MMBalanceConfig:
                      "single, a dataset with mm_balance_image_tokens(idx) and --mm-balance-cost "
                      "image-tokens); 'auto' uses the sampler when it applies, else the exchange; "
                      "'shadow' gathers costs and solves like the exchange and logs what balancing "
-                     "would do, but moves nothing.", type=str, choices=MODE_CHOICES)
+                     "would do, but moves nothing; 'control' solves like the exchange, then every "
+                     "rank keeps its own packs, reordered across micro-steps in balancing's order "
+                     "(nothing crosses ranks): the arithmetic-order band that mm-balance "
+                     "compare-logs --control judges an off-vs-on difference against.",
+                     type=str, choices=MODE_CHOICES)
     vision: str = flag("packs", "--mm-balance-vision", "'packs' (default): the vision encoder "
                        "computes the tiles of the packs its rank holds. 'images': every micro-step, "
                        "also send tiles across data-parallel ranks so each encodes about the same "
@@ -325,7 +329,8 @@ class MMBalanceConfig:
         try:
             balancer = BalancerConfig(sync=self.sync, overlap=bool(self.overlap), timeout=self.timeout,
                                       device=None, balance_tolerance=self.tolerance,
-                                      shadow=self.mode == "shadow", ranks_per_node=self.ranks_per_node)
+                                      shadow=self.mode == "shadow", control=self.mode == "control",
+                                      ranks_per_node=self.ranks_per_node)
         except SettingError as e:
             raise MMBalanceConfigError(f"{_RUNTIME_FLAGS[e.field]} {e.requirement}, got {e.value!r}") from None
         object.__setattr__(self, "balancer", balancer)

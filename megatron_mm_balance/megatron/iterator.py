@@ -178,12 +178,13 @@ class Coordinator:
 
 
 class ExchangeCoordinator(Coordinator):
-    """Exchange (and shadow) mode: a :class:`~megatron_mm_balance.runtime.BalancedDataIterator`
-    per chunk moves packed micro-batches between ranks (shadow: plans, logs, moves nothing)."""
+    """Exchange (shadow, control) mode: a :class:`~megatron_mm_balance.runtime.BalancedDataIterator`
+    per chunk moves packed micro-batches between ranks (shadow: plans, logs, moves nothing;
+    control: every rank its own packs, reordered across micro-steps)."""
 
     def __init__(self, cfg: MMBalanceConfig, *, cost_fn=None, num_microbatches=None, timing=None):
         super().__init__(cfg)
-        self.mode = cfg.mode if cfg.mode == "shadow" else "exchange"
+        self.mode = cfg.mode if cfg.mode in ("shadow", "control") else "exchange"
         self.timing = timing            # the per-pack timings (``--mm-balance-cost auto`` fits them)
         if cost_fn is None and cfg.cost != "auto":
             cost_fn = make_cost_fn(cfg)

@@ -177,8 +177,29 @@ def job_spans(lines: Sequence[Line], job: int = 0) -> List[Span]:
     return spans
 
 
-def read_log(texts) -> TrainingLog:
-    """A run from the text of its log (or of several, one per job, in order)."""
+#: how a log's lines cover iterations: ``megatron`` (Megatron-LM's training_log: a job's
+#: second line also averages its first iteration) or ``bridge`` (Megatron-Bridge's: every
+#: line covers the iterations since the previous one, its accumulators reset at each print)
+LOG_FORMATS = ("megatron", "bridge")
+
+
+def printed_spans(lines: Sequence[Line], job: int = 0) -> List[Span]:
+    """The spans of one job whose every line covers the iterations since the previous one
+    (Megatron-Bridge's training log): as printed."""
+    spans, prev = [], None
+    for line in lines:
+        first = line.iteration if prev is None else prev.iteration + 1
+        spans.append(Span(first, line.iteration, job, dict(line.values)))
+        prev = line
+    return spans
+
+
+def read_log(texts, log_format: str = "megatron") -> TrainingLog:
+    """A run from the text of its log (or of several, one per job, in order).
+    ``log_format``: one of :data:`LOG_FORMATS` (``bridge``: no first-iteration averaging
+    to undo)."""
+    if log_format not in LOG_FORMATS:
+        raise LogError(f"log format must be one of {', '.join(LOG_FORMATS)}, got {log_format!r}")
     if isinstance(texts, str):
         texts = [texts]
     jobs = _jobs(texts)
@@ -187,7 +208,8 @@ def read_log(texts) -> TrainingLog:
     kept: Dict[Tuple[int, int], Span] = {}
     overridden = []
     for j, lines in enumerate(jobs):
-        for span in job_spans(lines, j):
+        spans = job_spans(lines, j) if log_format == "megatron" else printed_spans(lines, j)
+        for span in spans:
             for key in [k for k in kept if k[0] <= span.last and span.first <= k[1]]:
                 overridden.extend(range(max(key[0], span.first), min(key[1], span.last) + 1))
                 del kept[key]
@@ -196,7 +218,8 @@ def read_log(texts) -> TrainingLog:
     return TrainingLog(spans, [(j[0].iteration, j[-1].iteration) for j in jobs], sorted(set(overridden)))
 
 
-def read_log_files(paths: Sequence[str]) -> TrainingLog:
+def read_texts(paths: Sequence[str]) -> List[str]:
+    """The text of each log file (a clear :class:`LogError` naming an unreadable one)."""
     texts = []
     for p in paths:
         try:
@@ -204,8 +227,13 @@ def read_log_files(paths: Sequence[str]) -> TrainingLog:
                 texts.append(f.read())
         except OSError as exc:
             raise LogError(f"{p}: {exc.strerror or exc}") from None
+    return texts
+
+
+def read_log_files(paths: Sequence[str], log_format: str = "megatron") -> TrainingLog:
+    texts = read_texts(paths)
     try:
-        return read_log(texts)
+        return read_log(texts, log_format)
     except LogError as exc:
         raise LogError(f"{', '.join(paths)}: {exc}") from None
 

@@ -209,13 +209,13 @@ def maybe_balanced_sampler(batch_sampler, dataset, args=None):
 
     Called by the ``data_samplers.py`` patch after the batch sampler is built.
     Returns ``batch_sampler`` unchanged when ``--mm-balance`` is off, the mode is
-    ``exchange`` or ``shadow``, or (mode ``auto``) :func:`sampler_applies` says no.
+    ``exchange``, ``shadow`` or ``control``, or (mode ``auto``) :func:`sampler_applies` says no.
     """
     if args is None:
         from megatron.training import get_args
         args = get_args()
     cfg = checked_config(args)
-    if not cfg.enabled or cfg.mode in ("exchange", "shadow") or cfg.cost != "image-tokens":
+    if not cfg.enabled or cfg.mode in ("exchange", "shadow", "control") or cfg.cost != "image-tokens":
         return batch_sampler           # the sampler can only balance the dataset's image tokens
     split = getattr(dataset, "split", getattr(dataset, "index_split", None))
     if split is not None and getattr(split, "name", str(split)) != "train":

@@ -23,7 +23,9 @@ not change ``cost_step_mean`` (every pack is computed once per global batch), so
 ``imbalance_after <= imbalance_before`` exactly when ``cost_step_max_after <=
 cost_step_max_before``. In shadow mode nothing is delivered differently: the
 "after" figures equal "before" and ``packs_moved`` is 0; what balancing would do
-is in the ``*_would_*`` fields. Statistics are identical on every rank of a group
+is in the ``*_would_*`` fields. In control mode (``control: 1``) every rank kept its own
+packs, permuted across micro-steps in balancing's order: ``packs_moved`` is 0 and
+``packs_reordered`` counts the slots whose pack was drawn for another micro-step. Statistics are identical on every rank of a group
 (they come from the all-gathered costs), except the ``this rank`` ones.
 """
 from __future__ import annotations
@@ -85,6 +87,10 @@ def summarize(entries: Iterable) -> Dict[str, float]:
             "rank_imbalance_would_be": _ratio(rank_solved, mean_total),
             "gain_would_be": 1.0 - _ratio(solved, before) if before else 0.0,
         })
+    control = [e for e in entries if e.mode == "control"]
+    if control:
+        out.update({"control": 1.0,
+                    "packs_reordered": sum(e.packs_reordered for e in control) / len(control)})
     moving = [e for e in entries if e.mode != "sampler"]
     if moving:
         out["inter_node_packs"] = sum(e.inter_node_packs for e in moving) / len(moving)

@@ -59,6 +59,11 @@ class BalancerConfig:
     #: True: gather costs and solve as usual, record the plan's statistics (what
     #: balancing would do), but deliver every rank its own packs in their own order.
     shadow: bool = False
+    #: True: gather costs and solve as usual, then deliver every rank exactly its own
+    #: packs, permuted across micro-steps in the order balancing gives them
+    #: (:func:`~megatron_mm_balance.solver.placement.control_placement`): nothing crosses
+    #: ranks. A run in this mode shows the job's arithmetic-order band (docs/megatron.md 7.3).
+    control: bool = False
     #: how many global batches ``.stats`` keeps.
     stats_history: int = 1024
     #: GPUs per node (global rank ``r`` on node ``r // ranks_per_node``, as torchrun
@@ -83,6 +88,8 @@ class BalancerConfig:
         rpn = self.ranks_per_node
         if rpn is not None and (isinstance(rpn, bool) or not isinstance(rpn, int) or rpn < 1):
             raise SettingError("ranks_per_node", "must be an integer >= 1", rpn)
+        if self.shadow and self.control:
+            raise SettingError("control", "cannot be combined with shadow", self.control)
         hist = self.stats_history
         if isinstance(hist, bool) or not isinstance(hist, int) or hist < 1:
             raise SettingError("stats_history", "must be an integer >= 1", hist)

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from ..cost.pack import to_int_costs
-from ..solver.placement import Placement, PlanStats
+from ..solver.placement import Placement, PlanStats, control_placement, reordered_packs
 from ..solver.topology import traffic
 from .agreement import (INLINE_COSTS, BatchRecord, BatchStatus, check_agreement,
                         settings_hash, settings_string)
@@ -79,8 +79,8 @@ class BatchPlan:
     num_microbatches: int
     packs: list                        # this rank's pulled packs (None once sent/used)
     placement: Placement               # what is delivered (the identity in shadow mode)
-    plan: PlanStats                    # the solved placement's figures
-    shadow: bool = False
+    plan: PlanStats                    # the solved placement's figures (control: the delivered one's)
+    mode: str = "exchange"             # "exchange", "shadow" or "control" (BatchStats.mode)
     my_costs: tuple = ()
     inter_node_packs: int = 0
     allgather_ms: float = 0.0
@@ -96,12 +96,18 @@ class BatchPlan:
         t = self.traffic
         return BatchStats(
             global_batch=self.global_batch, num_microbatches=self.num_microbatches, plan=self.plan,
-            mode="shadow" if self.shadow else "exchange", inter_node_packs=self.inter_node_packs, packs_sent=t.packs_sent,
+            mode=self.mode, inter_node_packs=self.inter_node_packs,
+            packs_reordered=reordered_packs(self.placement), packs_sent=t.packs_sent,
             packs_received=t.packs_received, bytes_sent=t.bytes_sent, bytes_received=t.bytes_received,
             inter_node_bytes_sent=t.inter_node_bytes_sent, my_costs=self.my_costs,
             allgather_ms=self.allgather_ms, solver_ms=self.solver_ms, exchange_ms=t.exchange_ms,
             exchange_cpu_ms=t.exchange_cpu_ms, prefetched=self.prefetched, consumer_wait_ms=consumer_wait_ms,
             consumer_wait_first_ms=consumer_wait_first_ms)
+
+
+def delivery_mode(config: BalancerConfig) -> str:
+    """How a batch's plan is delivered: ``"shadow"``, ``"control"`` or ``"exchange"``."""
+    return "shadow" if config.shadow else "control" if config.control else "exchange"
 
 
 class Engine:
@@ -120,7 +126,7 @@ class Engine:
         self.world = len(self.ranks)
         self.cost_fn = cost_fn
         self.settings = settings_string(config.sync, config.balance_tolerance, cost_identity,
-                                        config.ranks_per_node)
+                                        config.ranks_per_node, delivery_mode(config))
         self.hash = settings_hash(self.settings)
         #: ints per pack cost: 2 for a two-phase cost_fn (``components = 2``), else 1
         self.components = int(getattr(cost_fn, "components", 1) or 1)
@@ -240,17 +246,26 @@ class Engine:
         return flat.reshape(D, G) if self.components == 1 else flat.reshape(D, G, self.components)
 
     def _plan(self, gb, G, packs, costs, gather_ms, state_after) -> BatchPlan:
-        """Plan the batch (:func:`~.planner.plan_batch`); shadow mode delivers the identity."""
+        """Plan the batch (:func:`~.planner.plan_batch`); shadow mode delivers the identity,
+        control mode every rank's own packs in balancing's micro-step order (and records
+        that permutation's figures: nothing moved)."""
         self._beat("solving placement")
         t0 = time.perf_counter()
         solved, plan = plan_batch(costs, self.config, ranks=self.ranks)
-        solve_ms = (time.perf_counter() - t0) * 1e3
-        delivered = Placement.identity(self.world, G) if self.config.shadow else solved
+        mode = delivery_mode(self.config)
         scalar = costs.sum(axis=2) if costs.ndim == 3 else costs
+        if mode == "shadow":
+            delivered = Placement.identity(self.world, G)
+        elif mode == "control":
+            delivered = control_placement(solved)
+            plan = PlanStats.of(scalar, delivered)
+        else:
+            delivered = solved
+        solve_ms = (time.perf_counter() - t0) * 1e3
         nodes = None if self.nodes is None else list(self.nodes)
         return BatchPlan(
             global_batch=gb, num_microbatches=G, packs=list(packs), placement=delivered, plan=plan,
-            shadow=self.config.shadow, my_costs=tuple(int(x) for x in delivered.apply(scalar)[self.me]),
+            mode=mode, my_costs=tuple(int(x) for x in delivered.apply(scalar)[self.me]),
             inter_node_packs=traffic(delivered.src_rank, nodes)["inter_node_packs"],
             allgather_ms=gather_ms, solver_ms=solve_ms, state_after=state_after)
 

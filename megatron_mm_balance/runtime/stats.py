@@ -22,7 +22,7 @@ from typing import Tuple
 from ..solver.placement import PlanStats
 
 #: how a global batch's plan is carried out (:attr:`BatchStats.mode`)
-MODES = ("exchange", "shadow", "sampler")
+MODES = ("exchange", "shadow", "control", "sampler")
 
 
 @dataclass(frozen=True)
@@ -39,10 +39,13 @@ class BatchStats:
     #: how the plan was carried out: ``"exchange"`` (packs moved between ranks),
     #: ``"shadow"`` (solved but not delivered: every rank kept its own packs in their own
     #: order, so ``plan`` says what balancing *would* do) or ``"sampler"`` (sample indices
-    #: reassigned before loading: nothing travels)
+    #: reassigned before loading: nothing travels) or ``"control"`` (every rank kept its own
+    #: packs, permuted across micro-steps in balancing's order; ``plan`` is that permutation's)
     mode: str = "exchange"
     #: delivered packs whose node differs from the node that drew them (whole group)
     inter_node_packs: int = 0
+    #: slots (whole group) computing a pack at another micro-step than it was drawn for
+    packs_reordered: int = 0
     #: this rank: packs it sent to peers / received from peers
     packs_sent: int = 0
     packs_received: int = 0
@@ -77,6 +80,11 @@ class BatchStats:
     def shadow(self) -> bool:
         """The plan was solved but not delivered (shadow mode)."""
         return self.mode == "shadow"
+
+    @property
+    def control(self) -> bool:
+        """Every rank kept its own packs, reordered across micro-steps (control mode)."""
+        return self.mode == "control"
 
     @property
     def packs_moved(self) -> int:

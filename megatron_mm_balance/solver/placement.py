@@ -61,8 +61,8 @@ from .topology import check_ranks_per_node, node_ids, pair_within_nodes
 from .two_phase import _two_phase_placement, as_cost_pairs
 
 __all__ = ["DEFAULT_BALANCE_TOLERANCE", "SYNC_MODES", "Placement", "PlanStats", "SolverOptions",
-           "as_cost_matrix", "check_placement", "evaluate", "microstep_objective", "order_steps",
-           "plan_placement", "sorted_grouping_optimum", "step_imbalance"]
+           "as_cost_matrix", "check_placement", "control_placement", "evaluate", "microstep_objective", "order_steps",
+           "plan_placement", "reordered_packs", "sorted_grouping_optimum", "step_imbalance"]
 
 SYNC_MODES = ("microstep", "step")
 #: The one default of ``balance_tolerance`` (the runtime, the Megatron flags and the
@@ -152,6 +152,38 @@ class Placement:
     def identity(num_ranks: int, num_steps: int) -> "Placement":
         r, m = np.meshgrid(np.arange(num_ranks), np.arange(num_steps), indexing="ij")
         return Placement(r.astype(np.int64), m.astype(np.int64))
+
+
+def control_placement(solved: Placement) -> Placement:
+    """The control of ``solved``: every rank keeps exactly its own packs, reordered across
+    micro-steps about as much as balancing regroups them.
+
+    Rank ``r``'s pack ``i`` is computed, in ``solved``, at some micro-step ``s(r, i)`` (on
+    whichever rank). The control sorts rank ``r``'s own packs by ``(s(r, i), i)`` (the
+    micro-step order balancing gives them) and then rotates that order by ``r`` positions
+    (rank ``r``'s ``m``-th micro-step trains the ``(m + r) mod G``-th of them). The rotation
+    is what makes it comparable to balancing: ranks that meet at a micro-step (an
+    expert-parallel all-to-all, a gradient bucket) then meet other partners than in the
+    unbalanced order at most micro-steps, as they do under balancing; the sort alone
+    leaves a rank whose packs balancing keeps at home in its own order (measured on
+    Megatron-Bridge's DP=4, G=2 layout: 2 of 24 slots reordered, docs/megatron.md 7.3).
+
+    Nothing crosses ranks, so a run in this order shows the arithmetic-order band of a job
+    (the loss differences that only summation order makes) against which balancing's own
+    difference is judged. A pure function of ``solved``: identical on every rank.
+    """
+    D, G = solved.shape
+    step_of = np.empty((D, G), dtype=np.int64)
+    step_of[solved.src_rank, solved.src_index] = np.arange(G)[None, :]
+    order = np.lexsort((np.broadcast_to(np.arange(G), (D, G)), step_of), axis=1)
+    rotated = np.stack([np.roll(order[r], -(r % G)) for r in range(D)])
+    return Placement(np.repeat(np.arange(D, dtype=np.int64)[:, None], G, axis=1),
+                     rotated.astype(np.int64))
+
+
+def reordered_packs(placement: Placement) -> int:
+    """Slots that compute a pack at another micro-step than the one it was drawn for."""
+    return int((placement.src_index != np.arange(placement.shape[1])[None, :]).sum())
 
 
 def as_cost_matrix(costs) -> np.ndarray:

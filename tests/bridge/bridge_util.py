@@ -99,6 +99,8 @@ class Run:
     log: str
     losses: Dict[int, float] = field(default_factory=dict)
     telemetry: Dict[int, Dict[str, str]] = field(default_factory=dict)
+    log_path: Optional[Path] = None
+    output_dir: Optional[Path] = None
 
     def tail(self, n: int = 60) -> str:
         return "\n".join(self.log.splitlines()[-n:])
@@ -146,7 +148,35 @@ def run(env: Dict[str, str], extra: List[str] = (), *, log_path: Path, timeout: 
                 pass
             proc.wait()
     out = parse(log_path.read_text(errors="replace"))
-    out.rc, out.wall_s = rc, time.monotonic() - t0
+    out.rc, out.wall_s, out.log_path = rc, time.monotonic() - t0, log_path
+    out.output_dir = Path(env["OUTPUT_DIR"])
     return out
+
+
+def compare_logs(off: Run, on: Run, control: Run) -> subprocess.CompletedProcess:
+    """``mm-balance compare-logs --format bridge OFF ON --control CONTROL``."""
+    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    return subprocess.run([sys.executable, "-m", "megatron_mm_balance.cli", "compare-logs", "--format", "bridge",
+                           str(off.log_path), str(on.log_path), "--control", str(control.log_path)],
+                          capture_output=True, text=True, timeout=120, env=env)
+
+
+def check_band(off: Run, on: Run, control: Run, label: str, verdict: Optional[str] = None) -> str:
+    """Off, on and control (``mm_balance.mode=control``): all exit 0, every control line a
+    control one that moved and sent nothing and some reordered, and compare-logs' verdict
+    against the control's band is not DIFFERENT (``verdict``: is that one). Returns its report."""
+    for name, r in (("off", off), ("on", on), ("control", control)):
+        assert r.rc == 0, f"{label} {name}: exit {r.rc}\n{r.tail()}"
+    assert control.telemetry and sorted(control.stat("control")) == sorted(control.telemetry), control.tail()
+    assert not any(control.stat("packs_moved").values()), f"{label}: the control moved packs"
+    assert not any(control.stat("bytes_sent").values()), f"{label}: the control sent bytes"
+    assert sum(control.stat("packs_reordered").values()) > 0, f"{label}: the control reordered nothing"
+    assert sum(on.stat("packs_moved").values()) > 0, f"{label}: balancing moved no pack"
+    res = compare_logs(off, on, control)
+    report = res.stdout + res.stderr
+    print(f"\n{label}: off/on/control wall {off.wall_s:.0f}/{on.wall_s:.0f}/{control.wall_s:.0f} s\n{report}")
+    assert res.returncode == 0 and not report.strip().endswith("DIFFERENT"), report
+    assert verdict is None or report.strip().endswith(f": {verdict}"), report
+    return report
 
 

@@ -42,5 +42,11 @@ def bridge_dataset(tmp_path_factory) -> dict:
 
 
 @pytest.fixture(scope="session")
+def bridge_heldout_dataset(tmp_path_factory) -> dict:
+    """A held-out data set for the off/on/control band (192 samples, seed 7)."""
+    return bu.make_dataset(tmp_path_factory.mktemp("bridge-data-heldout") / "data", samples=192, seed=7)
+
+
+@pytest.fixture(scope="session")
 def bridge_runs_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("bridge-runs")

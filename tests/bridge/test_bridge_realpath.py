@@ -5,7 +5,10 @@ over gloo through the CPU harness, with the Bridge environment of ``scripts/setu
 (built here when missing) and Megatron-Bridge v0.6.0 + its pinned Megatron-LM from the archives,
 patched with ``patches/megatron-bridge-v0.6.0/``. Off vs on equal per iteration in two layouts
 (DP=2 x EP=2 MoE, 4 ranks, microstep sync; DP=2, 2 ranks, step sync), packs moved, exit 0;
-resume equals the uninterrupted run; shadow mode moves nothing and trains exactly as off.
+resume equals the uninterrupted run; shadow mode moves nothing and trains exactly as off;
+bf16 under expert parallelism is judged against a control run (``mm_balance.mode=control``)
+by ``mm-balance compare-logs --control``, on two data sets, and fp32's final checkpoints
+against the control's on their bits (``mm-balance compare-checkpoints``).
 Slow: ``python -m pytest tests/bridge -m realpath``.
 """
 from __future__ import annotations
@@ -27,17 +30,21 @@ LAYOUTS = {
     "dp4": dict(nproc_per_node=4, ep=1, iters=3),
     "dp2_ep2_fp32": dict(nproc_per_node=4, ep=2, iters=ITERS, precision="fp32"),   # DP=4 = expert DP=2 x EP=2
 }
+#: bf16 under expert parallelism: judged against the control run's band, not a fixed tolerance
+BAND_LAYOUT = dict(nproc_per_node=4, ep=2, iters=4)
 
 
 @pytest.fixture(scope="module")
 def runner(bridge_python, bridge_trees, bridge_dataset, bridge_runs_dir):
+    """``runner(name, layout, mm_balance, extra=(), output=None, data=None)`` -> :class:`bu.Run`,
+    cached by name; ``layout`` names a LAYOUTS entry or is a dict of its own."""
     cache = {}
 
-    def go(name, layout, mm_balance, extra=(), output=None):
+    def go(name, layout, mm_balance, extra=(), output=None, data=None):
         if name not in cache:
-            lay = dict(LAYOUTS[layout])
+            lay = dict(LAYOUTS[layout] if isinstance(layout, str) else layout)
             iters = lay.pop("iters")
-            env = bu.launcher_env(bridge_trees, bridge_dataset, bridge_python, mm_balance=mm_balance,
+            env = bu.launcher_env(bridge_trees, data or bridge_dataset, bridge_python, mm_balance=mm_balance,
                                   output_dir=output or bridge_runs_dir / name, train_iters=iters, **lay)
             cache[name] = bu.run(env, list(extra), log_path=bridge_runs_dir / f"{name}.log")
         return cache[name]
@@ -67,6 +74,46 @@ def test_off_on_equal(runner, layout, bridge_runs_dir):
     assert list((bridge_runs_dir / f"{layout}-on" / "tensorboard").glob("*.mm_balance")), "no mm-balance events"
     later = [on.stat("prefetched")[i] for i in sorted(on.stat("prefetched"))[1:]]
     assert later and all(v == 1.0 for v in later), f"global batches not prefetched: {on.stat('prefetched')}"
+
+
+#: the least checkpoint band (||control - off|| / ||off||): a tenth of fp32's epsilon
+FP32_CHECKPOINT_FLOOR = 1e-8
+
+
+def test_fp32_off_on_checkpoints_within_the_control_band(runner):
+    """fp32 DP=2 x EP=2 (the layout test's off and on runs, and a control run): compare-logs
+    says EQUAL (every printed loss identical), and on the bits of the final torch_dist
+    checkpoints (``mm-balance compare-checkpoints``, every model tensor) balancing is within
+    the control's band. Not bit-identical: under expert parallelism an expert's weight
+    gradient sums the tokens that met there in another order, which fp32 rounds too."""
+    from megatron_mm_balance.megatron.band import DEFAULT_K
+    from megatron_mm_balance.megatron.checkpoints import compare_checkpoints
+    off, on = runner("dp2_ep2_fp32-off", "dp2_ep2_fp32", False), runner("dp2_ep2_fp32-on", "dp2_ep2_fp32", True)
+    ctl = runner("dp2_ep2_fp32-control", "dp2_ep2_fp32", True, extra=["mm_balance.mode=control"])
+    bu.check_band(off, on, ctl, "Bridge fp32 dp2_ep2", verdict="EQUAL")
+    ckpt = {name: str(r.output_dir / "checkpoints") for name, r in (("off", off), ("on", on), ("control", ctl))}
+    on_off = compare_checkpoints(ckpt["off"], ckpt["on"])
+    ctl_off = compare_checkpoints(ckpt["off"], ckpt["control"])
+    print(f"\nfp32 final checkpoints (model tensors): on vs off {on_off.summary()}\n"
+          f"control vs off {ctl_off.summary()}")
+    assert on_off.same and not (on_off.only_a or on_off.only_b), on_off.summary()
+    band = max(ctl_off.norm_relative_difference, FP32_CHECKPOINT_FLOOR)
+    assert on_off.norm_relative_difference <= DEFAULT_K * band, (on_off.summary(), ctl_off.summary())
+
+
+@pytest.mark.parametrize("which", ["default", "heldout"])
+def test_bf16_expert_parallel_off_on_within_the_control_band(runner, request, which):
+    """bf16 DP=2 x EP=2, 4 iterations: off, on and control (``mm_balance.mode=control``:
+    every rank its own micro-batches, reordered across micro-steps in balancing's order).
+    ``mm-balance compare-logs --format bridge OFF ON --control CONTROL`` is not DIFFERENT and
+    the control moved nothing. ``default``: the session's data set; ``heldout``: 192 samples,
+    seed 7."""
+    data = request.getfixturevalue("bridge_dataset" if which == "default" else "bridge_heldout_dataset")
+    name = f"band-{which}"
+    off = runner(f"{name}-off", BAND_LAYOUT, False, data=data)
+    on = runner(f"{name}-on", BAND_LAYOUT, True, data=data)
+    ctl = runner(f"{name}-control", BAND_LAYOUT, True, extra=["mm_balance.mode=control"], data=data)
+    bu.check_band(off, on, ctl, f"Bridge bf16 dp2_ep2, {which} data set")
 
 
 def test_shadow_moves_nothing_trains_as_off(runner):

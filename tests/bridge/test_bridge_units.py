@@ -117,6 +117,8 @@ def test_config_resolves_like_the_megatron_lm_path():
                                   _bridge_cfg(ep=1)))
     assert cfg1.sync == "step" and cfg1.mode == "shadow" and cfg1.log_interval == 2
     assert cfg1.runtime().shadow
+    cfg2 = checked_config(as_args(MMBalanceBridgeConfig(enabled=True, mode="control"), _bridge_cfg(ep=2)))
+    assert cfg2.mode == "control" and cfg2.runtime().control and not cfg2.runtime().shadow
 
 
 @pytest.mark.parametrize("mm,cfg,match", [

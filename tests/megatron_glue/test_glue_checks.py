@@ -147,6 +147,8 @@ def test_vision_images_settings():
     assert refused(off) == "--mm-balance-vision images needs --mm-balance"
     assert "shadow moves nothing" in refused(make_args("--mm-balance-vision", "images",
                                                        "--mm-balance-mode", "shadow"))
+    assert "control moves nothing" in refused(make_args("--mm-balance-vision", "images",
+                                                        "--mm-balance-mode", "control"))
     assert "--mm-balance-cost auto" in refused(make_args("--mm-balance-vision", "images",
                                                          "--mm-balance-cost", "auto"))
     assert "--context-parallel-size 1" in refused(make_args("--mm-balance-vision", "images",

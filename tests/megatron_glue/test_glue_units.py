@@ -373,6 +373,22 @@ def test_shadow_reports_what_was_delivered_and_what_would_be():
     assert "packs_would_move" not in summarize([_batch([[0, 0, 0], [256, 64, 256]])])
 
 
+def test_control_reports_the_permutation_delivered():
+    """Control mode's line: ``control: 1``, nothing moved, the reordered slots counted, and
+    the "after" figures those of the permuted order delivered (rank totals unchanged)."""
+    import numpy as np
+    from megatron_mm_balance.runtime.stats import BatchStats
+    from megatron_mm_balance.solver.placement import PlanStats, control_placement, plan_placement, reordered_packs
+    c = np.array([[900, 10, 10, 10], [10, 700, 10, 600]])
+    delivered = control_placement(plan_placement(c))
+    b = BatchStats(global_batch=0, num_microbatches=4, plan=PlanStats.of(c, delivered), mode="control",
+                   packs_reordered=reordered_packs(delivered))
+    s = summarize([b])
+    assert s["control"] == 1.0 and s["packs_moved"] == 0 and s["packs_reordered"] == reordered_packs(delivered) > 0
+    assert s["rank_imbalance_after"] == s["rank_imbalance_before"]
+    assert "control" not in summarize([_batch([[0, 0, 0], [256, 64, 256]])])
+
+
 def test_sampler_batches_report_no_transfer():
     s = summarize([_batch([[0, 5], [9, 1]], mode="sampler", solver_ms=0.5)])
     assert "bytes_sent" not in s and "prefetched" not in s and s["solver_ms"] == 0.5

@@ -38,6 +38,12 @@ def default_dataset(tmp_path_factory) -> dict:
 
 
 @pytest.fixture(scope="session")
+def heldout_dataset(tmp_path_factory) -> dict:
+    """A held-out data set for the off/on/control band: ``make-dataset --samples 384 --seed 7``."""
+    return rp.make_dataset(tmp_path_factory.mktemp("vlm-data-heldout") / "data", samples=384, seed=7)
+
+
+@pytest.fixture(scope="session")
 def fresh_venv(megatron_lm) -> rp.FreshVenv:
     """A virtual environment without the system's site-packages, set up by
     ``PYTHON=<venv>/bin/python MEGATRON_LM_DIR=<patched core_v0.16.1> scripts/setup_env.sh``

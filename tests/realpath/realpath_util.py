@@ -238,6 +238,29 @@ def check_resume(full: "Run", first: "Run", second: "Run", label: str, rel_tol: 
     return table
 
 
+def check_band(off: "Run", on: "Run", control: "Run", label: str) -> str:
+    """Off, on and control (``--mm-balance-mode control``) of one job: all exit 0, the control
+    moved no pack across ranks (its telemetry, and every rank consumed exactly its own
+    micro-batches of the off run, reordered) and reordered some, and ``mm-balance compare-logs
+    OFF ON --control CONTROL`` does not answer DIFFERENT. Returns its report."""
+    for name, r in (("off", off), ("on", on), ("control", control)):
+        assert r.rc == 0, f"{label} {name}: exit {r.rc}\n{r.tail()}"
+    assert control.moved and not any(control.moved.values()), f"{label}: the control moved packs {control.moved}"
+    assert sum(on.moved.values()) > 0, f"{label}: balancing moved no pack"
+    if off.samples_dir is not None and control.samples_dir is not None:
+        a, c = consumed(off.samples_dir), consumed(control.samples_dir)
+        assert set(a) == set(c), f"{label}: ranks/iterations {sorted(set(a) ^ set(c))}"
+        for key in sorted(a):
+            assert sorted(a[key]) == sorted(c[key]), (
+                f"{label}: rank {key[0]} iteration {key[1]}: the control consumed other micro-batches")
+        assert any(a[k] != c[k] for k in a), f"{label}: the control reordered nothing"
+    res = compare_logs(off.log_path, on.log_path, "--control", str(control.log_path))
+    report = res.stdout + res.stderr
+    print(f"\n{label}: off/on/control wall {off.wall_s:.0f}/{on.wall_s:.0f}/{control.wall_s:.0f} s\n{report}")
+    assert res.returncode == 0 and not report.strip().endswith("DIFFERENT"), report
+    return report
+
+
 def compare_logs(a, b, *options: str) -> subprocess.CompletedProcess:
     """``mm-balance compare-logs A B [options]``."""
     env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")

@@ -4,7 +4,9 @@ Each test launches the patched Megatron-LM ``examples/multimodal/train.py`` (its
 ``pretrain()``) on 4 CPU ranks over gloo, as a user would, with ``MM_BALANCE=0`` and
 ``MM_BALANCE=1``, and reads Megatron's own iteration lines (``lm loss``), our
 telemetry (``packs_moved``) and the samples every rank consumed per iteration
-(``--mm-balance-record-samples``). Runs are shared between tests through module-scoped
+(``--mm-balance-record-samples``); bf16 DP=2 x EP=2 off vs on is also judged against a
+control run (``--mm-balance-mode control``) by ``mm-balance compare-logs --control``, on the
+session's and a held-out data set. Runs are shared between tests through module-scoped
 fixtures (the 6-iteration DP=2 x EP=2 runs serve the layout test, the off/on sample test
 and one resume configuration). Slow: ``python -m pytest tests/realpath -m realpath``.
 """
@@ -150,6 +152,27 @@ def test_balanced_run_consumes_each_global_batch_of_the_unbalanced_one(runner):
     with pytest.raises(AssertionError, match="consumed"):
         rp.check_samples(off, on.samples_dir, range(1, iters + 1), "off vs on")
     print(f"\noff vs on: same multiset of micro-batches per iteration; {moved} rank-slots differ")
+
+
+@pytest.mark.parametrize("which", ["default", "heldout"])
+def test_off_on_within_the_control_band(runner, request, which):
+    """DP=2 x EP=2 bf16: off, on and control (``--mm-balance-mode control``: every rank keeps
+    its own packs, reordered across micro-steps in balancing's order). ``mm-balance
+    compare-logs OFF ON --control CONTROL`` is not DIFFERENT, and the control moved no
+    micro-batch across ranks. ``default``: the session's data set (the layout test's off and
+    on runs, one control run added); ``heldout``: ``make-dataset --samples 384 --seed 7``
+    with 2 loader workers (three runs)."""
+    iters, env = LAYOUTS["dp2_ep2"]
+    control = ["--mm-balance-mode", "control"]
+    if which == "default":
+        off, on = runner("dp2_ep2", False, iters, **env), runner("dp2_ep2", True, iters, **env)
+        ctl = runner("dp2_ep2-control", True, iters, extra=control, **env)
+    else:
+        data, env = request.getfixturevalue("heldout_dataset"), {**env, "NUM_WORKERS": 2}
+        off = runner("heldout", False, iters, data=data, **env)
+        on = runner("heldout", True, iters, data=data, **env)
+        ctl = runner("heldout-control", True, iters, extra=control, data=data, **env)
+    rp.check_band(off, on, ctl, f"dp2_ep2 bf16, {which} data set")
 
 
 def test_energon_mixin_on(runner):

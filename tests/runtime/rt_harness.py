@@ -419,6 +419,24 @@ def scenario_shadow(rank, world, G=4, batches=3):
             "delivered": [row[2] for row in got], "stats": stats}
 
 
+def scenario_control(rank, world, G=4, batches=3, overlap=True):
+    """Control mode: costs gathered and solved, every rank delivered its own packs permuted
+    across micro-steps (``overlap``: on the exchange thread or inside ``next()``)."""
+    from megatron_mm_balance.runtime import BalancedDataIterator
+    from megatron_mm_balance.runtime.config import BalancerConfig
+    pulled, got = [], []
+    src = recording_source(rank, batches * G, pulled)
+    with BalancedDataIterator(src, num_microbatches=G,
+                              config=BalancerConfig(control=True, overlap=overlap, timeout=60)) as it:
+        _run_iterator(it, G, got)
+        stats = [row for row in stats_rows(it, (
+            "mode", "control", "packs_moved", "packs_reordered", "packs_sent", "packs_received",
+            "bytes_sent", "bytes_received", "my_costs")) if not row.get("exhausted")]
+    return {"pulled": [p[0] for p in pulled], "costs": [p[1] for p in pulled],
+            "checksums": [p[2] for p in pulled], "delivered": [row[2] for row in got],
+            "delivered_checksums": [row[3] for row in got], "stats": stats}
+
+
 def _outcome(fn):
     """Run ``fn``; describe the exception it raised (or "ok")."""
     try:

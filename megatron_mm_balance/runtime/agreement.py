@@ -37,10 +37,13 @@ class BatchStatus(enum.IntEnum):
     COST_ERROR = 2                     #: the cost function raised
 
 
-def settings_string(sync: str, tolerance, cost_identity: str, ranks_per_node=None) -> str:
-    """The solver settings every rank must share, as text (shown when they differ)."""
+def settings_string(sync: str, tolerance, cost_identity: str, ranks_per_node=None,
+                    nodes=None) -> str:
+    """The solver settings every rank must share, as text (shown when they differ);
+    ``nodes``: the node of each rank the planner places by."""
     return (f"protocol={PROTOCOL} sync={sync} balance_tolerance={tolerance!r} cost_fn={cost_identity}"
-            + (f" ranks_per_node={ranks_per_node}" if ranks_per_node else ""))
+            + (f" ranks_per_node={ranks_per_node}" if ranks_per_node else "")
+            + (f" nodes={','.join(map(str, nodes))}" if nodes is not None else ""))
 
 
 def settings_hash(text: str) -> int:

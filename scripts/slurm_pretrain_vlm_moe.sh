@@ -29,6 +29,8 @@ if [ "${DRY_RUN:-0}" != 1 ]; then
   if grep -q ": pending" <<<"$state"; then
     echo "slurm_pretrain_vlm_moe: patches are not applied to $MEGATRON_LM_DIR: run scripts/apply_patches.sh $MEGATRON_LM_DIR" >&2; exit 1
   fi
+else
+  MEGATRON_LM_DIR=${MEGATRON_LM_DIR:-/path/to/Megatron-LM}   # printing only, as the launcher does
 fi
 
 MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | awk 'NR == 1')  # awk reads all: no SIGPIPE under pipefail
@@ -42,5 +44,7 @@ if [ -n "${CONTAINER_IMAGE:-}" ]; then
   SRUN_ARGS+=(--container-image "$CONTAINER_IMAGE"
               --container-mounts "${CONTAINER_MOUNTS:-$HERE:$HERE,$MEGATRON_LM_DIR:$MEGATRON_LM_DIR}")
 fi
-# NODE_RANK comes from each task's SLURM_NODEID; everything else is exported above.
+# NODE_RANK comes from each task's SLURM_NODEID; everything else is exported above. The
+# ranks find their node from torchrun's GROUP_RANK (= NODE_RANK) at start-up: no
+# --mm-balance-ranks-per-node needed (docs/megatron.md, "Several nodes").
 srun "${SRUN_ARGS[@]}" bash -c 'NODE_RANK=$SLURM_NODEID exec bash "$0/scripts/pretrain_vlm_moe.sh" "${@:1}"' "$HERE" "$@"

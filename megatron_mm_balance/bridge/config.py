@@ -52,7 +52,8 @@ class MMBalanceBridgeConfig:
     tolerance: Optional[float] = None
     #: seconds any exchange wait may take before a clear error
     timeout: float = _D.timeout
-    #: GPUs per node (None: ``LOCAL_WORLD_SIZE``)
+    #: placement's override of the nodes found at start-up: global rank r on node r // N
+    #: (None: the found nodes, from torchrun's GROUP_RANK, else SLURM_NODEID, else the host)
     ranks_per_node: Optional[int] = None
 
 

@@ -90,6 +90,7 @@ def wrap_train_data_iterator(train_data_iterator, cfg, pg_collection, *, state=N
     wandb = getattr(state, "wandb_logger", None) if state is not None else None
     coordinator = BridgeCoordinator(core_cfg, cost_fn=cost_fn_for(core_cfg, cfg.model),
                                     tb_writer=tb, wandb_writer=wandb)
-    wrapped = [it if it is None or group is None else coordinator.wrap(_unwrap(it), group, chunk)
+    wrapped = [it if it is None or group is None
+               else coordinator.wrap(_unwrap(it), group, chunk, node_ids=groups.node_ids)
                for chunk, (it, group) in enumerate(zip(iterators, groups))]
     return wrapped if is_list else wrapped[0]

@@ -5,14 +5,14 @@
   accepts (:func:`flag`). :func:`~.arguments.add_mm_balance_args` registers the
   flags from it; adding a flag is adding a field here and reading it where it is
   used.
-* :class:`MegatronArgs` is what the glue needs from Megatron's own arguments
-  (and the launcher's ``LOCAL_WORLD_SIZE``), typed. :meth:`MegatronArgs.read` is the
+* :class:`MegatronArgs` is what the glue needs from Megatron's own arguments,
+  typed. :meth:`MegatronArgs.read` is the
   one place in the package that reads Megatron's ``args``; a partial namespace
   (tests, a custom harness) is fine, absent attributes take Megatron's defaults.
 * :meth:`MMBalanceConfig.from_args` builds the config from ``args`` and resolves
   everything derived at that moment: ``auto`` sync (``microstep`` under expert
-  parallel), the log interval (``--log-interval``), ranks per node
-  (``LOCAL_WORLD_SIZE``), tokens per tile (the multimodal flags), the runtime's
+  parallel), the log interval (``--log-interval``), tokens per tile (the multimodal
+  flags), the runtime's
   :class:`~megatron_mm_balance.runtime.config.BalancerConfig`. Every value is
   checked once: the runtime's settings by ``BalancerConfig`` (its error is
   re-raised naming our flag), the rest here. :func:`~.checks.checked_config`
@@ -31,7 +31,6 @@ from typing import Any, Callable, Optional, Tuple
 from ..cost.pack import DEFAULT_TOKENS_PER_TILE
 from ..runtime.config import DEFAULT_TIMEOUT_S, TOLERANCE_BELOW, BalancerConfig, SettingError
 from ..solver.placement import DEFAULT_BALANCE_TOLERANCE
-from ..solver.topology import ranks_per_node_from_env
 
 SYNC_CHOICES = ("auto", "microstep", "step")
 COST_CHOICES = ("image-tokens", "model", "auto")
@@ -151,8 +150,6 @@ class MegatronArgs:
     #: the iteration training starts from (``args.iteration``: a resumed run's checkpoint)
     start_iteration: int = 0
     schedule: BatchSchedule = field(default_factory=BatchSchedule)
-    #: the launcher's ``LOCAL_WORLD_SIZE`` (GPUs per node under torchrun), None if unset
-    local_world_size: Optional[int] = None
 
     @classmethod
     def read(cls, args) -> "MegatronArgs":
@@ -190,7 +187,6 @@ class MegatronArgs:
                 step_batch_size_schedule=get("step_batch_size_schedule"),
                 seq_length=get("seq_length"),
                 consumed_train_samples=int(get("consumed_train_samples", 0))),
-            local_world_size=ranks_per_node_from_env(default=None),
         )
 
 
@@ -285,12 +281,14 @@ class MMBalanceConfig:
                             "the mean (a fraction of it) a rank's total may end; larger keeps more "
                             f"packs home. In [0, {TOLERANCE_BELOW:g}); default %(default)s.",
                             type=float)
-    #: resolved: the launcher's LOCAL_WORLD_SIZE when not given
-    ranks_per_node: Optional[int] = flag(None, "--mm-balance-ranks-per-node", "GPUs per node "
-                                         "(global rank r on node r // N): packs move between "
-                                         "node-mates where balance allows (default: the "
-                                         "launcher's LOCAL_WORLD_SIZE; unset: every rank its own "
-                                         "node).", type=int)
+    #: None: the nodes are found at exchange-group creation (``megatron.groups``)
+    ranks_per_node: Optional[int] = flag(None, "--mm-balance-ranks-per-node", "Override the "
+                                         "nodes found at start-up (torchrun's GROUP_RANK, else "
+                                         "SLURM_NODEID, else the host name) for placement: global "
+                                         "rank r on node r // N (1: plan as if every rank were its "
+                                         "own node). Packs move between node-mates where balance "
+                                         "allows; the statistics count what crosses the nodes "
+                                         "found.", type=int)
     timeout: float = flag(DEFAULT_TIMEOUT_S, "--mm-balance-timeout", "Seconds the exchange waits "
                           "on its collectives before failing (default %(default)s).", type=float)
     #: read by the wrapper's consumer side (:mod:`.samples`), balancing on or off
@@ -320,8 +318,6 @@ class MMBalanceConfig:
             ("microstep" if m.expert_model_parallel_size > 1 else "step"),
             "log_interval": int(self.log_interval if self.log_interval is not None else
                                 m.log_interval or DEFAULT_LOG_INTERVAL),
-            "ranks_per_node": self.ranks_per_node if self.ranks_per_node is not None else
-            m.local_world_size,
             "timing": bool(self.timing or self.timing_dir or (self.enabled and self.cost == "auto")),
         }
         for name, value in resolve.items():

@@ -22,11 +22,17 @@ placement.
 object (in the spirit of Megatron's ``ProcessGroupCollection``), which the
 caller passes on explicitly; nothing is cached in this module. Each call creates
 new groups (collectively), so build them once per set of iterators.
+
+The same all-gather that collects the layouts collects what names each rank's node
+(:func:`~megatron_mm_balance.runtime.groups.node_identity`: torchrun's ``GROUP_RANK``,
+else ``SLURM_NODEID``, else the host name), so the node of every rank is found once,
+here, and is the same on every rank (:attr:`ExchangeGroups.node_ids`); nothing is
+assumed from the rank numbering.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Sequence, Tuple, Union
+from typing import List, Optional, Sequence, Tuple, Union
 
 from ..runtime.config import DEFAULT_TIMEOUT_S
 
@@ -40,6 +46,9 @@ class ExchangeGroups:
     chunks: Tuple[object, ...]
     #: the data-parallel rank lists of the data-holding ranks, in canonical order
     rank_lists: Tuple[Tuple[int, ...], ...]
+    #: the node id of every global rank (index: global rank), found when the groups were
+    #: created; None: not found (groups built by other means)
+    node_ids: Optional[Tuple[int, ...]] = None
 
     def __len__(self) -> int:
         return len(self.chunks)
@@ -116,13 +125,14 @@ def init_exchange_groups(layout: Union[RankLayout, dict, None] = None, *, num_ch
     ``wrap_train_data_iterator(..., exchange_groups=...)`` rather than calling again.
     """
     import torch.distributed as dist
-    from ..runtime import new_exchange_groups
+    from ..runtime.groups import new_exchange_groups, node_identity, node_ids_from_identities
 
     if num_chunks < 1:
         raise ValueError(f"num_chunks must be >= 1, got {num_chunks}")
     layout = megatron_layout() if layout is None else RankLayout.of(layout)
-    layouts = [None] * dist.get_world_size()
-    dist.all_gather_object(layouts, layout)
-    lists = data_holding_rank_lists(layouts)
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (layout, node_identity()))
+    lists = data_holding_rank_lists([lay for lay, _ in gathered])
     chunks = tuple(new_exchange_groups(lists, timeout) for _ in range(num_chunks))
-    return ExchangeGroups(chunks, tuple(tuple(g) for g in lists))
+    return ExchangeGroups(chunks, tuple(tuple(g) for g in lists),
+                          node_ids_from_identities([name for _, name in gathered]))

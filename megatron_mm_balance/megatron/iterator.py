@@ -168,8 +168,9 @@ class Coordinator:
     def __init__(self, cfg: MMBalanceConfig):
         self.cfg = cfg
 
-    def wrap(self, source, group, chunk: int, recorder=None):
-        """``recorder``: the chunk's :class:`~.samples.SampleRecorder` (``--mm-balance-record-samples``)."""
+    def wrap(self, source, group, chunk: int, recorder=None, node_ids=None):
+        """``recorder``: the chunk's :class:`~.samples.SampleRecorder` (``--mm-balance-record-samples``);
+        ``node_ids``: every global rank's node id (:attr:`~.groups.ExchangeGroups.node_ids`)."""
         raise NotImplementedError
 
     def _telemetry(self, stats_source, group, chunk):
@@ -191,7 +192,7 @@ class ExchangeCoordinator(Coordinator):
         self.cost_fn = cost_fn          # None: auto, one per exchange group (it agrees on the group)
         self.num_microbatches = num_microbatches
 
-    def wrap(self, source, group, chunk: int, recorder=None):
+    def wrap(self, source, group, chunk: int, recorder=None, node_ids=None):
         from megatron.core.rerun_state_machine import RerunDataIterator
         from ..runtime import BalancedDataIterator
 
@@ -206,7 +207,7 @@ class ExchangeCoordinator(Coordinator):
                                         config=self.cfg.runtime(),
                                         state_fn=state_fn if callable(state_fn) else None,
                                         predict_microbatches=_predictor_for(self.cfg, self.num_microbatches),
-                                        name=f"chunk{chunk}")
+                                        name=f"chunk{chunk}", node_ids=node_ids)
         return RerunDataIterator(BalancedTrainIterable(
             balanced, source, global_batch_of=lambda: balanced.global_batch, stats=balanced,
             telemetry=self._telemetry(balanced, group, chunk), recorder=recorder))
@@ -227,7 +228,7 @@ class SamplerCoordinator(Coordinator):
             raise ValueError("sampler mode needs at least one installed balanced sampler")
         self.samplers = list(samplers)
 
-    def wrap(self, source, group, chunk: int, recorder=None):
+    def wrap(self, source, group, chunk: int, recorder=None, node_ids=None):
         from megatron.core.rerun_state_machine import RerunDataIterator
         sampler = self.samplers[min(chunk, len(self.samplers) - 1)]
         position = sampler.consumer_position()
@@ -312,7 +313,8 @@ def wrap_train_data_iterator(train_data_iterator, args=None, *, exchange_groups=
                                   num_microbatches=num_microbatches, timing=timing)
     _install_vision_balance(model, cfg)
     wrapped = [it if it is None or group is None
-               else coordinator.wrap(_unwrap(it), group, chunk, _recorder(cfg, args, chunk))
+               else coordinator.wrap(_unwrap(it), group, chunk, _recorder(cfg, args, chunk),
+                                     node_ids=getattr(exchange_groups, "node_ids", None))
                for chunk, (it, group) in enumerate(zip(iterators, exchange_groups))]
     return wrapped if is_list else wrapped[0]
 

@@ -33,7 +33,9 @@ from __future__ import annotations
 from typing import Dict, Iterable, Optional
 
 #: the per-rank transfer figures (exchange and shadow mode; nothing travels in sampler mode)
-_TRANSFER = ("packs_sent", "packs_received", "bytes_sent", "bytes_received", "inter_node_bytes_sent")
+_TRANSFER = ("packs_sent", "packs_received", "bytes_sent", "bytes_received")
+#: the node figures, reported only where the nodes are known (found at start-up, or given)
+_NODE_FIGURES = ("nodes", "inter_node_packs", "inter_node_bytes_sent")
 _TIMES = ("allgather_ms", "solver_ms", "exchange_ms", "exchange_cpu_ms", "consumer_wait_ms",
           "consumer_wait_first_ms")
 
@@ -45,9 +47,10 @@ def _ratio(num: float, den: float) -> float:
 def summarize(entries: Iterable) -> Dict[str, float]:
     """The figures of the global batches ``entries`` (``BatchStats``), in log order.
 
-    Per global batch (means): ``num_microbatches``; ``packs_moved`` and
-    ``inter_node_packs`` (whole group, delivered); the transfer figures and times of
-    this rank. Over all the micro-steps of the interval: ``cost_step_max_before/after``
+    Per global batch (means): ``num_microbatches``; ``packs_moved`` (whole group,
+    delivered); the transfer figures and times of this rank; where the nodes are known,
+    ``nodes`` (the group spans), ``inter_node_packs`` (whole group, delivered packs that
+    changed node) and ``inter_node_bytes_sent`` (this rank, to other nodes). Over all the micro-steps of the interval: ``cost_step_max_before/after``
     (mean of the costliest micro-batch of each micro-step), ``cost_step_mean`` and the
     ``imbalance`` and ``rank_imbalance`` ratios (see the module docstring).
     ``prefetched``: the share of global batches pulled before the loop asked for them.
@@ -93,7 +96,9 @@ def summarize(entries: Iterable) -> Dict[str, float]:
                     "packs_reordered": sum(e.packs_reordered for e in control) / len(control)})
     moving = [e for e in entries if e.mode != "sampler"]
     if moving:
-        out["inter_node_packs"] = sum(e.inter_node_packs for e in moving) / len(moving)
+        known = [e for e in moving if e.nodes is not None]
+        for name in _NODE_FIGURES if known else ():
+            out[name] = sum(getattr(e, name) for e in known) / len(known)
         for name in _TRANSFER:
             out[name] = sum(getattr(e, name) for e in moving) / len(moving)
         for name in _TIMES:

@@ -38,12 +38,14 @@ class BatchStatus(enum.IntEnum):
 
 
 def settings_string(sync: str, tolerance, cost_identity: str, ranks_per_node=None,
-                    delivery: str = "exchange") -> str:
+                    nodes=None, delivery: str = "exchange") -> str:
     """The solver settings every rank must share, as text (shown when they differ).
-    ``delivery``: ``exchange``, ``shadow`` or ``control`` (ranks that deliver differently
-    would wait on packs that never come: the agreement names the difference instead)."""
+    ``nodes``: the node of each rank the planner places by; ``delivery``: ``exchange``,
+    ``shadow`` or ``control`` (ranks that deliver differently would wait on packs that never
+    come: the agreement names the difference instead)."""
     return (f"protocol={PROTOCOL} sync={sync} balance_tolerance={tolerance!r} cost_fn={cost_identity}"
             + (f" ranks_per_node={ranks_per_node}" if ranks_per_node else "")
+            + (f" nodes={','.join(map(str, nodes))}" if nodes is not None else "")
             + (f" delivery={delivery}" if delivery != "exchange" else ""))
 
 

@@ -66,8 +66,9 @@ class BalancerConfig:
     control: bool = False
     #: how many global batches ``.stats`` keeps.
     stats_history: int = 1024
-    #: GPUs per node (global rank ``r`` on node ``r // ranks_per_node``, as torchrun
-    #: numbers them): moves prefer node-mates; None: every rank its own node.
+    #: the planner's override of the found nodes (the iterator's ``node_ids``): global rank
+    #: ``r`` on node ``r // ranks_per_node``; moves prefer node-mates. None: the found
+    #: nodes, or flat (every rank its own node) when none were found.
     ranks_per_node: Optional[int] = None
 
     def __post_init__(self):

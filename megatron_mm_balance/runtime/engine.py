@@ -82,7 +82,9 @@ class BatchPlan:
     plan: PlanStats                    # the solved placement's figures (control: the delivered one's)
     mode: str = "exchange"             # "exchange", "shadow" or "control" (BatchStats.mode)
     my_costs: tuple = ()
-    inter_node_packs: int = 0
+    #: nodes the group spans and delivered packs that changed node (None: nodes unknown)
+    nodes: int | None = None
+    inter_node_packs: int | None = None
     allgather_ms: float = 0.0
     solver_ms: float = 0.0
     traffic: Traffic = field(default_factory=Traffic)
@@ -96,10 +98,11 @@ class BatchPlan:
         t = self.traffic
         return BatchStats(
             global_batch=self.global_batch, num_microbatches=self.num_microbatches, plan=self.plan,
-            mode=self.mode, inter_node_packs=self.inter_node_packs,
+            mode=self.mode, nodes=self.nodes, inter_node_packs=self.inter_node_packs,
             packs_reordered=reordered_packs(self.placement), packs_sent=t.packs_sent,
             packs_received=t.packs_received, bytes_sent=t.bytes_sent, bytes_received=t.bytes_received,
-            inter_node_bytes_sent=t.inter_node_bytes_sent, my_costs=self.my_costs,
+            inter_node_bytes_sent=None if self.nodes is None else t.inter_node_bytes_sent,
+            my_costs=self.my_costs,
             allgather_ms=self.allgather_ms, solver_ms=self.solver_ms, exchange_ms=t.exchange_ms,
             exchange_cpu_ms=t.exchange_cpu_ms, prefetched=self.prefetched, consumer_wait_ms=consumer_wait_ms,
             consumer_wait_first_ms=consumer_wait_first_ms)
@@ -115,7 +118,7 @@ class Engine:
     thread (the consumer or the background thread) drives it."""
 
     def __init__(self, source, *, ranks, rank_index, exchange_group, cost_fn, cost_identity,
-                 config: BalancerConfig, device=None, board=None, state_fn=None):
+                 config: BalancerConfig, device=None, board=None, state_fn=None, found_nodes=None):
         self.source = source
         #: the source's ``save_state`` (or None): called right after each global batch is
         #: pulled, on the thread that pulls, so the state is exact for that position
@@ -125,15 +128,24 @@ class Engine:
         self.me = rank_index
         self.world = len(self.ranks)
         self.cost_fn = cost_fn
+        #: node of each data-parallel rank as the planner places by: the override
+        #: (``ranks_per_node``), else the found node ids (``found_nodes``, in group order), else
+        #: None (flat)
+        self.nodes = node_of_ranks(self.ranks, config.ranks_per_node, found_nodes)
+        #: the nodes traffic is counted against: the found ones (where packs really travel,
+        #: also when the planner is told otherwise), else the planner's; None: unknown
+        self.traffic_nodes = (tuple(int(n) for n in found_nodes) if found_nodes is not None
+                              else self.nodes)
+        if self.traffic_nodes is not None and len(self.traffic_nodes) != len(self.ranks):
+            raise ValueError(f"found_nodes: {len(self.traffic_nodes)} node ids for "
+                             f"{len(self.ranks)} ranks")
         self.settings = settings_string(config.sync, config.balance_tolerance, cost_identity,
-                                        config.ranks_per_node, delivery_mode(config))
+                                        config.ranks_per_node, self.nodes, delivery_mode(config))
         self.hash = settings_hash(self.settings)
         #: ints per pack cost: 2 for a two-phase cost_fn (``components = 2``), else 1
         self.components = int(getattr(cost_fn, "components", 1) or 1)
         if self.components not in (1, 2):
             raise ValueError(f"cost_fn.components must be 1 or 2, got {self.components}")
-        #: node of each data-parallel rank, from its global rank (None: flat)
-        self.nodes = node_of_ranks(self.ranks, config.ranks_per_node)
         self.board = board
         self.transport = PackTransport(exchange_group, self.ranks, rank_index,
                                        timeout=config.timeout, device=device, board=board)
@@ -251,7 +263,7 @@ class Engine:
         that permutation's figures: nothing moved)."""
         self._beat("solving placement")
         t0 = time.perf_counter()
-        solved, plan = plan_batch(costs, self.config, ranks=self.ranks)
+        solved, plan = plan_batch(costs, self.config, nodes=self.nodes)
         mode = delivery_mode(self.config)
         scalar = costs.sum(axis=2) if costs.ndim == 3 else costs
         if mode == "shadow":
@@ -262,11 +274,12 @@ class Engine:
         else:
             delivered = solved
         solve_ms = (time.perf_counter() - t0) * 1e3
-        nodes = None if self.nodes is None else list(self.nodes)
+        nodes = self.traffic_nodes
         return BatchPlan(
             global_batch=gb, num_microbatches=G, packs=list(packs), placement=delivered, plan=plan,
             mode=mode, my_costs=tuple(int(x) for x in delivered.apply(scalar)[self.me]),
-            inter_node_packs=traffic(delivered.src_rank, nodes)["inter_node_packs"],
+            nodes=None if nodes is None else len(set(nodes)),
+            inter_node_packs=None if nodes is None else traffic(delivered.src_rank, list(nodes))["inter_node_packs"],
             allgather_ms=gather_ms, solver_ms=solve_ms, state_after=state_after)
 
     def _peer_message(self, rank: int) -> str:
@@ -297,7 +310,7 @@ class Engine:
                     sends.append(self.transport.send(pack, dst))
                     t.packs_sent += 1
                     t.bytes_sent += sends[-1].nbytes
-                    if self.nodes is not None and self.nodes[dst] != self.nodes[me]:
+                    if self.traffic_nodes is not None and self.traffic_nodes[dst] != self.traffic_nodes[me]:
                         t.inter_node_bytes_sent += sends[-1].nbytes
         if src_r == me:
             pack, plan.packs[src_i] = plan.packs[src_i], None

@@ -14,13 +14,25 @@ must call it, in the same order, even ranks not in the new group. So
 * :func:`exchange_group_for` (used when ``BalancedDataIterator`` gets no
   ``exchange_group``) creates one on the spot, which is only safe when every
   world rank constructs its iterator at the same time.
+
+Which ranks share a node is found, not assumed: each rank names its node
+(:func:`node_identity`: torchrun's ``GROUP_RANK``, else Slurm's ``SLURM_NODEID``,
+else the host name) and the names are all-gathered once, when the exchange groups
+are created (:func:`gather_node_ids`, or piggybacked on a gather the framework
+already does, as ``megatron.groups`` does); :func:`node_ids_from_identities` turns
+them into the same node ids on every rank. ``rank // local world size`` would be
+wrong for ``srun`` launches without torchrun and for cyclic rank placement.
 """
 from __future__ import annotations
 
 import datetime
+import os
+import socket
+from typing import Mapping, Optional, Sequence, Tuple
 
 import torch.distributed as dist
 
+from ..solver.topology import dense_node_ids
 from .config import DEFAULT_TIMEOUT_S
 
 EXCHANGE_BACKEND = "gloo"
@@ -30,6 +42,39 @@ def _timedelta(timeout) -> datetime.timedelta:
     if isinstance(timeout, datetime.timedelta):
         return timeout
     return datetime.timedelta(seconds=float(timeout))
+
+
+#: what names a rank's node, in order of preference: (environment variable, label)
+NODE_ENV_VARS = (("GROUP_RANK", "torchrun agent"), ("SLURM_NODEID", "slurm node"))
+
+
+def node_identity(environ: Optional[Mapping[str, str]] = None) -> str:
+    """What identifies this rank's node: ``"torchrun agent <GROUP_RANK>"`` (torchrun starts
+    one agent per node and numbers them), else ``"slurm node <SLURM_NODEID>"`` (``srun``
+    without torchrun), else ``"host <host name>"``."""
+    env = os.environ if environ is None else environ
+    for var, label in NODE_ENV_VARS:
+        value = (env.get(var) or "").strip()
+        if value:
+            return f"{label} {value}"
+    return f"host {socket.gethostname()}"
+
+
+def node_ids_from_identities(identities: Sequence[str]) -> Tuple[int, ...]:
+    """Node id of each rank from every rank's :func:`node_identity` (index: global rank):
+    dense, numbered by first appearance in rank order (rank 0's node is 0), so every rank
+    that holds the same list computes the same ids. Pure function."""
+    return tuple(int(i) for i in dense_node_ids([str(name) for name in identities]))
+
+
+def gather_node_ids(environ: Optional[Mapping[str, str]] = None) -> Tuple[int, ...]:
+    """Every global rank's node id (:func:`node_ids_from_identities`), the same tuple on
+    every rank. Collective over the world: every rank must call it at the same point."""
+    if not dist.is_initialized():
+        raise RuntimeError("gather_node_ids needs torch.distributed to be initialised")
+    names = [None] * dist.get_world_size()
+    dist.all_gather_object(names, node_identity(environ))
+    return node_ids_from_identities(names)
 
 
 def group_ranks(group) -> list[int]:

@@ -54,7 +54,7 @@ from ..cost.pack import cost_fn_identity, default_cost_fn
 from .device import resolve_device
 from .engine import Engine, SourceExhausted
 from .errors import BalancerError, ExchangeThreadError
-from .groups import ProgressBoard, exchange_group_for, group_ranks
+from .groups import ProgressBoard, exchange_group_for, gather_node_ids, group_ranks
 from .stats import BatchStats
 from .transport import Item
 
@@ -159,6 +159,11 @@ class BalancedDataIterator:
             created with ``new_group``, which is collective over the WORLD: only
             safe when every world rank builds its iterator at the same time (a
             framework should pre-create them with :func:`new_exchange_groups`).
+        node_ids: the node id of every global rank (index: global rank; what
+            :func:`~.groups.gather_node_ids` returns, the same on every rank): moves prefer
+            node-mates and the stats count what crosses nodes. None: found here (one
+            all-gather) when the exchange group is created here, else unknown (no node
+            figures; ``config.ranks_per_node``, when set, places ranks ``r // N`` instead).
         config: a :class:`~.config.BalancerConfig` (sync, overlap, timeout,
             device, enabled, balance_tolerance, shadow, stats_history).
         state_fn: zero-argument callable returning the source's checkpoint state
@@ -182,7 +187,7 @@ class BalancedDataIterator:
 
     def __init__(self, source, *, num_microbatches, group=None, cost_fn=None, exchange_group=None,
                  config: BalancerConfig | None = None, state_fn=None, predict_microbatches=None,
-                 name: str = "", **settings):
+                 name: str = "", node_ids=None, **settings):
         if not (callable(num_microbatches) or _is_count(num_microbatches)):
             raise ValueError(f"num_microbatches must be a positive int or a callable, got {num_microbatches!r}")
         if predict_microbatches is not None and not (callable(predict_microbatches)
@@ -241,6 +246,8 @@ class BalancedDataIterator:
             if exchange_group is None:
                 exchange_group = exchange_group_for(ranks, self.timeout)
                 self._owned_group = exchange_group
+                if node_ids is None:        # collective over the world, as new_group just was
+                    node_ids = gather_node_ids()
             elif sorted(group_ranks(exchange_group)) != sorted(ranks):
                 raise ValueError(f"exchange_group ranks {group_ranks(exchange_group)} differ from the "
                                  f"data-parallel group's {ranks}")
@@ -250,7 +257,8 @@ class BalancedDataIterator:
         self._engine = Engine(self._source, ranks=ranks, rank_index=ranks.index(me),
                               exchange_group=exchange_group, cost_fn=cost_fn,
                               cost_identity=cost_fn_identity(cost_fn), config=config,
-                              device=self.device, board=board, state_fn=state_fn)
+                              device=self.device, board=board, state_fn=state_fn,
+                              found_nodes=_group_nodes(node_ids, ranks))
         if self.overlap:
             fixed = None if callable(self._num_mb) else int(self._num_mb)
             self._worker = _Worker(self._engine, fixed, predict_microbatches)
@@ -450,6 +458,16 @@ class BalancedDataIterator:
             self.close(join_timeout=1.0)
         except Exception:
             pass
+
+
+def _group_nodes(node_ids, ranks):
+    """The node id of each of ``ranks`` from every global rank's ``node_ids`` (None: unknown)."""
+    if node_ids is None:
+        return None
+    if max(ranks) >= len(node_ids):
+        raise ValueError(f"node_ids has {len(node_ids)} entries (one per global rank), the group "
+                         f"holds rank {max(ranks)}")
+    return tuple(int(node_ids[r]) for r in ranks)
 
 
 def board_prefix(exchange_group, ranks, name: str = "") -> str:

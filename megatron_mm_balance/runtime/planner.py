@@ -21,16 +21,21 @@ from ..solver.placement import Placement, PlanStats, plan_placement
 from .config import BalancerConfig
 
 
-def node_of_ranks(ranks: Optional[Sequence[int]], ranks_per_node: Optional[int]):
-    """The node of each data-parallel rank, from its global rank (torchrun numbering:
-    rank ``r`` on node ``r // ranks_per_node``); None (flat) without both."""
-    if ranks is None or not ranks_per_node:
-        return None
-    return tuple(int(r) // int(ranks_per_node) for r in ranks)
+def node_of_ranks(ranks: Optional[Sequence[int]], ranks_per_node: Optional[int],
+                  found: Optional[Sequence[int]] = None):
+    """The node of each data-parallel rank as the planner sees it: with ``ranks_per_node``
+    (the override) from its global rank, rank ``r`` on node ``r // ranks_per_node``; else
+    ``found``, each rank's node id as found at exchange-group creation (in the group's rank
+    order, :func:`~.groups.gather_node_ids`); else None (flat)."""
+    if ranks is not None and ranks_per_node:
+        return tuple(int(r) // int(ranks_per_node) for r in ranks)
+    if found is not None:
+        return tuple(int(n) for n in found)
+    return None
 
 
-def plan_batch(costs, config: BalancerConfig, *,
-               ranks: Optional[Sequence[int]] = None) -> Tuple[Placement, PlanStats]:
+def plan_batch(costs, config: BalancerConfig, *, ranks: Optional[Sequence[int]] = None,
+               nodes: Optional[Sequence[int]] = None) -> Tuple[Placement, PlanStats]:
     """The placement of one global batch and what it does.
 
     ``costs``: integer costs, ``[D, G]`` (one per pack) or ``[D, G, 2]`` (vision,
@@ -39,6 +44,8 @@ def plan_batch(costs, config: BalancerConfig, *,
     ``balance_tolerance`` and ``ranks_per_node``. ``ranks``: the global ranks of the
     D data-parallel ranks, which place them on nodes (``ranks_per_node``); None when
     nothing travels between ranks (sampler mode, the simulator), so the plan is flat.
+    ``nodes``: the node id of each of the D ranks instead (any labels; the exchange passes
+    :func:`node_of_ranks`'s, the found ids unless ``ranks_per_node`` overrides them).
 
     Returns the solved placement (checked to be a bijection of the packs onto the
     slots, its micro-steps ordered so the first moves least) and its
@@ -47,7 +54,8 @@ def plan_batch(costs, config: BalancerConfig, *,
     identity instead: the stats are then what balancing would have done.
     """
     c = np.asarray(costs)
-    nodes = node_of_ranks(ranks, config.ranks_per_node)
+    if nodes is None:
+        nodes = node_of_ranks(ranks, config.ranks_per_node)
     placement = plan_placement(c, sync=config.sync, balance_tolerance=config.balance_tolerance,
                                ranks_per_node=None if nodes is None else list(nodes))
     scalar = c.sum(axis=2) if c.ndim == 3 else c

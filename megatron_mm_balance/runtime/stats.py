@@ -17,7 +17,7 @@ Imports no torch.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Tuple
+from typing import Optional, Tuple
 
 from ..solver.placement import PlanStats
 
@@ -42,8 +42,11 @@ class BatchStats:
     #: reassigned before loading: nothing travels) or ``"control"`` (every rank kept its own
     #: packs, permuted across micro-steps in balancing's order; ``plan`` is that permutation's)
     mode: str = "exchange"
-    #: delivered packs whose node differs from the node that drew them (whole group)
-    inter_node_packs: int = 0
+    #: nodes the data-parallel group spans (None: unknown, then no node figure is reported)
+    nodes: Optional[int] = None
+    #: delivered packs whose node differs from the node that drew them (whole group;
+    #: None: nodes unknown)
+    inter_node_packs: Optional[int] = None
     #: slots (whole group) computing a pack at another micro-step than it was drawn for
     packs_reordered: int = 0
     #: this rank: packs it sent to peers / received from peers
@@ -52,8 +55,8 @@ class BatchStats:
     #: this rank: bytes it sent / received (records, headers and tensor data)
     bytes_sent: int = 0
     bytes_received: int = 0
-    #: this rank: bytes it sent to a rank on another node
-    inter_node_bytes_sent: int = 0
+    #: this rank: bytes it sent to a rank on another node (None: nodes unknown)
+    inter_node_bytes_sent: Optional[int] = None
     #: this rank's delivered micro-batches' costs, in delivery order
     my_costs: Tuple[int, ...] = ()
     #: milliseconds: the cost all-gather (including the wait for the slowest peer),

@@ -11,8 +11,8 @@ from megatron_mm_balance.solver.placement import (Placement, check_placement, ev
 from megatron_mm_balance.solver import rank_balance
 from megatron_mm_balance.solver.rank_balance import (INTER_NODE_WEIGHT, SwapRules, balance_node_totals, cost_grain,
                                               rank_limit)
-from megatron_mm_balance.solver.topology import (node_ids, pair_within_nodes, ranks_per_node_from_env,
-                                          traffic)
+from megatron_mm_balance.solver.topology import (dense_node_ids, node_ids, pair_within_nodes,
+                                                 ranks_per_node_from_env, traffic)
 
 
 def test_node_ids_and_flat_cases():
@@ -42,6 +42,10 @@ def test_traffic_counts_inter_node_packs_and_bytes():
     assert t == {"moved_packs": 5, "inter_node_packs": 2, "moved_bytes": 50.0,
                  "inter_node_bytes": 20.0}
     assert traffic(pl.src_rank, None)["inter_node_packs"] == 5
+    # one node: nothing crosses, however many packs move
+    assert traffic(pl.src_rank, [3, 3, 3, 3], nbytes) == {"moved_packs": 5, "inter_node_packs": 0,
+                                                          "moved_bytes": 50.0, "inter_node_bytes": 0.0}
+    assert traffic(pl.src_rank, 4)["inter_node_packs"] == 0
 
 
 def test_ranks_per_node_from_env(monkeypatch):
@@ -118,6 +122,58 @@ def test_node_ids_as_a_sequence():
     assert traffic(by_ids.src_rank, ids) == traffic(by_int.src_rank, 4)
     with pytest.raises(ValueError, match="node ids"):
         plan_placement(c, ranks_per_node=[0, 1])
+
+
+def test_dense_node_ids_number_by_first_appearance():
+    assert dense_node_ids([7, 3, 7, 3]).tolist() == [0, 1, 0, 1]
+    assert dense_node_ids(np.array([5, 5, 2, 9, 2])).tolist() == [0, 0, 1, 2, 1]
+    assert dense_node_ids(["host b", "host a", "host b"]).tolist() == [0, 1, 0]
+    assert node_ids(4, np.array([9, 9, 9, 9])) is None          # one node: nothing to prefer
+    assert node_ids(4, np.array([4, 1, 4, 1])).tolist() == [0, 1, 0, 1]
+
+
+#: arbitrary, non-contiguous node assignments of 12 ranks and a relabelling of each
+NON_CONTIGUOUS = [([0, 1, 2] * 4, [5, 9, 2] * 4),                          # cyclic over 3 nodes
+                  ([3, 3, 8, 1, 8, 1, 3, 8, 1, 1, 3, 8], [0, 0, 7, 2, 7, 2, 0, 7, 2, 2, 0, 7])]
+
+
+@pytest.mark.parametrize("sync", ["microstep", "step"])
+@pytest.mark.parametrize("ids,relabelled", NON_CONTIGUOUS)
+def test_non_contiguous_node_ids_plan_by_the_partition_alone(sync, ids, relabelled):
+    """Any node labels in any arrangement: the plan depends only on which ranks share a
+    node (the same for a relabelling), stays a placement, keeps the flat plan's objective
+    (microstep) or band (step), and sends no more packs across nodes than the flat plan."""
+    rng = np.random.default_rng(21)
+    aware_cross = flat_cross = 0
+    for _ in range(4):
+        c = rng.integers(0, 12, size=(12, 6)) * 256
+        aware = plan_placement(c, sync=sync, ranks_per_node=ids)
+        again = plan_placement(c, sync=sync, ranks_per_node=relabelled)
+        assert np.array_equal(aware.src_rank, again.src_rank)
+        assert np.array_equal(aware.src_index, again.src_index)
+        check_placement(aware, 12, 6)
+        flat = plan_placement(c, sync=sync)
+        if sync == "microstep":
+            assert microstep_objective(aware.apply(c)) == microstep_objective(flat.apply(c))
+        else:
+            limit = rank_limit(int(c.sum()), 12, 0.001, cost_grain(c))
+            assert aware.apply(c).sum(axis=1).max() <= max(limit, flat.apply(c).sum(axis=1).max())
+        aware_cross += traffic(aware.src_rank, ids)["inter_node_packs"]
+        flat_cross += traffic(flat.src_rank, ids)["inter_node_packs"]
+    assert aware_cross < flat_cross
+
+
+NON_CONTIGUOUS_PLACEMENTS = """
+import numpy as np
+from megatron_mm_balance.solver.placement import plan_placement
+c = np.random.default_rng(9).integers(0, 12, size=(12, 8)) * 256
+ids = [3, 3, 8, 1, 8, 1, 3, 8, 1, 1, 3, 8]
+placements = [plan_placement(c, sync=sync, ranks_per_node=ids) for sync in ("microstep", "step")]
+"""
+
+
+def test_non_contiguous_node_ids_identical_across_processes():
+    assert len(placement_digests(NON_CONTIGUOUS_PLACEMENTS, ("0", "4242"))) == 1
 
 
 def test_step_mode_prefers_node_mates_at_equal_balance():

@@ -170,12 +170,12 @@ def test_sampler_mode_flag_error_is_a_config_error():
         maybe_balanced_sampler(object(), object(), args)
 
 
-def test_ranks_per_node_flag_then_local_world_size(monkeypatch):
+def test_ranks_per_node_is_an_override_not_local_world_size(monkeypatch):
+    """Unset, the nodes are found at exchange-group creation (megatron.groups), never read
+    from LOCAL_WORLD_SIZE as rank // local world size; the flag overrides them."""
     from megatron_mm_balance.megatron.config import MMBalanceConfig
-    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    assert MMBalanceConfig.from_args(_parse(["--mm-balance"])).ranks_per_node is None
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     cfg = MMBalanceConfig.from_args(_parse(["--mm-balance"]))
-    assert cfg.ranks_per_node == 8 and cfg.runtime().ranks_per_node == 8
+    assert cfg.ranks_per_node is None and cfg.runtime().ranks_per_node is None
     cfg = MMBalanceConfig.from_args(_parse(["--mm-balance", "--mm-balance-ranks-per-node", "4"]))
     assert cfg.runtime().ranks_per_node == 4

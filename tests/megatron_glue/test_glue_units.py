@@ -389,6 +389,22 @@ def test_control_reports_the_permutation_delivered():
     assert "control" not in summarize([_batch([[0, 0, 0], [256, 64, 256]])])
 
 
+def test_node_figures_only_where_the_nodes_are_known():
+    """Without node information (nothing found, no --mm-balance-ranks-per-node) no node field
+    is reported, rather than every moved pack counted as crossing; with nodes (one or more)
+    the group's nodes, its packs that changed node and this rank's bytes sent across."""
+    unknown = summarize([_batch([[0, 0, 0], [256, 64, 256]], packs_sent=2, bytes_sent=100)])
+    assert unknown["packs_moved"] > 0 and unknown["bytes_sent"] == 100
+    assert not {"nodes", "inter_node_packs", "inter_node_bytes_sent"} & set(unknown)
+    one = summarize([_batch([[0, 0, 0], [256, 64, 256]], nodes=1, inter_node_packs=0,
+                            inter_node_bytes_sent=0)])
+    assert (one["nodes"], one["inter_node_packs"], one["inter_node_bytes_sent"]) == (1, 0, 0)
+    two = summarize([_batch([[0, 0, 0], [256, 64, 256]], gb=i, nodes=2, inter_node_packs=i,
+                            inter_node_bytes_sent=10 * i) for i in (1, 2)])
+    assert (two["nodes"], two["inter_node_packs"], two["inter_node_bytes_sent"]) == (2, 1.5, 15)
+    assert "inter_node_packs: 1.5" in format_line(3, two)
+
+
 def test_sampler_batches_report_no_transfer():
     s = summarize([_batch([[0, 5], [9, 1]], mode="sampler", solver_ms=0.5)])
     assert "bytes_sent" not in s and "prefetched" not in s and s["solver_ms"] == 0.5

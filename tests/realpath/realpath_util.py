@@ -144,6 +144,44 @@ def run(env: Dict[str, str], extra: List[str] = (), *, log_path: Path, timeout: 
                losses=parse_losses(log), moved=parse_moved(log), prefetched=parse_prefetched(log))
 
 
+def telemetry_field(log: str, name: str) -> Dict[int, float]:
+    """``{iteration: value}`` of one field of our telemetry lines (``... | name: value | ...``)."""
+    pat = re.compile(r"^\[mm-balance\] iteration (\d+) \|.*?\| " + re.escape(name) + r": ([0-9.eE+-]+)", re.M)
+    return {int(m.group(1)): float(m.group(2)) for m in pat.finditer(log)}
+
+
+def run_nodes(env: Dict[str, str], nnodes: int, nproc_per_node: int, extra: List[str] = (), *,
+              log_dir: Path, name: str, timeout: float = 600.0) -> Run:
+    """One job as ``nnodes`` launcher processes on this machine (``NNODES``, ``NODE_RANK``,
+    ``MASTER_ADDR=127.0.0.1``, one ``MASTER_PORT``; ``NPROC_PER_NODE`` ranks each), as a user
+    starts it on every node; all killed at ``timeout``. The Run's ``rc`` is the first non-zero
+    exit (0 when every launcher exits 0), its log the nodes' logs in node order
+    (``log_dir/<name>-node<N>.log``): Megatron prints its iteration lines on the last rank's
+    node, our telemetry on the first's."""
+    t0 = time.monotonic()
+    procs, paths = [], []
+    for node in range(nnodes):
+        paths.append(log_dir / f"{name}-node{node}.log")
+        node_env = dict(env, NNODES=str(nnodes), NODE_RANK=str(node), MASTER_ADDR="127.0.0.1",
+                        NPROC_PER_NODE=str(nproc_per_node))
+        procs.append(launch(node_env, extra, log_path=paths[-1]))
+    rcs = []
+    try:
+        for proc in procs:
+            try:
+                rcs.append(proc.wait(timeout=max(1.0, timeout - (time.monotonic() - t0))))
+            except subprocess.TimeoutExpired:
+                rcs.append(-9)
+    finally:
+        for proc in procs:
+            kill_group(proc)
+            proc.wait()
+    log = "".join(f"==> node {n} ({p.name})\n" + p.read_text(errors="replace") for n, p in enumerate(paths))
+    return Run(rc=next((rc for rc in rcs if rc != 0), 0), wall_s=time.monotonic() - t0, log=log,
+               log_path=paths[0], losses=parse_losses(log), moved=parse_moved(log),
+               prefetched=parse_prefetched(log))
+
+
 def max_rel_diff(a: Dict[int, float], b: Dict[int, float], iters) -> float:
     return max(abs(a[i] - b[i]) / max(abs(b[i]), 1e-12) for i in iters)
 

@@ -154,10 +154,13 @@ def _run_iterator(it, G, out: list):
         gb += 1
 
 
-def scenario_exactly_once(rank, world, configs, batches, extra=1, ranks_per_node=None):
+def scenario_exactly_once(rank, world, configs, batches, extra=1, ranks_per_node=None, node_of_rank=None):
     """For each (G, overlap): ``batches`` full global batches, then exhaustion
-    (rank 0 holds ``extra`` more packs than the others, never delivered)."""
+    (rank 0 holds ``extra`` more packs than the others, never delivered). ``node_of_rank``:
+    this rank's torchrun ``GROUP_RANK`` is ``node_of_rank[rank]`` (the node the iterator finds)."""
     from megatron_mm_balance.runtime import BalancedDataIterator
+    if node_of_rank is not None:
+        os.environ["GROUP_RANK"] = str(node_of_rank[rank])
     res = []
     for ci, (G, overlap, *rest) in enumerate(configs):
         as_callable = bool(rest and rest[0])

@@ -86,10 +86,11 @@ def test_more_microbatches_than_the_record_carries():
 def test_node_aware_exchange_delivers_the_node_aware_placement():
     """Ranks per node on the runtime: the placement every rank solves prefers node-mates
     (4 ranks, 2 per node), delivery follows it exactly, and the statistics count the
-    packs and bytes that cross nodes."""
+    packs and bytes that cross nodes (each rank's torchrun GROUP_RANK names its node, which
+    the iterator finds when it creates its exchange group)."""
     from megatron_mm_balance.solver.topology import traffic
     results = harness.launch(4, "exactly_once", hard_timeout=150, configs=[[7, True, False]],
-                             batches=3, ranks_per_node=2)
+                             batches=3, ranks_per_node=2, node_of_rank=[0, 0, 1, 1])
     for r, res in enumerate(results):
         assert "configs" in res, f"rank {r}: {res.get('error') or res}\n{res.get('log', '')}"
     _check_config(results, 0, 4, batches=3, ranks_per_node=2)

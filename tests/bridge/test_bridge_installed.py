@@ -147,6 +147,13 @@ def test_installed_found_through_the_python_that_imports_it(bridge_source, tmp_p
     r = bu.apply_patches("--installed", "--python", sys.executable, env=clean)
     assert r.returncode == 1 and "cannot import megatron.bridge" in r.stderr and len(r.stderr.splitlines()) == 1
 
+    # an editable install (the checkout's src/ on the path) is patched as the checkout it is
+    tree = bu.checkout_as(bridge_source, tmp_path / "Megatron-Bridge", "0.6.2")
+    r = bu.apply_patches("--installed", "--check", env=dict(clean, PYTHONPATH=str(tree / "src")))
+    assert r.returncode == 0 and r.stdout.splitlines()[1].startswith(
+        "Megatron-Bridge v0.6.2 (src/megatron/bridge/package_info.py: 0.6.2)"), r.stdout
+    assert "src/megatron/bridge/training/config.py: pending" in r.stdout
+
 
 def test_read_only_install_refused_with_the_remedy(bridge_source):
     """An install this user cannot write (root's site-packages): one line naming the files and

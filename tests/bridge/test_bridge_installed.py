@@ -64,14 +64,39 @@ def test_checkout_of_the_06_line_gets_its_patch_set(bridge_source, tmp_path, ver
     assert "patches/megatron-bridge-v0.6.0/" in first
 
 
-def test_checkout_tagged_v062_in_git(bridge_source, tmp_path):
-    tree = bu.checkout_as(bridge_source, tmp_path / "Megatron-Bridge", "0.6.2")
+#: a context line of the setup.py hunk, changed by the "0.6.2" commit so that a plain apply fails
+SETUP_CONTEXT = ('    timers.log(["model-and-optimizer-setup", "train/valid/test-data-iterators-setup"], barrier=True)\n',
+                 '    timers.log(["model-and-optimizer-setup", "train/valid/test-data-iterators-setup"], barrier=False)\n')
+
+
+def test_checkout_tagged_v062_in_git_merged_3way(bridge_source, tmp_path):
+    """A git checkout: v0.6.0, then a commit tagged v0.6.2 that changes a context line of a
+    hunk; the release comes from git describe, setup.py is merged 3-way (against the v0.6.0
+    blob in the history), --revert restores it byte for byte."""
+    tree = tmp_path / "Megatron-Bridge"
+    subprocess.run(["cp", "-a", str(bridge_source), str(tree)], check=True)
     git(tree, "init", "-q")
     git(tree, "add", "-A")
-    git(tree, "commit", "-q", "-m", "0.6.2")
+    git(tree, "commit", "-q", "-m", "v0.6.0")
+    bu.set_bridge_version(tree / "src/megatron/bridge", "0.6.2")
+    setup = tree / "src/megatron/bridge/training/setup.py"
+    text = setup.read_text()
+    assert text.count(SETUP_CONTEXT[0]) == 1
+    setup.write_text(text.replace(*SETUP_CONTEXT))
+    git(tree, "commit", "-q", "-am", "0.6.2")
     git(tree, "tag", "v0.6.2")
-    first = assert_apply_check_revert(tree, "src/")
-    assert first.startswith("Megatron-Bridge v0.6.2 (git describe: v0.6.2;"), first
+    before = tree_hash(tree)
+    r = bu.apply_patches(tree, "--check")
+    assert r.returncode == 0 and r.stdout.startswith("Megatron-Bridge v0.6.2 (git describe: v0.6.2;"), r.stdout
+    assert "src/megatron/bridge/training/setup.py: pending (needs a 3-way merge" in r.stdout
+    r = bu.apply_patches(tree)
+    assert r.returncode == 0 and "setup.py: applied with git apply --3way" in r.stdout, r.stdout + r.stderr
+    patched = setup.read_text()
+    assert "wrap_train_data_iterator(" in patched and SETUP_CONTEXT[1] in patched
+    assert "setup.py: applied (3-way merge" in bu.apply_patches(tree, "--check").stdout
+    assert git(tree, "diff", "--cached", "--name-only").stdout == ""                  # index untouched
+    r = bu.apply_patches(tree, "--revert")
+    assert r.returncode == 0 and "reverted 3 patch(es)" in r.stdout and tree_hash(tree) == before
     assert git(tree, "status", "--porcelain").stdout == ""
 
 

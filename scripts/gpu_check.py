@@ -19,7 +19,10 @@ Run through ``scripts/gpu_check.sh`` (which sets up paths). On a GPU it:
 
 ``scripts/gpu_check.sh`` then, with two or more visible GPUs and a patched Megatron-LM
 in ``MEGATRON_LM_DIR``, runs ``mm-balance bench-realpath`` (NCCL, transformer-engine):
-Megatron's own iteration time off vs on, one round.
+Megatron's own iteration time off vs on, one round; and (part 5, ``--bridge-only``) with a
+patched Megatron-Bridge (``MEGATRON_BRIDGE_DIR``, or installed for ``PYTHON``) the Bridge
+Qwen3-VL toy through ``scripts/pretrain_bridge_vlm.sh``: on one GPU the balanced run with
+its per-iteration times, on two or more off vs on (NCCL, transformer-engine).
 
 Without a GPU the same code runs on CPU with a tiny encoder and small payloads
 (``--cpu``, also what the test suite runs), so every line is exercised in CI.
@@ -278,13 +281,185 @@ def timing_check(*, device, out: str, shape, tile_tokens: int, seq_len: int, lm_
             "with_vision": sum(1 for r in records if r["vision_forward_ms"] > 0)}
 
 
+# --- part 5: Megatron-Bridge's Qwen3-VL toy through the user's launcher -----------------------
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BRIDGE_LAUNCHER = os.path.join(REPO, "scripts", "pretrain_bridge_vlm.sh")
+BRIDGE_CONFIG = os.path.join(REPO, "configs", "bridge", "qwen3_vl_moe_tiny_cpu.sh")
+
+
+def bridge_plan(ranks: int, *, out: str, iters: int = 6) -> list:
+    """Part 5's launcher runs for ``ranks`` GPUs: one GPU, the balanced job alone (its
+    per-iteration times; with DP=1 nothing moves, so what shows is the hook's own cost);
+    two or three, off then on at DP=2; four or more, off then on at the config's
+    DP=2 x EP=2 MoE layout. Each run: a name, its launcher environment, its command."""
+    if ranks < 1:
+        return []
+    if ranks == 1:
+        layouts = [("1gpu-on", 1, 1, "1")]
+    elif ranks < 4:
+        layouts = [("dp2-off", 2, 1, "0"), ("dp2-on", 2, 1, "1")]
+    else:
+        layouts = [("dp2-ep2-off", 4, 2, "0"), ("dp2-ep2-on", 4, 2, "1")]
+    return [{"name": name,
+             "env": {"NPROC_PER_NODE": str(nproc), "EP": str(ep), "MM_BALANCE": balance,
+                     "TRAIN_ITERS": str(iters), "LOG_INTERVAL": "1",
+                     "OUTPUT_DIR": os.path.join(out, "bridge", name)},
+             "argv": ["bash", BRIDGE_LAUNCHER, "--config", BRIDGE_CONFIG]}
+            for name, nproc, ep, balance in layouts]
+
+
+def parse_bridge_log(text: str) -> dict:
+    """Per-iteration elapsed ms and lm loss (Bridge prints each iteration's own loss), and
+    the packs our telemetry line says were moved."""
+    from megatron_mm_balance.bench.realpath import ITER_RE, TELEMETRY_RE
+
+    elapsed, losses, moved = {}, {}, {}
+    for m in ITER_RE.finditer(text):
+        elapsed[int(m.group(1))] = float(m.group(2))
+        losses[int(m.group(1))] = float(m.group(3))
+    for m in TELEMETRY_RE.finditer(text):
+        for part in m.group(2).split(" | "):
+            if part.startswith("packs_moved: "):
+                moved[int(m.group(1))] = int(float(part.split(": ", 1)[1]))
+    return {"elapsed_ms": elapsed, "losses": losses, "packs_moved": moved}
+
+
+def median_after_warmup(elapsed: dict, warmup: int = 2):
+    its = sorted(elapsed)[warmup:] or sorted(elapsed)
+    vals = sorted(elapsed[i] for i in its)
+    return vals[len(vals) // 2] if vals else None
+
+
+def bridge_prerequisites(python: str, env: dict, cuda: bool) -> str | None:
+    """Why part 5 cannot run here (None when it can): the launcher's own checks in DRY_RUN
+    (a patched Megatron-Bridge 0.6.x, its megatron-core, Python 3.12), and on a GPU
+    transformer-engine in that python (Bridge's GPU model specs use it)."""
+    import subprocess
+
+    r = subprocess.run(["bash", BRIDGE_LAUNCHER, "--config", BRIDGE_CONFIG], env=dict(env, DRY_RUN="1"),
+                       capture_output=True, text=True, timeout=300)
+    if r.returncode != 0:
+        return (r.stderr.strip().splitlines() or ["the launcher's dry run failed"])[-1]
+    if not any(line.startswith("Megatron-Bridge ") for line in r.stderr.splitlines()):
+        return ("no Megatron-Bridge: set MEGATRON_BRIDGE_DIR to a patched 0.6.x checkout, or install it "
+                "(pip install megatron-bridge) for PYTHON and run scripts/apply_patches.sh --installed")
+    if cuda:
+        te = subprocess.run([python, "-c", "import importlib.util as u, sys; "
+                             "sys.exit(u.find_spec('transformer_engine') is None)"], env=env, timeout=120)
+        if te.returncode != 0:
+            return f"transformer-engine is not importable by {python} (Bridge's GPU model specs need it)"
+    return None
+
+
+def bridge_check(*, out: str, ranks: int, iters: int, timeout: float, log) -> dict:
+    """Part 5: the Bridge Qwen3-VL toy through scripts/pretrain_bridge_vlm.sh (bridge_plan),
+    each run's per-iteration times, and off vs on (lm loss equality, packs moved, median
+    iteration time). Skips, with the reason, what cannot run here."""
+    import subprocess
+
+    import torch
+
+    python = os.environ.get("PYTHON", "python3")
+    cuda = torch.cuda.is_available()
+    plan = bridge_plan(ranks, out=out, iters=iters)
+    if not plan:
+        return {"skipped": "no GPU visible (give --bridge-ranks to run the toy through the CPU harness)"}
+    env = dict(os.environ, PYTHON=python, PYTHONPATH=os.pathsep.join(
+        [REPO] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    why = bridge_prerequisites(python, dict(env, **plan[0]["env"]), cuda)
+    if why:
+        return {"skipped": why}
+    data = os.environ.get("DATA_PATH") or os.path.join(out, "bridge", "data")
+    if not os.environ.get("DATA_PATH"):
+        mk = subprocess.run([python, "-m", "megatron_mm_balance.cli", "make-dataset", data, "--samples", "128",
+                             "--seed", "0", "--format", "bridge-qwen-vl"], env=env, capture_output=True,
+                            text=True, timeout=600)
+        if mk.returncode != 0:
+            return {"skipped": f"make-dataset failed: {(mk.stderr or mk.stdout).strip()[-300:]}"}
+    from megatron_mm_balance.bench.runtime import free_port
+
+    runs = {}
+    for run in plan:
+        os.makedirs(run["env"]["OUTPUT_DIR"], exist_ok=True)
+        log_path = os.path.join(out, "bridge", f"{run['name']}.log")
+        renv = dict(env, DATA_PATH=data, MASTER_PORT=str(free_port()), **run["env"])
+        t0 = time.perf_counter()
+        with open(log_path, "w") as f:
+            try:
+                rc = subprocess.run(run["argv"], env=renv, stdout=f, stderr=subprocess.STDOUT,
+                                    timeout=timeout, cwd=REPO, start_new_session=True).returncode
+            except subprocess.TimeoutExpired:
+                rc = -9
+        with open(log_path, errors="replace") as f:
+            res = parse_bridge_log(f.read())
+        res.update(rc=rc, wall_s=time.perf_counter() - t0, log=log_path,
+                   median_ms=median_after_warmup(res["elapsed_ms"]))
+        runs[run["name"]] = res
+        med = f"{res['median_ms']:.1f} ms" if res["median_ms"] is not None else "n/a"
+        log(f"  {run['name']:<12} exit {rc}, {res['wall_s']:.0f} s wall, {len(res['losses'])} iterations, "
+            f"median iteration {med}, packs moved {sum(res['packs_moved'].values())}")
+    report = {"ranks": ranks, "cuda": cuda, "runs": runs}
+    off = next((r for n, r in runs.items() if n.endswith("-off")), None)
+    on = next((r for n, r in runs.items() if n.endswith("-on")), None)
+    if off and on and off["losses"] and sorted(off["losses"]) == sorted(on["losses"]):
+        report["max_rel_loss_diff"] = max(abs(on["losses"][i] - off["losses"][i]) / max(abs(off["losses"][i]), 1e-12)
+                                          for i in off["losses"])
+        if off["median_ms"] and on["median_ms"]:
+            report["median_on_over_off"] = on["median_ms"] / off["median_ms"]
+    report["ok"] = all(r["rc"] == 0 and len(r["losses"]) == iters for r in runs.values()) and \
+        (off is None or report.get("max_rel_loss_diff", 1.0) <= 1e-5)
+    return report
+
+
+def print_bridge_table(rep: dict) -> None:
+    if "skipped" in rep:
+        print(f"== 5. Megatron-Bridge Qwen3-VL toy: skipped ({rep['skipped']})")
+        return
+    print(f"{'Bridge run':<14} {'exit':>5} {'iterations':>10} {'median ms':>10} {'packs moved':>12}")
+    for name, r in rep["runs"].items():
+        med = f"{r['median_ms']:.1f}" if r["median_ms"] is not None else "n/a"
+        print(f"{name:<14} {r['rc']:>5} {len(r['losses']):>10} {med:>10} {sum(r['packs_moved'].values()):>12}")
+    if "max_rel_loss_diff" in rep:
+        print(f"{'max relative lm-loss difference off/on':<44} {rep['max_rel_loss_diff']:>14.2e}")
+    if "median_on_over_off" in rep:
+        print(f"{'median iteration time on / off':<44} {rep['median_on_over_off']:>14.3f}")
+
+
+def bridge_main(args) -> int:
+    """--bridge-plan: print part 5's runs for the GPUs here (or --bridge-ranks) and exit;
+    --bridge-only: run part 5, write OUT/bridge_check.json, print its table."""
+    ranks = args.bridge_ranks
+    if ranks is None:
+        import torch
+        ranks = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if args.bridge_plan:
+        print(json.dumps(bridge_plan(ranks, out=args.out, iters=args.bridge_iters), indent=1))
+        return 0
+    print(f"== 5. Megatron-Bridge Qwen3-VL toy through scripts/pretrain_bridge_vlm.sh ({ranks} rank(s))", flush=True)
+    rep = bridge_check(out=args.out, ranks=ranks, iters=args.bridge_iters, timeout=args.bridge_timeout,
+                       log=lambda m: print(m, flush=True))
+    with open(os.path.join(args.out, "bridge_check.json"), "w") as f:
+        json.dump(rep, f, indent=1)
+    print_bridge_table(rep)
+    return 0 if rep.get("ok", "skipped" in rep) else 1
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="GPU validation for megatron-mm-balance")
     ap.add_argument("--out", default=os.environ.get("OUT") or "./gpu_results")
     ap.add_argument("--cpu", action="store_true", help="force the small CPU run")
     ap.add_argument("--repeats", type=int, default=None)
+    ap.add_argument("--bridge-only", action="store_true",
+                    help="run only part 5 (Megatron-Bridge's Qwen3-VL toy through its launcher)")
+    ap.add_argument("--bridge-plan", action="store_true", help="print part 5's launcher runs and exit")
+    ap.add_argument("--bridge-ranks", type=int, default=None,
+                    help="ranks of part 5 (default: the visible GPUs; on a CPU the launcher's CPU harness runs them)")
+    ap.add_argument("--bridge-iters", type=int, default=6)
+    ap.add_argument("--bridge-timeout", type=float, default=900.0, help="seconds per launcher run")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
+    if args.bridge_only or args.bridge_plan:
+        return bridge_main(args)
     lines = []
 
     def log(msg):

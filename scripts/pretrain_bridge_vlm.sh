@@ -1,15 +1,20 @@
 #!/usr/bin/env bash
 # Launch Megatron-Bridge VLM pretraining (Qwen3-VL recipes) with image-token balancing on one
 # node (torchrun). Balancing is Bridge's config field mm_balance.enabled (patched in by
-# scripts/apply_patches.sh MEGATRON_BRIDGE_DIR); MM_BALANCE=1 sets it.
+# scripts/apply_patches.sh MEGATRON_BRIDGE_DIR, or --installed); MM_BALANCE=1 sets it.
 #
-#   MEGATRON_BRIDGE_DIR=/path/to/Megatron-Bridge DATA_PATH=/data/qwen-vl-energon \
+#   [MEGATRON_BRIDGE_DIR=/path/to/Megatron-Bridge] DATA_PATH=/data/qwen-vl-energon \
 #     scripts/pretrain_bridge_vlm.sh [--config configs/bridge/qwen3_vl_moe_tiny_cpu.sh] [override=value...]
 #
 # Environment:
-#   MEGATRON_BRIDGE_DIR  Megatron-Bridge v0.6.0 checkout with our patches applied; required
+#   MEGATRON_BRIDGE_DIR  a Megatron-Bridge 0.6.x checkout, or a directory holding an installed
+#                        Megatron-Bridge (site-packages/megatron/bridge/), with our patches
+#                        applied; default: the megatron.bridge that PYTHON imports (pip, or a
+#                        container's Bridge), patched with scripts/apply_patches.sh --installed
 #   MEGATRON_LM_DIR      the Megatron-LM tree Bridge pins (its megatron/core); default
-#                        MEGATRON_BRIDGE_DIR/3rdparty/Megatron-LM
+#                        MEGATRON_BRIDGE_DIR/3rdparty/Megatron-LM for a checkout that has it,
+#                        else the megatron.core that PYTHON imports
+#   FORCE_RELEASE=1      accept a Bridge of a newer line that apply_patches.sh --force patched
 #   DATA_PATH            energon ChatML dataset directory (mm-balance make-dataset --format
 #                        bridge-qwen-vl writes one); required unless DRY_RUN=1
 #   PROCESSOR            Hugging Face Qwen-VL processor directory or name (default DATA_PATH/processor)
@@ -23,8 +28,8 @@
 #                        torchrun rendezvous (defaults: the config's NNODES, 0, 127.0.0.1, 29500,
 #                        the config's GPUS_PER_NODE)
 #   PYTHON               the interpreter (scripts/setup_env_bridge.sh builds a Python 3.12 one)
-#   DRY_RUN=1            print the command (one argument per line) and exit; without
-#                        MEGATRON_BRIDGE_DIR it prints with a placeholder path
+#   DRY_RUN=1            print the command (one argument per line) and exit, after the same
+#                        checks of Bridge; with no Bridge at all it prints with a placeholder path
 # Extra arguments are more Hydra overrides (mm_balance.mode=shadow, train.exit_interval=3, ...).
 # A config with CPU_HARNESS=auto runs on a machine without CUDA through
 # megatron_mm_balance.testing.cpu_bridge (gloo, the CPU stand-ins listed in docs/bridge.md).
@@ -46,21 +51,65 @@ PY=$("$PY" -c "import sys; print(sys.executable)") || { echo "pretrain_bridge_vl
 DRY_RUN=${DRY_RUN:-0}
 
 die() { echo "pretrain_bridge_vlm: $*" >&2; exit 1; }
+# Where "$PY" imports a package from (its directory; empty when it cannot), without running
+# the package's __init__; $2: extra PYTHONPATH entries in front.
+import_dir() {
+  PYTHONPATH="${2:+$2${PYTHONPATH:+:}}${PYTHONPATH:-}" "$PY" -c '
+import importlib.util, sys
+try:
+    spec = importlib.util.find_spec(sys.argv[1])
+except ImportError:
+    spec = None
+print(list(spec.submodule_search_locations)[0] if spec and spec.submodule_search_locations else "")' "$1" 2>/dev/null || true
+}
+# Megatron-Bridge: MEGATRON_BRIDGE_DIR (a checkout, or a directory with an installed package:
+# site-packages/megatron/bridge/), else the megatron.bridge that $PY imports (pip, a container's
+# /opt/...). BRIDGE_PATH: what goes on PYTHONPATH for it (nothing when $PY imports it anyway).
+BRIDGE_PATH=""
+if [ -z "${MEGATRON_BRIDGE_DIR:-}" ] && found=$(import_dir megatron.bridge) && [ -n "$found" ]; then
+  MEGATRON_BRIDGE_DIR=$found
+  echo "pretrain_bridge_vlm: Megatron-Bridge as $PY imports it: $found" >&2
+elif [ -n "${MEGATRON_BRIDGE_DIR:-}" ]; then
+  if [ -d "$MEGATRON_BRIDGE_DIR/src/megatron/bridge" ]; then BRIDGE_PATH=$MEGATRON_BRIDGE_DIR/src
+  elif [ -d "$MEGATRON_BRIDGE_DIR/megatron/bridge" ]; then BRIDGE_PATH=$MEGATRON_BRIDGE_DIR
+  else die "$MEGATRON_BRIDGE_DIR has no src/megatron/bridge (a checkout) nor megatron/bridge (an installed package)"; fi
+fi
 if [ "$DRY_RUN" = 1 ] && [ -z "${MEGATRON_BRIDGE_DIR:-}" ]; then
   MEGATRON_BRIDGE_DIR=/path/to/Megatron-Bridge          # printing only: no checkout needed
   MEGATRON_LM_DIR=${MEGATRON_LM_DIR:-$MEGATRON_BRIDGE_DIR/3rdparty/Megatron-LM}
 else
-  [ -n "${MEGATRON_BRIDGE_DIR:-}" ] || die "set MEGATRON_BRIDGE_DIR to a Megatron-Bridge v0.6.0 checkout"
-  [ -d "$MEGATRON_BRIDGE_DIR/src/megatron/bridge" ] || die "$MEGATRON_BRIDGE_DIR has no src/megatron/bridge"
-  state=$(bash "$HERE/scripts/apply_patches.sh" "$MEGATRON_BRIDGE_DIR" --check 2>&1) || { echo "$state" >&2; exit 1; }
+  [ -n "${MEGATRON_BRIDGE_DIR:-}" ] \
+    || die "no Megatron-Bridge: $PY cannot import megatron.bridge; pip install megatron-bridge (0.6.x) into its environment, set PYTHON to the python that has it, or set MEGATRON_BRIDGE_DIR to a checkout"
+  FORCE=(); [ "${FORCE_RELEASE:-0}" != 1 ] || FORCE=(--force)
+  state=$(bash "$HERE/scripts/apply_patches.sh" "$MEGATRON_BRIDGE_DIR" --check "${FORCE[@]}" 2>&1) || { echo "$state" >&2; exit 1; }
   if grep -q ": pending" <<<"$state"; then
-    die "patches are not applied to $MEGATRON_BRIDGE_DIR: run scripts/apply_patches.sh $MEGATRON_BRIDGE_DIR"
+    if [ -n "$BRIDGE_PATH" ]; then
+      die "patches are not applied to $MEGATRON_BRIDGE_DIR: run scripts/apply_patches.sh $MEGATRON_BRIDGE_DIR${FORCE:+ --force}"
+    fi
+    die "patches are not applied to the installed Megatron-Bridge ($MEGATRON_BRIDGE_DIR): run scripts/apply_patches.sh --installed --python $PY${FORCE:+ --force}"
   fi
-  MEGATRON_LM_DIR=${MEGATRON_LM_DIR:-$MEGATRON_BRIDGE_DIR/3rdparty/Megatron-LM}
-  [ -f "$MEGATRON_LM_DIR/megatron/core/__init__.py" ] \
-    || die "no megatron-core at $MEGATRON_LM_DIR (set MEGATRON_LM_DIR to the Megatron-LM tree Bridge pins)"
+  head -1 <<<"$state" >&2
+  ROOT=$MEGATRON_BRIDGE_DIR
+  [ -n "$BRIDGE_PATH" ] || ROOT=$(dirname "$(dirname "$MEGATRON_BRIDGE_DIR")")
+  [ "$(basename "$ROOT")" != src ] || ROOT=$(dirname "$ROOT")
+  # megatron-core: MEGATRON_LM_DIR, else the checkout's 3rdparty/Megatron-LM, else the one $PY imports
+  if [ -z "${MEGATRON_LM_DIR:-}" ] && [ -f "$ROOT/3rdparty/Megatron-LM/megatron/core/__init__.py" ]; then
+    MEGATRON_LM_DIR=$ROOT/3rdparty/Megatron-LM
+  fi
+  if [ -n "${MEGATRON_LM_DIR:-}" ]; then
+    [ -f "$MEGATRON_LM_DIR/megatron/core/__init__.py" ] \
+      || die "no megatron-core at $MEGATRON_LM_DIR (set MEGATRON_LM_DIR to the Megatron-LM tree Bridge pins)"
+  elif [ -z "$(import_dir megatron.core "$BRIDGE_PATH")" ]; then
+    die "no megatron-core: $PY cannot import megatron.core; pip install the megatron-core Megatron-Bridge requires, or set MEGATRON_LM_DIR to the Megatron-LM tree Bridge pins"
+  fi
+  # the megatron.bridge that will run (PYTHONPATH as exported below) is the one just checked
+  want=$(import_dir megatron.bridge "${MEGATRON_LM_DIR:+$MEGATRON_LM_DIR${BRIDGE_PATH:+:}}$BRIDGE_PATH")
+  checked=$ROOT/src/megatron/bridge
+  [ -d "$checked" ] || checked=$ROOT/megatron/bridge
+  [ "$(cd "${want:-/nonexistent}" 2>/dev/null && pwd -P)" = "$(cd "$checked" && pwd -P)" ] \
+    || die "$PY would import megatron.bridge from ${want:-nowhere}, not from the patched $checked: set MEGATRON_BRIDGE_DIR to the one it imports, or remove the other from its PYTHONPATH"
   "$PY" -c "import sys; sys.exit(sys.version_info[:2] != (3, 12))" \
-    || die "Megatron-Bridge v0.6.0 needs Python 3.12; $PY is $("$PY" -V 2>&1): set PYTHON (scripts/setup_env_bridge.sh builds one)"
+    || die "Megatron-Bridge 0.6 needs Python 3.12; $PY is $("$PY" -V 2>&1): set PYTHON (scripts/setup_env_bridge.sh builds one)"
 fi
 if [ "$DRY_RUN" != 1 ]; then
   [ -n "${DATA_PATH:-}" ] || die "set DATA_PATH to an energon ChatML dataset (mm-balance make-dataset --format bridge-qwen-vl)"
@@ -110,7 +159,7 @@ if [ "$DRY_RUN" = 1 ]; then
   exit 0
 fi
 export CUDA_DEVICE_MAX_CONNECTIONS=1 NVTE_APPLY_QK_LAYER_SCALING=0
-export PYTHONPATH="$MEGATRON_LM_DIR:$MEGATRON_BRIDGE_DIR/src:$HERE${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="${MEGATRON_LM_DIR:+$MEGATRON_LM_DIR:}${BRIDGE_PATH:+$BRIDGE_PATH:}$HERE${PYTHONPATH:+:$PYTHONPATH}"
 mkdir -p "$OUTPUT_DIR"
 cd "$OUTPUT_DIR"
 exec "${CMD[@]}"

@@ -180,3 +180,58 @@ def check_band(off: Run, on: Run, control: Run, label: str, verdict: Optional[st
     return report
 
 
+
+
+# --------------------------------------------------------------------------- Bridge as installed
+APPLY = REPO / "scripts" / "apply_patches.sh"
+
+
+def unpack_bridge_source(dest: Path) -> Optional[Path]:
+    """The unmodified Megatron-Bridge v0.6.0 archive unpacked under ``dest`` (read it, never
+    write it); None when the archive is missing."""
+    src = archive_dir() / BRIDGE_ARCHIVE
+    if not src.is_file():
+        return None
+    with tarfile.open(src) as tf:
+        tf.extractall(dest, filter="data")
+    return dest / "Megatron-Bridge-v0.6.0"
+
+
+def set_bridge_version(package: Path, version: str) -> None:
+    """Rewrite MAJOR/MINOR/PATCH of ``package``/package_info.py (package: a megatron/bridge/
+    directory), a stand-in for another release of Bridge (0.6.2, 0.7.0)."""
+    f = package / "package_info.py"
+    values = dict(zip(("MAJOR", "MINOR", "PATCH"), version.split(".")))
+    lines = []
+    for line in f.read_text().splitlines(keepends=True):
+        key = line.partition("=")[0].strip()
+        lines.append(f"{key} = {values[key]}\n" if key in values and "=" in line else line)
+    f.write_text("".join(lines))
+
+
+def checkout_as(source: Path, dst: Path, version: str) -> Path:
+    """A copy of the v0.6.0 checkout whose package_info.py says ``version``."""
+    subprocess.run(["cp", "-a", str(source), str(dst)], check=True)
+    set_bridge_version(dst / "src" / "megatron" / "bridge", version)
+    return dst
+
+
+def installed_as(source: Path, site: Path, version: str) -> Path:
+    """``site``/megatron/bridge/ (the v0.6.0 sources, package_info.py saying ``version``) and
+    ``site``/megatron_bridge-<version>.dist-info/METADATA: the layout pip gives an installed
+    megatron-bridge wheel. Returns ``site``."""
+    (site / "megatron").mkdir(parents=True)
+    subprocess.run(["cp", "-a", str(source / "src" / "megatron" / "bridge"), str(site / "megatron")], check=True)
+    set_bridge_version(site / "megatron" / "bridge", version)
+    dist = site / f"megatron_bridge-{version}.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text(f"Metadata-Version: 2.4\nName: megatron-bridge\nVersion: {version}\n"
+                                   "Requires-Python: <3.13,>=3.12\n")
+    (dist / "top_level.txt").write_text("megatron\n")
+    return site
+
+
+def apply_patches(*args, env: Optional[Dict[str, str]] = None, timeout: float = 120):
+    """``scripts/apply_patches.sh ARGS`` (text output)."""
+    return subprocess.run(["bash", str(APPLY), *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, env=env)

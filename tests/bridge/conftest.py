@@ -37,6 +37,15 @@ def bridge_trees() -> dict:
 
 
 @pytest.fixture(scope="session")
+def bridge_source(tmp_path_factory) -> Path:
+    """The unmodified Megatron-Bridge v0.6.0 archive, unpacked once per session (never written)."""
+    src = bu.unpack_bridge_source(tmp_path_factory.mktemp("bridge-source"))
+    if src is None:
+        pytest.skip(f"no {bu.archive_dir() / bu.BRIDGE_ARCHIVE}")
+    return src
+
+
+@pytest.fixture(scope="session")
 def bridge_dataset(tmp_path_factory) -> dict:
     return bu.make_dataset(tmp_path_factory.mktemp("bridge-data") / "data", samples=128, seed=0)
 

@@ -153,6 +153,9 @@ class MegatronArgs:
     schedule: BatchSchedule = field(default_factory=BatchSchedule)
     #: the launcher's ``LOCAL_WORLD_SIZE`` (GPUs per node under torchrun), None if unset
     local_world_size: Optional[int] = None
+    #: the framework derives a cost model from its model config when
+    #: ``--mm-balance-cost model`` has no cost file (Megatron-Bridge: ``mm_balance_model_cost_from_config``)
+    model_cost_from_config: bool = False
 
     @classmethod
     def read(cls, args) -> "MegatronArgs":
@@ -191,6 +194,7 @@ class MegatronArgs:
                 seq_length=get("seq_length"),
                 consumed_train_samples=int(get("consumed_train_samples", 0))),
             local_world_size=ranks_per_node_from_env(default=None),
+            model_cost_from_config=bool(get("mm_balance_model_cost_from_config", False)),
         )
 
 
@@ -335,6 +339,8 @@ class MMBalanceConfig:
 
     def _check_cost_file(self) -> None:
         if self.cost == "model":
+            if not self.cost_file and self.megatron.model_cost_from_config:
+                return
             if not self.cost_file:
                 raise MMBalanceConfigError("--mm-balance-cost model needs --mm-balance-cost-file PATH "
                                            "(a calibrated cost file)")

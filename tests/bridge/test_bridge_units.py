@@ -51,7 +51,8 @@ def test_grid_features_before_and_after_merge():
     assert QwenVLCost(2)({"image_grid_thw": [[[1, 16, 8]], [[1, 4, 4]]]}) == 144
     assert QwenVLCost(2)({"visual_inputs": {"image_grid_thw": [[1, 2, 2]]}}) == 4
     assert QwenVLCost(2)({"input_ids": torch.zeros(1, 5)}) == 0        # text only
-    assert QwenVLCost(2)("not a dict") == 0
+    with pytest.raises(ValueError, match="is a str, expected a dict"):  # never a silent 0
+        QwenVLCost(2)("not a dict")
 
 
 def test_grid_cost_rejects_bad_grids():
@@ -123,7 +124,7 @@ def test_config_resolves_like_the_megatron_lm_path():
     (dict(mode="sampler"), {}, "mm_balance.mode=sampler"),
     (dict(mode="bogus"), {}, "--mm-balance-mode"),
     (dict(sync="bogus"), {}, "--mm-balance-sync"),
-    (dict(cost="model"), {}, "cost-file"),
+    (dict(cost="model", cost_file="/nonexistent/cost.json"), {}, "no such file"),
     (dict(timeout=0), {}, "timeout"),
     ({}, dict(mbs=2), "micro-batch-size 2"),
     ({}, dict(lb="global_aux_loss"), "global_aux_loss"),

@@ -3,6 +3,12 @@ built by Bridge's own provider under the CPU harness) on micro-batches of mixed 
 print, as one JSON line, each micro-batch's grids, its measured milliseconds (best of REPS) and the
 costs predicted by the FLOP-derived model and by the patch count.
 
+The CPU harness's packed attention (``cpu_pretrain._packed_attention``) is one dense masked
+attention over the whole pack: exact, but quadratic in the pack's total patches, which no GPU
+kernel is. Timed with it, a 4,096-patch micro-batch takes the same time as one frame or as 64
+frames. ``--attention per-frame`` (the default) computes each frame's attention on its own, as
+FlashAttention's variable-length kernels do; ``--attention harness`` keeps the harness's.
+
     PYTHONPATH=REPO:BRIDGE/src:MEGATRON_LM python tests/bridge/toy_tower_timing.py
 """
 from __future__ import annotations
@@ -22,12 +28,36 @@ BATCHES = [
     [(1, 48, 48)], [(1, 16, 16)] * 9, [(1, 32, 64)], [(1, 8, 8)] * 32, [(1, 24, 24), (1, 32, 32)],
     [(2, 40, 40)], [(1, 16, 32)] * 6,
 ]
-REPS = 3
+REPS = 2
+
+
+def install_per_frame_attention() -> None:
+    """Packed (THD) attention computed segment by segment (each frame of the pack alone)."""
+    import torch
+    from megatron.core.transformer import dot_product_attention as dpa
+    harness_forward = dpa.DotProductAttention.forward
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        if packed_seq_params is None:
+            return harness_forward(self, query, key, value, attention_mask, attn_mask_type=attn_mask_type,
+                                   attention_bias=attention_bias, packed_seq_params=None)
+        cu = packed_seq_params.cu_seqlens_q.to(torch.long).tolist()
+        outs = []
+        for a, b in zip(cu, cu[1:]):
+            q, k, v = (x[a:b].float().transpose(0, 1) for x in (query, key, value))      # [h, p, d]
+            probs = torch.softmax(torch.matmul(q, k.transpose(1, 2)) * self.softmax_scale, dim=-1)
+            outs.append(torch.matmul(probs, v).to(query.dtype).transpose(0, 1))
+        return torch.cat(outs).reshape(query.shape[0], 1, -1)
+
+    dpa.DotProductAttention.forward = forward
 
 
 def main() -> None:
     from megatron_mm_balance.testing import cpu_bridge
     cpu_bridge.install()
+    if "--attention" not in sys.argv or sys.argv[sys.argv.index("--attention") + 1] == "per-frame":
+        install_per_frame_attention()
     import torch
     import torch.distributed as dist
 

@@ -44,7 +44,8 @@ class MMBalanceBridgeConfig:
     #: ``image-tokens`` (vision-encoder tokens from the Qwen-VL grids) or ``model``
     #: (``auto``, the online fit, needs the Megatron-LM path's timing hooks: refused here)
     cost: str = _D.cost
-    #: the calibrated cost model of ``cost=model``
+    #: the calibrated cost model of ``cost=model``; without one, ``cost=model`` is the
+    #: FLOP count of the model config's vision tower and language model (docs/bridge.md section 3)
     cost_file: Optional[str] = None
     #: statistics every N iterations (None: ``logger.log_interval``)
     log_interval: Optional[int] = None
@@ -96,6 +97,7 @@ def as_args(mm: MMBalanceBridgeConfig, cfg, *, train_state=None) -> types.Simple
         consumed_train_samples=getattr(train_state, "consumed_train_samples", 0) or 0,
         iteration=int(getattr(train_state, "step", 0) or 0),
         dataloader_type=getattr(cfg.dataset, "dataloader_type", None),
+        mm_balance_model_cost_from_config=True,
     )
 
 

@@ -45,14 +45,47 @@ class BridgeCoordinator(ExchangeCoordinator):
 
 
 def cost_fn_for(core_cfg, model_cfg):
-    """The Qwen-VL cost the checked config asks for (merge size from the model config);
-    under ``microstep`` sync a cost model gives (vision, language) for the two-phase solver."""
+    """The Qwen-VL cost the checked config asks for (merge size from the model config):
+    patch count by default; ``cost=model`` a cost file's model, or without one the FLOP
+    count of the provider's vision tower and language model under its training regime
+    (:func:`~megatron_mm_balance.cost.flops.vision_cost_model`). Under ``microstep`` sync a
+    model gives (vision, language) for the two-phase solver."""
     from ..cost.pack import QwenVLCost
-    merge = int(getattr(getattr(model_cfg, "vision_config", None), "spatial_merge_size", None)
-                or getattr(model_cfg, "spatial_merge_size", 2) or 2)
-    if core_cfg.cost == "model":
-        return QwenVLCost.from_file(core_cfg.cost_file, merge, phases=core_cfg.sync == "microstep")
-    return QwenVLCost(merge)
+    vision = getattr(model_cfg, "vision_config", None)
+    merge = int(getattr(vision, "spatial_merge_size", None) or getattr(model_cfg, "spatial_merge_size", 2) or 2)
+    if core_cfg.cost != "model":
+        return QwenVLCost(merge)
+    phases = core_cfg.sync == "microstep"
+    if core_cfg.cost_file:
+        return QwenVLCost.from_file(core_cfg.cost_file, merge, phases=phases)
+    import torch
+
+    from ..cost.flops import CPU_FLOPS_PER_MS, DEFAULT_FLOPS_PER_MS, vision_cost_model
+    from ..megatron.checks import MMBalanceConfigError
+    try:
+        model = vision_cost_model(vision, training_regime(model_cfg), language_config=model_cfg,
+                                  flops_per_ms=DEFAULT_FLOPS_PER_MS if torch.cuda.is_available() else CPU_FLOPS_PER_MS,
+                                  where="model.vision_config")
+    except ValueError as exc:
+        raise MMBalanceConfigError(f"mm_balance.cost=model: {exc}") from None
+    return QwenVLCost(merge, model=model, phases=phases, source="flops")
+
+
+def training_regime(model_cfg):
+    """What the provider trains, recomputes and pads (Bridge 0.6 names; the Qwen3-VL tower
+    takes the language model's recompute settings, Qwen2.5-VL's Hugging Face tower none)."""
+    from ..cost.flops import TrainingRegime
+    get = lambda name, default=None: getattr(model_cfg, name, default)  # noqa: E731
+    megatron_tower = hasattr(get("vision_config"), "deepstack_visual_indexes")
+    return TrainingRegime(
+        freeze_vision_model=bool(get("freeze_vision_model", False)),
+        freeze_vision_projection=bool(get("freeze_vision_projection", False)),
+        freeze_language_model=bool(get("freeze_language_model", False)),
+        recompute_granularity=get("recompute_granularity") if megatron_tower else None,
+        recompute_method=get("recompute_method"), recompute_num_layers=get("recompute_num_layers"),
+        recompute_modules=tuple(get("recompute_modules", None) or ("core_attn",)),
+        language_recompute_granularity=get("recompute_granularity"),
+        vision_cuda_graphs=(get("vision_cuda_graph_impl", "none") or "none") != "none")
 
 
 def _layout(pg_collection):

@@ -4,6 +4,9 @@
   its least-squares fit and cost files (``--mm-balance-cost model``);
 * :mod:`.pack` — reading a pack's image-token counts and lengths, and the cost
   functions the runtime calls (:class:`~.pack.ImageTokenCost`, :class:`~.pack.ModelCost`);
+* :mod:`.frames` — Qwen-VL grids as per-frame features (pure functions of ``(t, h, w)`` lists);
+* :mod:`.flops` — a cost model from a vision tower's (and language model's) config by FLOP
+  count, under the training regime (frozen parts, recompute);
 * :mod:`.calibration` — timing a vision encoder to fit a cost model (imports torch
   inside its functions).
 

@@ -10,8 +10,11 @@ variable-length packed sequences follows the sum of squared sample lengths.
   here, for many packs at once);
 * :class:`CostModel` — milliseconds per phase:
 
-  - vision forward ``a*sum(n_i) + b*sum(n_i**2) + f*[pack has images]`` over the
-    pack's images (``b``: attention inside each image; ``f``: a per-pack launch cost),
+  - vision forward ``a*sum(n_i) + b*sum(n_i**2) + u*units + g*images + f*[pack has images]``
+    over the pack's attention units ``n_i`` (an image for tiled inputs; a frame, ``h*w``
+    patches, for Qwen-VL's native-resolution grids, :mod:`.frames`), with ``b``: attention
+    inside each unit; ``u``, ``g``: per-unit and per-image constants; ``f``: a per-pack
+    launch cost,
   - language-model forward ``t*positions + c*sum(len_j**2) + const`` over its
     samples (``positions``: the tokens the model computes, the pack's own or the
     fixed sequence length when padding is computed),
@@ -26,8 +29,10 @@ variable-length packed sequences follows the sum of squared sample lengths.
   (``sim/``, whose :class:`~megatron_mm_balance.sim.timing.TimingModel` converts to a
   :class:`CostModel`) all call it.
 * cost files (JSON) carry the coefficients between a calibration and the
-  ``--mm-balance-cost model`` flag (``mm-balance-cost/v2``; ``v1`` files, with one
-  ``backward_ratio`` for both phases, are read too).
+  ``--mm-balance-cost model`` flag (``mm-balance-cost/v2``; a model with per-unit or
+  per-image terms is written as ``v3``, so a reader that does not know those terms refuses
+  it instead of dropping them; ``v1`` files, with one ``backward_ratio`` for both phases,
+  are read too).
 
 Costs are integers (microseconds) so that the placement solver, which every rank
 runs on the same all-gathered costs, is exact.
@@ -42,18 +47,29 @@ from typing import Iterable, Optional, Sequence
 import numpy as np
 
 COST_FILE_FORMAT = "mm-balance-cost/v2"
-COST_FILE_FORMATS = ("mm-balance-cost/v1", COST_FILE_FORMAT)
+#: the format of a model that uses the per-unit / per-image terms (:data:`UNIT_TERMS`)
+COST_FILE_FORMAT_UNITS = "mm-balance-cost/v3"
+COST_FILE_FORMATS = ("mm-balance-cost/v1", COST_FILE_FORMAT, COST_FILE_FORMAT_UNITS)
+#: the terms ``v3`` added (a ``v2`` file has none of them: they are 0)
+UNIT_TERMS = ("vision_ms_per_unit", "vision_ms_per_image")
 COST_KINDS = ("two-phase", "time")
 
 
 @dataclass(frozen=True)
 class PackFeatures:
-    """What the model looks at: per-image token counts, per-sample lengths and the
-    positions the language model computes (default: the samples' tokens)."""
+    """What the model looks at: the token count of each attention unit (``images``: one
+    per image for tiled inputs, one per frame for Qwen-VL grids), per-sample lengths, the
+    positions the language model computes (default: the samples' tokens) and the number
+    of images (default: one per unit)."""
 
     images: tuple[int, ...]
     lengths: tuple[int, ...] = ()
     positions: Optional[int] = None
+    num_images: Optional[int] = None
+
+    @property
+    def image_count(self) -> int:
+        return len(self.images) if self.num_images is None else int(self.num_images)
 
     def vector(self) -> np.ndarray:
         """``[sum(n), sum(n^2), sum(len^2), 1]``: the terms of the forward fit."""
@@ -75,6 +91,8 @@ class FeatureArrays:
     has_images: np.ndarray        # [P] bool
     positions: np.ndarray         # [P] positions the language model computes
     len_sq: np.ndarray            # [P] sum of len_j^2
+    units: Optional[np.ndarray] = None       # [P] attention units (frames); None: no unit term
+    num_images: Optional[np.ndarray] = None  # [P] images (a video is one); None: no image term
 
     @staticmethod
     def of(packs: Sequence[PackFeatures]) -> "FeatureArrays":
@@ -85,7 +103,9 @@ class FeatureArrays:
             image_sq=np.array([(v * v).sum() for v in img]),
             has_images=np.array([len(p.images) > 0 for p in packs]),
             positions=np.array([float(p.tokens) for p in packs]),
-            len_sq=np.array([(v * v).sum() for v in ln]))
+            len_sq=np.array([(v * v).sum() for v in ln]),
+            units=np.array([float(len(p.images)) for p in packs]),
+            num_images=np.array([float(p.image_count) for p in packs]))
 
 
 @dataclass(frozen=True)
@@ -115,6 +135,8 @@ class CostModel:
     llm_backward_ratio: float = 2.0
     vision_ms_per_pack: float = 0.0
     llm_ms_per_token: float = 0.0
+    vision_ms_per_unit: float = 0.0
+    vision_ms_per_image: float = 0.0
     #: both ratios at once (the single ratio of ``mm-balance-cost/v1`` files)
     backward_ratio: InitVar[Optional[float]] = None
 
@@ -132,12 +154,24 @@ class CostModel:
         """Milliseconds per phase for every pack of ``f``."""
         vf = (self.vision_ms_per_token * f.image_tokens + self.vision_ms_per_token_sq * f.image_sq
               + self.vision_ms_per_pack * f.has_images)
+        vf = vf + self._count_terms(f)
         lf = self.llm_ms_per_token * f.positions + self.llm_ms_per_len_sq * f.len_sq
         if self.const_ms:
             lf = lf + self.const_ms
         lf = np.broadcast_to(np.asarray(lf, dtype=np.float64), np.shape(vf))
         return PhaseTimes(np.asarray(vf, dtype=np.float64), np.asarray(vf * self.vision_backward_ratio),
                           lf, lf * (1.0 + self.llm_backward_ratio))
+
+    def _count_terms(self, f: FeatureArrays):
+        """``u*units + g*images`` (0 when the terms are 0 or ``f`` does not count them)."""
+        out = 0.0
+        for coef, counts, name in ((self.vision_ms_per_unit, f.units, "units"),
+                                   (self.vision_ms_per_image, f.num_images, "num_images")):
+            if coef:
+                if counts is None:
+                    raise ValueError(f"cost model: a {name} term needs features that count {name}")
+                out = out + coef * np.asarray(counts, dtype=np.float64)
+        return out
 
     def integer_costs(self, f: Optional[FeatureArrays], kind: str = "time", *, llm_divisor: int = 1,
                       phases: Optional[PhaseTimes] = None) -> np.ndarray:
@@ -207,7 +241,12 @@ class CostModel:
                          backward_ratio=float(backward_ratio))
 
     def to_json(self) -> dict:
-        return {"format": COST_FILE_FORMAT, **asdict(self)}
+        """The cost file's content: ``v2`` when the per-unit / per-image terms are 0 (what
+        every reader of ``v2`` understands), else ``v3`` with them."""
+        data = asdict(self)
+        if not any(data[k] for k in UNIT_TERMS):
+            return {"format": COST_FILE_FORMAT, **{k: v for k, v in data.items() if k not in UNIT_TERMS}}
+        return {"format": COST_FILE_FORMAT_UNITS, **data}
 
     @staticmethod
     def from_json(data: dict, where: str = "cost model") -> "CostModel":
@@ -219,6 +258,8 @@ class CostModel:
         if data["format"] == "mm-balance-cost/v1":
             known = {"vision_ms_per_token", "vision_ms_per_token_sq", "llm_ms_per_len_sq", "const_ms",
                      "backward_ratio"}
+        elif data["format"] == COST_FILE_FORMAT:
+            known -= set(UNIT_TERMS)
         unknown = set(fields_) - known
         if unknown:
             raise ValueError(f"{where}: unknown cost-file fields {sorted(unknown)}")

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Mapping
+from typing import Optional
 
 DEFAULT_TOKENS_PER_TILE = 256
 
@@ -172,47 +173,100 @@ def to_int_cost(value, rank_hint: str = "") -> int:
 
 # --------------------------------------------------------------------------- Qwen-VL grids
 
-#: where a Qwen-VL micro-batch carries its grids: top level, or inside ``visual_inputs``
-#: (Megatron-Bridge's ``GenericVisualInputs``, an object with these attributes, or a dict)
-QWEN_VL_GRID_KEYS = ("image_grid_thw", "video_grid_thw")
+#: the visual fields of a Megatron-Bridge 0.6.x Qwen-VL micro-batch, at its top level or
+#: inside ``visual_inputs`` (``GenericVisualInputs``, or a dict): grid key -> its pixels' key
+QWEN_VL_GRID_KEYS = {"image_grid_thw": "pixel_values", "video_grid_thw": "pixel_values_videos"}
+QWEN_VL_RELEASE = ("Megatron-Bridge 0.6.x: visual_inputs = GenericVisualInputs(pixel_values, "
+                   "pixel_values_videos, image_grid_thw, video_grid_thw)")
+
+
+class QwenVLBatchError(ValueError):
+    """A Qwen-VL micro-batch whose vision input cannot be read (never costed as 0)."""
 
 
 def _grid_rows(value, key: str) -> list:
     """``[[t, h, w], ...]`` from a tensor / nested list of any leading shape (None: [])."""
-    flat = flatten_ints(value, key)
+    try:
+        flat = flatten_ints(value, key)
+    except ValueError as exc:
+        raise QwenVLBatchError(f"mm-balance: {exc} ({QWEN_VL_RELEASE})") from None
     if len(flat) % 3:
-        raise ValueError(f"{key} must hold (t, h, w) triples, got {len(flat)} numbers")
+        raise QwenVLBatchError(f"mm-balance: {key} must hold (t, h, w) triples, got {len(flat)} numbers")
     rows = [flat[i:i + 3] for i in range(0, len(flat), 3)]
     if any(v < 0 for row in rows for v in row):
-        raise ValueError(f"{key} must hold non-negative (t, h, w), got {rows}")
+        raise QwenVLBatchError(f"mm-balance: {key} must hold non-negative (t, h, w), got {rows}")
     return rows
 
 
+def _pixel_rows(value, key: str):
+    """Patch rows of a Qwen-VL pixel tensor (``[patches, C*T*P*P]``, or ``[B, patches, D]``)."""
+    shape = getattr(value, "shape", None)
+    if shape is None or len(shape) not in (2, 3):
+        raise QwenVLBatchError(f"mm-balance: {key} has shape {None if shape is None else tuple(shape)}; "
+                               f"expected patch rows [patches, channels*patch volume] ({QWEN_VL_RELEASE})")
+    return int(shape[0]) * (int(shape[1]) if len(shape) == 3 else 1)
+
+
+def _found(pack, holder) -> str:
+    """The keys a micro-batch has (and its ``visual_inputs``' non-empty fields), for errors."""
+    keys = sorted(str(k) for k in pack)
+    if holder is None:
+        return f"keys {keys}"
+    if isinstance(holder, Mapping):
+        inner = sorted(str(k) for k, v in holder.items() if v is not None)
+    else:
+        inner = sorted(k for k, v in vars(holder).items() if v is not None) if hasattr(holder, "__dict__") else []
+    return f"keys {keys}, visual_inputs ({type(holder).__name__}) with {inner}"
+
+
 class QwenVLGridFeatures:
-    """Per-image features of a Qwen-VL micro-batch, from its ``image_grid_thw`` / ``video_grid_thw``.
+    """What a Qwen-VL micro-batch's vision input is, from its ``image_grid_thw`` / ``video_grid_thw``.
 
     Qwen-VL encoders see each image (and video) at its native resolution: a grid of
-    ``t x h x w`` patches, all of which go through the vision transformer, whose
-    attention is over each image's patches (the quadratic term), and
-    ``spatial_merge_size**2`` patches are merged into one language-model token.
-    ``encoder_tokens`` are ``t*h*w`` per image/video (what the encoder computes on);
-    ``lm_tokens`` are ``t*h*w // merge**2`` (what the language model sees). A
-    micro-batch without grids (text only) has none.
+    ``t x h x w`` patches, all of which go through the vision transformer, attention
+    inside each frame (:mod:`.frames`), and ``spatial_merge_size**2`` patches merged
+    into one language-model token. ``encoder_tokens`` are ``t*h*w`` per image/video
+    (what the encoder computes on); ``lm_tokens`` are ``t*h*w // merge**2`` (what the
+    language model sees). A micro-batch with neither pixels nor grids (text only) has
+    none; one whose vision input cannot be read is a :class:`QwenVLBatchError` naming the
+    keys it has: a grid that is not numbers, pixels without their grid, or pixel rows
+    that are not the grids' ``sum(t*h*w)``.
     """
 
     def __init__(self, spatial_merge_size: int = 2):
         self.merge = check_tokens_per_tile(spatial_merge_size)
 
+    @staticmethod
+    def _get(pack, holder, key):
+        value = pack.get(key)
+        if value is None and holder is not None:
+            value = holder.get(key) if isinstance(holder, Mapping) else getattr(holder, key, None)
+        return value
+
     def grids(self, pack) -> list:
+        """Every image's and video's ``[t, h, w]`` (images first); [] for text only."""
         if not isinstance(pack, Mapping):
-            return []
+            raise QwenVLBatchError(f"mm-balance: a Qwen-VL micro-batch is a {type(pack).__name__}, expected "
+                                   f"a dict ({QWEN_VL_RELEASE})")
         holder = pack.get("visual_inputs")
+        if holder is not None and not isinstance(holder, Mapping) and not any(
+                hasattr(holder, k) for kv in QWEN_VL_GRID_KEYS.items() for k in kv):
+            raise QwenVLBatchError(f"mm-balance: cannot read the Qwen-VL grids of a micro-batch with "
+                                   f"{_found(pack, holder)}; expected {QWEN_VL_RELEASE}")
         rows = []
-        for key in QWEN_VL_GRID_KEYS:
-            value = pack.get(key)
-            if value is None and holder is not None:
-                value = holder.get(key) if isinstance(holder, Mapping) else getattr(holder, key, None)
-            rows.extend(_grid_rows(value, key))
+        for grid_key, pixel_key in QWEN_VL_GRID_KEYS.items():
+            grid, pixels = self._get(pack, holder, grid_key), self._get(pack, holder, pixel_key)
+            these = _grid_rows(grid, grid_key)
+            if pixels is not None:
+                if grid is None:
+                    raise QwenVLBatchError(f"mm-balance: {pixel_key} without {grid_key} in a micro-batch with "
+                                           f"{_found(pack, holder)}; expected {QWEN_VL_RELEASE}")
+                patches = sum(t * h * w for t, h, w in these)
+                if _pixel_rows(pixels, pixel_key) != patches:
+                    raise QwenVLBatchError(
+                        f"mm-balance: {pixel_key} has {_pixel_rows(pixels, pixel_key)} patch rows but "
+                        f"{grid_key} sums to {patches} (t*h*w) in a micro-batch with {_found(pack, holder)}")
+            rows.extend(these)
         return rows
 
     def encoder_tokens(self, pack) -> list:
@@ -233,23 +287,40 @@ class QwenVLGridFeatures:
         shape = getattr(ids, "shape", None)
         return tuple([int(shape[1])] * int(shape[0])) if shape is not None and len(shape) == 2 else ()
 
+    @staticmethod
+    def positions(pack) -> Optional[int]:
+        """The tokens the language model computes (``input_ids``' size, padding included)."""
+        ids = pack.get("input_ids", pack.get("tokens")) if isinstance(pack, Mapping) else None
+        shape = getattr(ids, "shape", None)
+        return int(shape[0]) * int(shape[1]) if shape is not None and len(shape) == 2 else None
+
+    def pack_features(self, pack):
+        """The per-frame :class:`~megatron_mm_balance.cost.model.PackFeatures` of a micro-batch."""
+        from .frames import grid_pack_features
+        return grid_pack_features(self.grids(pack), self.lengths(pack), self.positions(pack))
+
 
 class QwenVLCost:
     """Callable ``micro-batch -> cost`` for Qwen-VL batches (grids, not tiles).
 
     Without a cost model: the vision encoder's tokens, ``sum(t*h*w)`` over the
-    micro-batch's images and videos (the image-token cost of this convention).
-    With one (a :class:`~megatron_mm_balance.cost.CostModel`, ``--mm-balance-cost model``):
-    the model on per-image encoder tokens, so its quadratic term is attention within
-    each image, and on the per-sample lengths; ``phases=True`` gives ``(vision,
-    language)`` for the two-phase solver, as :class:`ModelCost` does.
+    micro-batch's images and videos (the image-token cost of this convention, the
+    default). With one (a :class:`~megatron_mm_balance.cost.CostModel`: a calibrated cost
+    file, or the FLOP-derived model of :func:`~megatron_mm_balance.cost.flops.vision_cost_model`):
+    the model on the per-frame features (:mod:`.frames`: its quadratic term is attention
+    inside each frame) and the per-sample lengths; ``phases=True`` gives ``(vision,
+    language)`` for the two-phase solver, as :class:`ModelCost` does. A micro-batch whose
+    vision input cannot be read raises :class:`QwenVLBatchError` (the runtime stops every
+    rank with it); text only costs 0 (plus its language terms).
     """
 
-    def __init__(self, spatial_merge_size: int = 2, *, model=None, phases: bool = False):
+    def __init__(self, spatial_merge_size: int = 2, *, model=None, phases: bool = False, source: str = ""):
         self.features = QwenVLGridFeatures(spatial_merge_size)
         self.model = model
         self.phases = bool(phases) and model is not None
         self.components = 2 if self.phases else 1
+        #: where the model came from (``flops``: derived from the configs), for the identity
+        self.source = source
 
     @classmethod
     def from_file(cls, path: str, spatial_merge_size: int = 2, *, phases: bool = False) -> "QwenVLCost":
@@ -259,15 +330,12 @@ class QwenVLCost:
     @property
     def identity(self) -> str:
         model = "" if self.model is None else f", model={self.model.to_json()}"
-        return (f"megatron_mm_balance.qwen_vl_cost(merge={self.features.merge}{model}"
+        source = f", {self.source}" if self.source else ""
+        return (f"megatron_mm_balance.qwen_vl_cost(merge={self.features.merge}{model}{source}"
                 + (", phases)" if self.phases else ")"))
 
     def __call__(self, pack):
-        if not isinstance(pack, Mapping):
-            return (0, 0) if self.phases else 0
-        encoder = self.features.encoder_tokens(pack)
         if self.model is None:
-            return int(sum(encoder))
-        from .model import PackFeatures
-        f = PackFeatures(tuple(encoder), self.features.lengths(pack))
+            return int(sum(self.features.encoder_tokens(pack)))
+        f = self.features.pack_features(pack)
         return self.model.phase_costs(f) if self.phases else self.model.cost(f)

@@ -150,6 +150,9 @@ class MegatronArgs:
     #: the iteration training starts from (``args.iteration``: a resumed run's checkpoint)
     start_iteration: int = 0
     schedule: BatchSchedule = field(default_factory=BatchSchedule)
+    #: the framework derives a cost model from its model config when
+    #: ``--mm-balance-cost model`` has no cost file (Megatron-Bridge: ``mm_balance_model_cost_from_config``)
+    model_cost_from_config: bool = False
 
     @classmethod
     def read(cls, args) -> "MegatronArgs":
@@ -187,6 +190,7 @@ class MegatronArgs:
                 step_batch_size_schedule=get("step_batch_size_schedule"),
                 seq_length=get("seq_length"),
                 consumed_train_samples=int(get("consumed_train_samples", 0))),
+            model_cost_from_config=bool(get("mm_balance_model_cost_from_config", False)),
         )
 
 
@@ -336,6 +340,8 @@ class MMBalanceConfig:
 
     def _check_cost_file(self) -> None:
         if self.cost == "model":
+            if not self.cost_file and self.megatron.model_cost_from_config:
+                return
             if not self.cost_file:
                 raise MMBalanceConfigError("--mm-balance-cost model needs --mm-balance-cost-file PATH "
                                            "(a calibrated cost file)")

@@ -51,7 +51,8 @@ def test_grid_features_before_and_after_merge():
     assert QwenVLCost(2)({"image_grid_thw": [[[1, 16, 8]], [[1, 4, 4]]]}) == 144
     assert QwenVLCost(2)({"visual_inputs": {"image_grid_thw": [[1, 2, 2]]}}) == 4
     assert QwenVLCost(2)({"input_ids": torch.zeros(1, 5)}) == 0        # text only
-    assert QwenVLCost(2)("not a dict") == 0
+    with pytest.raises(ValueError, match="is a str, expected a dict"):  # never a silent 0
+        QwenVLCost(2)("not a dict")
 
 
 def test_grid_cost_rejects_bad_grids():
@@ -125,7 +126,7 @@ def test_config_resolves_like_the_megatron_lm_path():
     (dict(mode="sampler"), {}, "mm_balance.mode=sampler"),
     (dict(mode="bogus"), {}, "--mm-balance-mode"),
     (dict(sync="bogus"), {}, "--mm-balance-sync"),
-    (dict(cost="model"), {}, "cost-file"),
+    (dict(cost="model", cost_file="/nonexistent/cost.json"), {}, "no such file"),
     (dict(timeout=0), {}, "timeout"),
     ({}, dict(mbs=2), "micro-batch-size 2"),
     ({}, dict(lb="global_aux_loss"), "global_aux_loss"),
@@ -391,3 +392,31 @@ def test_wgrad_accumulation_stand_in_accumulates_in_fp32():
     assert err["fused"] < 1e-5, r.stdout           # fp32 rounding only
     assert err["unfused"] > 1e-4, r.stdout         # bf16 rounding of each micro-step's gradient
     print(f"\nmain_grad error vs fp64, relative to its largest entry: {err}")
+
+
+def test_cost_model_without_a_file_is_the_flop_count_of_the_provider():
+    from megatron_mm_balance.bridge.iterator import cost_fn_for, training_regime
+    from megatron_mm_balance.cost.flops import (CPU_FLOPS_PER_MS, DEFAULT_FLOPS_PER_MS, TrainingRegime,
+                                                vision_cost_model)
+    vision = types.SimpleNamespace(depth=2, hidden_size=64, intermediate_size=128, patch_size=16,
+                                   temporal_patch_size=2, in_channels=3, spatial_merge_size=2,
+                                   out_hidden_size=128, deepstack_visual_indexes=[0])
+    cfg = _bridge_cfg(ep=2)
+    cfg.model.__dict__.update(vision_config=vision, num_layers=2, hidden_size=128, ffn_hidden_size=256,
+                              num_attention_heads=4, num_query_groups=2, kv_channels=32,
+                              moe_ffn_hidden_size=128, moe_router_topk=2, freeze_vision_model=True,
+                              recompute_granularity="full", recompute_method="uniform")
+    core = checked_config(as_args(MMBalanceBridgeConfig(enabled=True, cost="model"), cfg))
+    cost = cost_fn_for(core, cfg.model)
+    regime = training_regime(cfg.model)
+    assert regime == TrainingRegime(freeze_vision_model=True, recompute_granularity="full",
+                                    recompute_method="uniform", language_recompute_granularity="full")
+    rate = DEFAULT_FLOPS_PER_MS if torch.cuda.is_available() else CPU_FLOPS_PER_MS
+    assert cost.phases and cost.model == vision_cost_model(vision, regime, language_config=cfg.model,
+                                                           flops_per_ms=rate)
+    big, small = cost(_batch(images=[(1, 32, 32)]))[0], cost(_batch(images=[(1, 8, 8)] * 16))[0]
+    assert big > small > 0                        # equal patches; the large frame costs more
+    assert "flops" in cost.identity
+    cfg.model.vision_cuda_graph_impl = "transformer_engine"
+    with pytest.raises(MMBalanceConfigError, match="vision CUDA graphs"):
+        cost_fn_for(core, cfg.model)

@@ -529,6 +529,34 @@ def scenario_misc(rank, world, G=2):
     return out
 
 
+def scenario_unreadable_qwen_vl(rank, world, G=2):
+    """Qwen-VL packs costed by :class:`QwenVLCost`; rank 1's fourth pack (global batch 1)
+    has pixels but no grid. Every rank must stop at batch 1 with that rank's message,
+    after delivering batch 0 only (nothing of batch 1 moves), overlapped or not."""
+    import torch
+    from megatron_mm_balance.cost.pack import QwenVLCost
+    from megatron_mm_balance.runtime import BalancedDataIterator
+
+    def source():
+        for i in range(50):
+            side = 2 + (rank + i) % 3
+            vi = {"pixel_values": torch.zeros(side * side, 4),
+                  "image_grid_thw": torch.tensor([[1, side, side]])}
+            if rank == 1 and i == G + 1:
+                del vi["image_grid_thw"]
+            yield {"id": f"r{rank}-p{i}", "input_ids": torch.zeros(1, 8), "visual_inputs": vi}
+
+    out = {}
+    for overlap in (True, False):
+        got = []
+        with BalancedDataIterator(source(), num_microbatches=G, cost_fn=QwenVLCost(2), timeout=20,
+                                  overlap=overlap, name=f"qwen{int(overlap)}") as it:
+            res = _outcome(lambda: [got.append(next(it)["id"]) for _ in range(10 * G)])
+        res["delivered"] = len(got)
+        out[f"overlap={overlap}"] = res
+    return out
+
+
 def scenario_die(rank, world, G=4, timeout=5.0):
     """Rank ``world-1`` exits abruptly in the middle of global batch 1."""
     from megatron_mm_balance.runtime import BalancedDataIterator

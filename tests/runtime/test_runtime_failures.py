@@ -90,6 +90,25 @@ def test_exhaustion_same_boundary(misc):
         assert out["stats"]["not_delivered"] == 5
 
 
+def test_an_unreadable_qwen_vl_batch_stops_every_rank_with_its_message():
+    """QwenVLCost raises for pixels without grids (never a silent 0): the rank that read the
+    batch re-raises it, its peers a PeerFailure quoting it, all at global batch 1 and before
+    any of that batch is delivered, with and without overlap; no rank hangs."""
+    res = harness.launch(3, "unreadable_qwen_vl", hard_timeout=120)
+    for r, x in enumerate(res):
+        assert not x.get("killed") and "error" not in x, f"rank {r}: {x}"
+        for mode in ("overlap=True", "overlap=False"):
+            out = x[mode]
+            assert out["delivered"] == 2, (r, mode, out)              # batch 0 only
+            assert "pixel_values without image_grid_thw" in out["msg"], (r, mode, out)
+            assert "Megatron-Bridge 0.6.x" in out["msg"], (r, mode, out)
+            if r == 1:
+                assert out["type"] == "QwenVLBatchError", out
+            else:
+                assert out["type"] == "PeerFailure" and "rank 1" in out["msg"], out
+                assert "global batch 1" in out["msg"], out
+
+
 def _assert_named(res, victim, timeout):
     for r, x in enumerate(res):
         assert not x.get("killed"), f"rank {r} hung:\n{x.get('log')}"

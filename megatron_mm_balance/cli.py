@@ -339,7 +339,8 @@ def _compare_with_control(args, off, on, columns) -> int:
             "controls": [{"log": name, "telemetry_lines": run.lines, "packs_reordered": run.packs_reordered}
                          for name, run in zip(args.control, runs)],
             "rows": [{"iteration": label, **{c: {"off": x.off, "on": x.on, "control": x.control,
-                                                  "on_diff": x.on_diff, "band": x.band, "verdict": x.verdict}
+                                                  "on_diff": x.on_diff, "control_diff": x.control_diff, "band": x.band,
+                                                  "verdict": x.verdict}
                                               for c, x in row.items()}} for label, row in cmp.rows],
             "missing": cmp.missing}))
     else:

@@ -41,12 +41,19 @@ class MMBalanceBridgeConfig:
     sync: str = "auto"
     #: exchange on a background thread, overlapped with compute
     overlap: bool = _D.overlap
-    #: ``image-tokens`` (vision-encoder tokens from the Qwen-VL grids) or ``model``
-    #: (``auto``, the online fit, needs the Megatron-LM path's timing hooks: refused here)
+    #: ``image-tokens`` (vision-encoder tokens from the Qwen-VL grids), ``model`` (a cost
+    #: file) or ``auto`` (a cost model fitted from the job's own per-micro-batch timings)
     cost: str = _D.cost
     #: the calibrated cost model of ``cost=model``; without one, ``cost=model`` is the
     #: FLOP count of the model config's vision tower and language model (docs/bridge.md section 3)
     cost_file: Optional[str] = None
+    #: ``cost=auto`` fits the timings of iterations 2..K and balances with the fit from K + 2
+    calibration_iters: int = _D.calibration_iters
+    #: time the vision tower and the language model, forward and backward, per micro-batch
+    #: (works with ``enabled=false``); a ``[mm-balance-timing]`` line per log interval
+    timing: bool = _D.timing
+    #: also write the timings as JSON Lines, ``DIR/timing-rank<R>.jsonl`` (implies ``timing``)
+    timing_dir: Optional[str] = None
     #: statistics every N iterations (None: ``logger.log_interval``)
     log_interval: Optional[int] = None
     #: the placement's tolerance above the mean (None: the solver's default)
@@ -57,34 +64,42 @@ class MMBalanceBridgeConfig:
     #: (None: the found nodes, from torchrun's GROUP_RANK, else SLURM_NODEID, else the host)
     ranks_per_node: Optional[int] = None
 
+    @property
+    def wraps_train_iterator(self) -> bool:
+        """Whether the setup.py patch hands the train iterator and the model to
+        :func:`~.iterator.wrap_train_data_iterator`: balancing, or the timing hooks."""
+        return bool(self.enabled or self.timing or self.timing_dir)
+
 
 def as_args(mm: MMBalanceBridgeConfig, cfg, *, train_state=None) -> types.SimpleNamespace:
     """The ``args`` namespace of the core glue, from ``cfg.mm_balance`` and Bridge's config.
 
     Carries the ``mm_balance_*`` values and the Bridge settings the checks, the
     micro-batch schedule and the telemetry read (parallel sizes, batch sizes, the
-    router's load balancing, the log interval and TensorBoard directory).
+    router's load balancing, the log interval and TensorBoard directory, and
+    ``checkpoint.load``/``checkpoint.save``, where ``cost=auto`` keeps its fit).
     ``curr_iteration`` follows ``train_state.step`` (Bridge's iteration counter).
     """
     model, train, logger = cfg.model, cfg.train, cfg.logger
+    checkpoint = getattr(cfg, "checkpoint", None)
     if mm.mode == "sampler":
         from ..megatron.checks import MMBalanceConfigError
         raise MMBalanceConfigError("mm_balance.mode=sampler needs Megatron-LM's pretraining sampler; "
                                    "on Megatron-Bridge use mm_balance.mode=exchange (or auto, shadow, control)")
-    if mm.cost == "auto":
-        from ..megatron.checks import MMBalanceConfigError
-        raise MMBalanceConfigError("mm_balance.cost=auto fits costs from the per-pack timing hooks of "
-                                   "the Megatron-LM path, which Megatron-Bridge's models do not have "
-                                   "yet; use mm_balance.cost=image-tokens or model (a cost file)")
     return _BridgeArgs(
         train_state,
         mm_balance=bool(mm.enabled), mm_balance_mode=mm.mode, mm_balance_sync=mm.sync,
         mm_balance_overlap=mm.overlap, mm_balance_cost=mm.cost, mm_balance_cost_file=mm.cost_file,
+        mm_balance_calibration_iters=mm.calibration_iters, mm_balance_timing=mm.timing,
+        mm_balance_timing_dir=mm.timing_dir,
         mm_balance_log_interval=mm.log_interval, mm_balance_tolerance=mm.tolerance,
         mm_balance_timeout=mm.timeout, mm_balance_ranks_per_node=mm.ranks_per_node,
         log_interval=getattr(logger, "log_interval", None),
         tensorboard_dir=getattr(logger, "tensorboard_dir", None),
         expert_model_parallel_size=getattr(model, "expert_model_parallel_size", 1) or 1,
+        pipeline_model_parallel_size=getattr(model, "pipeline_model_parallel_size", 1) or 1,
+        context_parallel_size=getattr(model, "context_parallel_size", 1) or 1,
+        load=getattr(checkpoint, "load", None), save=getattr(checkpoint, "save", None),
         num_experts=getattr(model, "num_moe_experts", None),
         moe_router_load_balancing_type=getattr(model, "moe_router_load_balancing_type", None),
         moe_aux_loss_coeff=getattr(model, "moe_aux_loss_coeff", 0.0),

@@ -19,6 +19,12 @@ What Bridge relies on, and how it is kept:
 
 * ``.iterable.save_state()`` (checkpoints) is the balancer's paired state: the
   loader position that matches the global batches the loop has consumed.
+* ``mm_balance.timing`` / ``timing_dir`` (balancing on or off) and ``cost=auto``: the
+  patch also passes the model, and the core package's timing hooks go on it
+  (:mod:`.timing`); ``cost=auto`` fits them with the core package's calibration on each
+  exchange group, from the Qwen-VL grids
+  (:class:`~megatron_mm_balance.cost.calibration.QwenVLFeatures`), its fit beside
+  ``checkpoint.save`` and restored from ``checkpoint.load`` on resume.
 * every rank of a data-parallel group reads data in Bridge's VLM steps (each tensor-,
   pipeline- and context-parallel rank draws from its own loader): one exchange group
   per data-parallel group (``pg_collection.dp``), created collectively over the world.
@@ -31,8 +37,9 @@ from ..megatron.iterator import ExchangeCoordinator
 class BridgeCoordinator(ExchangeCoordinator):
     """The exchange coordinator, reporting through Bridge's TensorBoard / W&B writers."""
 
-    def __init__(self, cfg, *, cost_fn, tb_writer=None, wandb_writer=None):
-        super().__init__(cfg, cost_fn=cost_fn)
+    def __init__(self, cfg, *, cost_fn, tb_writer=None, wandb_writer=None, timing=None,
+                 auto_features=None):
+        super().__init__(cfg, cost_fn=cost_fn, timing=timing, auto_features=auto_features)
         self._writers = (tb_writer, wandb_writer)
 
     def _telemetry(self, stats_source, group, chunk):
@@ -49,10 +56,13 @@ def cost_fn_for(core_cfg, model_cfg):
     patch count by default; ``cost=model`` a cost file's model, or without one the FLOP
     count of the provider's vision tower and language model under its training regime
     (:func:`~megatron_mm_balance.cost.flops.vision_cost_model`). Under ``microstep`` sync a
-    model gives (vision, language) for the two-phase solver."""
+    model gives (vision, language) for the two-phase solver. None for ``auto``: each
+    exchange group fits its own (:func:`auto_features_for`)."""
     from ..cost.pack import QwenVLCost
-    vision = getattr(model_cfg, "vision_config", None)
-    merge = int(getattr(vision, "spatial_merge_size", None) or getattr(model_cfg, "spatial_merge_size", 2) or 2)
+    from .timing import spatial_merge_size
+    merge = spatial_merge_size(model_cfg)
+    if core_cfg.cost == "auto":
+        return None
     if core_cfg.cost != "model":
         return QwenVLCost(merge)
     phases = core_cfg.sync == "microstep"
@@ -62,6 +72,7 @@ def cost_fn_for(core_cfg, model_cfg):
 
     from ..cost.flops import CPU_FLOPS_PER_MS, DEFAULT_FLOPS_PER_MS, vision_cost_model
     from ..megatron.checks import MMBalanceConfigError
+    vision = getattr(model_cfg, "vision_config", None)
     try:
         model = vision_cost_model(vision, training_regime(model_cfg), language_config=model_cfg,
                                   flops_per_ms=DEFAULT_FLOPS_PER_MS if torch.cuda.is_available() else CPU_FLOPS_PER_MS,
@@ -88,6 +99,14 @@ def training_regime(model_cfg):
         vision_cuda_graphs=(get("vision_cuda_graph_impl", "none") or "none") != "none")
 
 
+def auto_features_for(model_cfg):
+    """What ``cost=auto`` fits and costs on Qwen-VL: the grids' per-image encoder tokens and
+    the per-sample lengths (:class:`~megatron_mm_balance.cost.calibration.QwenVLFeatures`)."""
+    from ..cost.calibration import QwenVLFeatures
+    from .timing import spatial_merge_size
+    return QwenVLFeatures(spatial_merge_size(model_cfg))
+
+
 def _layout(pg_collection):
     """This rank's data layout: every rank reads data; its data-parallel ranks."""
     import torch.distributed as dist
@@ -96,25 +115,31 @@ def _layout(pg_collection):
     return RankLayout(True, tuple(int(r) for r in dist.get_process_group_ranks(pg_collection.dp)))
 
 
-def wrap_train_data_iterator(train_data_iterator, cfg, pg_collection, *, state=None):
+def wrap_train_data_iterator(train_data_iterator, cfg, pg_collection, *, state=None, model=None):
     """Wrap Bridge's train iterator(s) for ``cfg.mm_balance.enabled``; a no-op otherwise.
 
     Call on **every** rank at the same point (the exchange groups are created
     collectively). Accepts what ``setup_data_iterators`` returns (a
     ``RerunDataIterator``, ``None``, or a list of them under virtual pipeline) and
     returns the same shape. ``state`` is Bridge's ``GlobalState`` (iteration counter,
-    TensorBoard / W&B writers).
+    TensorBoard / W&B writers). ``model``: the model chunks, for the timing hooks of
+    ``mm_balance.timing`` / ``timing_dir`` / ``cost=auto`` (installed here, with
+    balancing off too).
     """
     mm = getattr(cfg, "mm_balance", None)
-    if mm is None or not getattr(mm, "enabled", False):
+    if mm is None or not (getattr(mm, "enabled", False) or getattr(mm, "wraps_train_iterator", False)):
         return train_data_iterator
     from ..megatron.checks import checked_config
     from ..megatron.groups import init_exchange_groups
     from ..megatron.iterator import _unwrap
     from .config import as_args
+    from .timing import install_bridge_timing
 
     args = as_args(mm, cfg, train_state=getattr(state, "train_state", None))
     core_cfg = checked_config(args)
+    timing = install_bridge_timing(model, core_cfg, args, state)
+    if not core_cfg.enabled:
+        return train_data_iterator
     is_list = isinstance(train_data_iterator, list)
     iterators = train_data_iterator if is_list else [train_data_iterator]
     groups = init_exchange_groups(_layout(pg_collection), num_chunks=len(iterators),
@@ -122,7 +147,8 @@ def wrap_train_data_iterator(train_data_iterator, cfg, pg_collection, *, state=N
     tb = getattr(state, "tensorboard_logger", None) if state is not None else None
     wandb = getattr(state, "wandb_logger", None) if state is not None else None
     coordinator = BridgeCoordinator(core_cfg, cost_fn=cost_fn_for(core_cfg, cfg.model),
-                                    tb_writer=tb, wandb_writer=wandb)
+                                    tb_writer=tb, wandb_writer=wandb, timing=timing,
+                                    auto_features=auto_features_for(cfg.model))
     wrapped = [it if it is None or group is None
                else coordinator.wrap(_unwrap(it), group, chunk, node_ids=groups.node_ids)
                for chunk, (it, group) in enumerate(zip(iterators, groups))]

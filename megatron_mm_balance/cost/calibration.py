@@ -33,7 +33,8 @@ from typing import Callable, List, Optional, Sequence
 import numpy as np
 
 from .model import CostModel, FeatureArrays, PackFeatures, nonnegative_lstsq
-from .pack import DEFAULT_TOKENS_PER_TILE, ImageTokenCost, check_tokens_per_tile, pack_features
+from .pack import (DEFAULT_TOKENS_PER_TILE, ImageTokenCost, QwenVLGridFeatures, check_tokens_per_tile,
+                   pack_features)
 
 #: Cost-fit file beside the checkpoints (``--save``), read back on ``--load``.
 FIT_FILE = "mm_balance_cost_fit.json"
@@ -259,9 +260,75 @@ def language_compute_records(records: Sequence[dict]) -> List[dict]:
     return [best[k] for k in sorted(best)]
 
 
+class TileFeatures:
+    """The cost model's features of a timing record and of a micro-batch, for the tiled
+    encoders of ``examples/multimodal``: the record's ``images`` (per-image tokens) and
+    ``lengths``; a pack's :func:`~.pack.pack_features`. Before the fit a pack costs its
+    image tokens (:class:`~.pack.ImageTokenCost`).
+
+    This is :class:`AutoCost`'s and :func:`fit_phases`'s extension point: another encoder's
+    features are an object with the same four members (``identity``, ``of_record``,
+    ``of_pack``, ``tokens``), the record's and the pack's meaning the same thing."""
+
+    def __init__(self, tokens_per_tile: int = DEFAULT_TOKENS_PER_TILE):
+        self.tokens_per_tile = check_tokens_per_tile(tokens_per_tile)
+        self._tokens = ImageTokenCost(self.tokens_per_tile)
+
+    @property
+    def identity(self) -> str:
+        return f"tiles(tokens_per_tile={self.tokens_per_tile})"
+
+    @staticmethod
+    def of_record(record: dict) -> PackFeatures:
+        return PackFeatures(tuple(record["images"]), tuple(record["lengths"]))
+
+    def of_pack(self, pack) -> PackFeatures:
+        return pack_features(pack, self.tokens_per_tile)
+
+    def tokens(self, pack) -> int:
+        return self._tokens(pack)
+
+
+class QwenVLFeatures:
+    """The features of Qwen-VL timing records and micro-batches: from the ``(t, h, w)``
+    grids (a record's ``grids``; a batch's ``image_grid_thw``/``video_grid_thw``, also
+    inside ``visual_inputs``) and the per-sample lengths (a record's ``lengths``; a
+    batch's :meth:`~.pack.QwenVLGridFeatures.lengths`).
+
+    :meth:`per_image` turns grids into the model's per-image token counts: here the
+    encoder's tokens ``t*h*w`` per image/video (its quadratic term is attention within
+    each). A per-frame variant (``h*w`` once per frame) is a subclass overriding it.
+    Before the fit a pack costs its encoder tokens, as ``QwenVLCost`` without a model."""
+
+    name = "per-image"
+
+    def __init__(self, spatial_merge_size: int = 2):
+        self.grid_features = QwenVLGridFeatures(spatial_merge_size)
+
+    @property
+    def identity(self) -> str:
+        return f"qwen_vl_{self.name}(merge={self.grid_features.merge})"
+
+    @staticmethod
+    def per_image(grids) -> tuple:
+        return tuple(int(t) * int(h) * int(w) for t, h, w in grids)
+
+    def of_record(self, record: dict) -> PackFeatures:
+        if "grids" not in record:
+            raise ValueError("a Qwen-VL cost fit needs timing records with \"grids\" "
+                             f"(iteration {record.get('iteration')}, rank {record.get('rank')} has none)")
+        return PackFeatures(self.per_image(record["grids"]), tuple(record["lengths"]))
+
+    def of_pack(self, pack) -> PackFeatures:
+        return PackFeatures(self.per_image(self.grid_features.grids(pack)), self.grid_features.lengths(pack))
+
+    def tokens(self, pack) -> int:
+        return int(sum(self.grid_features.encoder_tokens(pack)))
+
+
 def fit_phases(records: Sequence[dict], *, first_iteration: int = 0, last_iteration: int = 0,
                effective_iteration: int = 0, min_records: int = MIN_RECORDS,
-               r2_floor: float = R2_FLOOR) -> FitResult:
+               r2_floor: float = R2_FLOOR, features=None) -> FitResult:
     """Fit the two-phase :class:`~.model.CostModel` from timing records (all ranks').
 
     Vision: ``vision_forward_ms ~ a*sum(n) + b*sum(n^2) + f*[has images]`` over every
@@ -269,8 +336,11 @@ def fit_phases(records: Sequence[dict], *, first_iteration: int = 0, last_iterat
     language: ``lm_forward_ms ~ t*tokens + c*sum(len^2) + const`` over
     :func:`language_compute_records`, its own backward ratio. Coefficients >= 0.
     Refused (``ok=False``, a reason) with fewer than ``min_records`` records with images,
-    no variation in vision time, or a vision R^2 below ``r2_floor``."""
+    no variation in vision time, or a vision R^2 below ``r2_floor``. ``features``: a
+    record's :class:`~.model.PackFeatures` (default :meth:`TileFeatures.of_record`: its
+    ``images`` and ``lengths``; :meth:`QwenVLFeatures.of_record` derives them from grids)."""
     recs = list(records)
+    of_record = features or TileFeatures.of_record
     span = dict(first_iteration=first_iteration, last_iteration=last_iteration,
                 effective_iteration=effective_iteration)
     with_images = [r for r in recs if r["images"]]
@@ -280,7 +350,7 @@ def fit_phases(records: Sequence[dict], *, first_iteration: int = 0, last_iterat
 
     if len(with_images) < min_records:
         return refuse(f"{len(with_images)} records with images, fewer than {min_records}")
-    f = FeatureArrays.of([PackFeatures(tuple(r["images"]), tuple(r["lengths"])) for r in recs])
+    f = FeatureArrays.of([of_record(r) for r in recs])
     Xv = np.stack([f.image_tokens, f.image_sq, f.has_images.astype(np.float64)], axis=1)
     yv = np.array([float(r["vision_forward_ms"]) for r in recs])
     a, b, fix = nonnegative_lstsq(Xv, yv)
@@ -291,7 +361,7 @@ def fit_phases(records: Sequence[dict], *, first_iteration: int = 0, last_iterat
     rv = vb / float(yv.sum()) if yv.sum() > 0 else 2.0
 
     lang = language_compute_records(recs)
-    fl = FeatureArrays.of([PackFeatures(tuple(r["images"]), tuple(r["lengths"])) for r in lang])
+    fl = FeatureArrays.of([of_record(r) for r in lang])
     Xl = np.stack([fl.positions, fl.len_sq, np.ones(len(lang))], axis=1)
     yl = np.array([float(r["lm_forward_ms"]) for r in lang])
     t, c, const = nonnegative_lstsq(Xl, yl)
@@ -342,18 +412,21 @@ class AutoCost:
       integer costs are used, or image tokens if it was refused.
     * A ``saved`` fit (restored beside the checkpoint) is used as is from its
       ``effective_iteration``: a resumed job balances exactly as the job that saved it.
+    * ``features`` (default :class:`TileFeatures` of ``config.tokens_per_tile``): what the
+      fit reads from a record and the cost from a pack (:class:`QwenVLFeatures` on Qwen-VL),
+      and the cost before the fit.
     """
 
     def __init__(self, config: CalibrationConfig, *, start_iteration: int = 0,
                  collect: Callable[[int, int], list], agree: Callable[[list, Callable], FitResult],
                  on_fit: Optional[Callable[[FitResult], None]] = None,
-                 saved: Optional[FitResult] = None):
+                 saved: Optional[FitResult] = None, features=None):
         self.config = config
         self.start_iteration = int(start_iteration)
         self.collect, self.agree, self.on_fit = collect, agree, on_fit
         self.fit: Optional[FitResult] = saved
         self.components = 2 if config.phases else 1
-        self.tokens = ImageTokenCost(config.tokens_per_tile)
+        self.features = features if features is not None else TileFeatures(config.tokens_per_tile)
         self.switch_iteration = (saved.effective_iteration if saved is not None
                                  else self.start_iteration + config.iterations + 2)
 
@@ -362,6 +435,7 @@ class AutoCost:
         c = self.config
         return (f"megatron_mm_balance.auto_cost(iterations={c.iterations}, tokens_per_tile="
                 f"{c.tokens_per_tile}, min_records={c.min_records}, r2_floor={c.r2_floor}"
+                + (f", features={self.features.identity}" if not isinstance(self.features, TileFeatures) else "")
                 + (", phases)" if c.phases else ")"))
 
     def iteration_of(self, gb: int) -> int:
@@ -383,18 +457,19 @@ class AutoCost:
 
         def fit(records):
             return fit_phases(records, first_iteration=first, last_iteration=last,
-                              effective_iteration=it, min_records=c.min_records, r2_floor=c.r2_floor)
+                              effective_iteration=it, min_records=c.min_records, r2_floor=c.r2_floor,
+                              features=self.features.of_record)
 
         self.fit = self.agree(local, fit)
         if self.on_fit is not None:
             self.on_fit(self.fit)
 
     def _token_cost(self, pack):
-        n = self.tokens(pack)
+        n = self.features.tokens(pack)
         return (n, 0) if self.components == 2 else n
 
     def _model_cost(self, pack):
-        f = pack_features(pack, self.config.tokens_per_tile)
+        f = self.features.of_pack(pack)
         c = self.fit.model.integer_costs(FeatureArrays.of([f]), "two-phase" if self.components == 2
                                          else "time")[0]
         return (int(c[0]), int(c[1])) if self.components == 2 else int(c)

@@ -183,10 +183,12 @@ class ExchangeCoordinator(Coordinator):
     per chunk moves packed micro-batches between ranks (shadow: plans, logs, moves nothing;
     control: every rank its own packs, reordered across micro-steps)."""
 
-    def __init__(self, cfg: MMBalanceConfig, *, cost_fn=None, num_microbatches=None, timing=None):
+    def __init__(self, cfg: MMBalanceConfig, *, cost_fn=None, num_microbatches=None, timing=None,
+                 auto_features=None):
         super().__init__(cfg)
         self.mode = cfg.mode if cfg.mode in ("shadow", "control") else "exchange"
         self.timing = timing            # the per-pack timings (``--mm-balance-cost auto`` fits them)
+        self.auto_features = auto_features   # what the auto fit reads (None: the tiles' features)
         if cost_fn is None and cfg.cost != "auto":
             cost_fn = make_cost_fn(cfg)
         self.cost_fn = cost_fn          # None: auto, one per exchange group (it agrees on the group)
@@ -200,7 +202,7 @@ class ExchangeCoordinator(Coordinator):
         cost_fn = self.cost_fn
         if cost_fn is None:
             from .timing import auto_cost_fn
-            cost_fn = auto_cost_fn(self.cfg, self.timing, group)
+            cost_fn = auto_cost_fn(self.cfg, self.timing, group, features=self.auto_features)
         # Packs stay where the loader put them (device None); get_batch moves them.
         balanced = BalancedDataIterator(source, num_microbatches=_schedule_for(self.cfg, self.num_microbatches),
                                         group=group, exchange_group=group, cost_fn=cost_fn,

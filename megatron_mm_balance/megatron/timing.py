@@ -1,13 +1,16 @@
 """Per-pack timings in the running job: the vision encoder's and the language model's
 forward and backward time for every micro-batch on every rank (``--mm-balance-timing``).
 
-Module hooks on the example's ``LLaVAModel`` (found inside Megatron's DDP and
-``Float16Module`` wrappers by following ``.module``), no change to the maths:
+Module hooks on a vision-language model with a ``vision_model`` and a
+``language_model`` (the example's ``LLaVAModel``; Megatron-Bridge's ``Qwen3VLModel``
+through :mod:`megatron_mm_balance.bridge.timing`), found inside Megatron's DDP and
+``Float16Module`` wrappers by following ``.module``, no change to the maths:
 
-* ``LLaVAModel`` forward pre-hook: a new record, with the pack's features read from
-  the call (``num_image_tiles`` x the model's tokens per tile: per-image tokens;
-  ``packed_seq_params.cu_seqlens_q``: sample lengths); evaluation (no grad, or
-  ``eval()``) is not recorded;
+* the model's forward pre-hook: a new record, with the pack's features read from
+  the call by a ``features`` function (default :func:`llava_features`:
+  ``num_image_tiles`` x the model's tokens per tile: per-image tokens;
+  ``packed_seq_params.cu_seqlens_q``: sample lengths; Qwen-VL's adds the ``(t, h, w)``
+  grids, ``grids``); evaluation (no grad, or ``eval()``) is not recorded;
 * ``vision_model`` forward pre-hook and ``vision_projection`` (else ``vision_model``)
   forward hook: vision forward;
 * ``language_model`` forward pre-hook and forward hook: language-model forward; a
@@ -97,6 +100,7 @@ class _Open:
     images: List[int]
     lengths: List[int]
     start_s: float
+    grids: Optional[List[List[int]]] = None
     marks: Dict[str, object] = field(default_factory=dict)
     end_s: float = 0.0
     in_backward: bool = False
@@ -144,14 +148,15 @@ class TimingRecorder:
         atexit.register(self.close)
 
     # -- hooks ---------------------------------------------------------------------
-    def begin(self, images: List[int], lengths: List[int]) -> _Open:
-        """A training micro-batch's forward starts (records older backward passes first)."""
+    def begin(self, images: List[int], lengths: List[int], grids: Optional[List[List[int]]] = None) -> _Open:
+        """A training micro-batch's forward starts (records older backward passes first).
+        ``grids``: Qwen-VL's ``(t, h, w)`` per image/video, recorded when given."""
         self._finish_ready()
         it = self._next_iteration()
         if it != self._iteration:
             self._iteration, self._microbatch = it, 0
             self._maybe_report(it)
-        rec = _Open(it, self._microbatch, images, lengths, time.perf_counter() - self.t0)
+        rec = _Open(it, self._microbatch, images, lengths, time.perf_counter() - self.t0, grids)
         rec.mark(self.clock, "start")
         self._microbatch += 1
         self._current = rec
@@ -208,6 +213,8 @@ class TimingRecorder:
             "lm_backward_ms": span("lm_backward_start", lm_bwd_end) if lm_bwd_end else 0.0,
             "start_s": round(rec.start_s, 6), "end_s": round(rec.end_s - self.t0, 6),
         }
+        if rec.grids is not None:
+            out["grids"] = rec.grids
         with self._cond:
             self._records.append(out)
             if len(self._records) > self.keep:
@@ -288,7 +295,7 @@ def summarize_timings(records: List[dict]) -> Dict[str, float]:
 
 # -- installing the hooks ------------------------------------------------------------
 
-def _features(llava, args, kwargs) -> tuple:
+def llava_features(llava, args, kwargs) -> tuple:
     """Per-image tokens and per-sample lengths of the micro-batch ``llava`` is called with."""
     tiles = kwargs.get("num_image_tiles")
     images = args[0] if args else kwargs.get("images")
@@ -323,10 +330,15 @@ def _first_tensor(output):
     return output
 
 
-def install_hooks(model_chunks, recorder: TimingRecorder) -> List:
-    """Install the timing hooks on every model chunk; returns the hook handles."""
+def install_hooks(model_chunks, recorder: TimingRecorder, features: Callable = None) -> List:
+    """Install the timing hooks on every model chunk; returns the hook handles.
+
+    ``features(model, args, kwargs)``: the micro-batch's ``(images, lengths)`` or
+    ``(images, lengths, grids)`` from the call of the model (inside its wrappers),
+    default :func:`llava_features`."""
     import torch
 
+    features = features or llava_features
     handles = []
     for chunk in (model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]):
         llava = unwrap(chunk)
@@ -340,7 +352,7 @@ def install_hooks(model_chunks, recorder: TimingRecorder) -> List:
             if not (torch.is_grad_enabled() and module.training):
                 recorder.skip()
                 return None
-            recorder.begin(*_features(module, args, kwargs))
+            recorder.begin(*features(module, args, kwargs))
             return None
 
         handles.append(top.register_forward_pre_hook(top_pre, with_kwargs=True))
@@ -392,26 +404,32 @@ def install_hooks(model_chunks, recorder: TimingRecorder) -> List:
 
 
 def install_timing(model_chunks, *, out_dir: Optional[str], interval: int,
-                   iteration_fn: Optional[Callable[[], Optional[int]]] = None) -> TimingRecorder:
+                   iteration_fn: Optional[Callable[[], Optional[int]]] = None,
+                   features: Optional[Callable] = None, writers: Optional[tuple] = None) -> TimingRecorder:
     """``--mm-balance-timing``: a :class:`TimingRecorder` for this rank and its hooks on
     ``model_chunks`` (what ``setup_model_and_optimizer`` returned). Called on every rank
-    by :func:`~.iterator.wrap_train_data_iterator`."""
+    by :func:`~.iterator.wrap_train_data_iterator` (and by Bridge's glue, with the Qwen-VL
+    ``features`` and its ``writers``: ``(tensorboard, wandb)``; default Megatron's)."""
     import torch
     import torch.distributed as dist
 
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     clock = _CudaClock() if torch.cuda.is_available() and _on_cuda(model_chunks) else _CpuClock()
-    tb = wandb = None
-    try:
-        from megatron.training.global_vars import get_tensorboard_writer, get_wandb_writer
-        tb, wandb = get_tensorboard_writer(), get_wandb_writer()
-    except Exception:          # megatron-core only (tests): log and file only
-        pass
+    tb, wandb = writers if writers is not None else _megatron_writers()
 
     recorder = TimingRecorder(rank=rank, clock=clock, out_dir=out_dir, iteration_fn=iteration_fn,
                               interval=interval, report=rank == 0, tb_writer=tb, wandb_writer=wandb)
-    recorder.handles = install_hooks(model_chunks, recorder)
+    recorder.handles = install_hooks(model_chunks, recorder, features)
     return recorder
+
+
+def _megatron_writers() -> tuple:
+    """Megatron-LM's TensorBoard and W&B writers (None, None with megatron-core only)."""
+    try:
+        from megatron.training.global_vars import get_tensorboard_writer, get_wandb_writer
+        return get_tensorboard_writer(), get_wandb_writer()
+    except Exception:          # megatron-core only (tests): log and file only
+        return None, None
 
 
 def _on_cuda(model_chunks) -> bool:
@@ -423,7 +441,7 @@ def _on_cuda(model_chunks) -> bool:
 
 # -- --mm-balance-cost auto ------------------------------------------------------------
 
-def auto_cost_fn(cfg, recorder: Optional[TimingRecorder], group):
+def auto_cost_fn(cfg, recorder: Optional[TimingRecorder], group, *, features=None):
     """The :class:`~megatron_mm_balance.cost.calibration.AutoCost` of one exchange group.
 
     Its calibration runs on the exchange group from the thread that drives the balancer:
@@ -433,7 +451,9 @@ def auto_cost_fn(cfg, recorder: Optional[TimingRecorder], group):
     saved beside the checkpoints (``--save``/``mm_balance_cost_fit.json``); a job that
     loaded a checkpoint (``args.iteration > 0``) restores it from ``--load``. ``cfg``: the
     run's :class:`~.config.MMBalanceConfig` (its tokens per tile, sync, timeout, and
-    Megatron's start iteration, ``--load`` and ``--save``).
+    Megatron's start iteration, ``--load`` and ``--save``). ``features``: what the fit and
+    the costs read (:class:`~megatron_mm_balance.cost.calibration.TileFeatures` by default,
+    ``QwenVLFeatures`` on Bridge's Qwen-VL models).
     """
     import torch.distributed as dist
     from ..cost.calibration import FIT_FILE, AutoCost, CalibrationConfig, read_fit, write_fit
@@ -481,4 +501,4 @@ def auto_cost_fn(cfg, recorder: Optional[TimingRecorder], group):
             write_fit(result, os.path.join(save, FIT_FILE))
 
     return AutoCost(config, start_iteration=start, collect=collect, agree=agree, on_fit=on_fit,
-                    saved=saved)
+                    saved=saved, features=features)

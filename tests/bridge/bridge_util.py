@@ -5,6 +5,7 @@ a dataset, and launcher runs, all driven through the user's commands as subproce
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import signal
@@ -108,6 +109,23 @@ class Run:
     def stat(self, key: str) -> Dict[int, float]:
         """One telemetry figure per logged iteration (``packs_moved``, ``prefetched``, ...)."""
         return {i: float(t[key]) for i, t in self.telemetry.items() if key in t}
+
+
+def compare_checkpoints(python: str, a: Path, b: Path) -> dict:
+    """Every tensor of two ``torch_dist`` checkpoint directories compared bit for bit, in the
+    Bridge environment (``checkpoint_tensors.py``): ``{"tensors", "elements", "different"}``."""
+    script = Path(__file__).with_name("checkpoint_tensors.py")
+    res = subprocess.run([python, str(script), str(a), str(b)], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, f"checkpoint comparison failed:\n{res.stderr[-2000:]}"
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def timing_records(directory: Path) -> Dict[int, List[dict]]:
+    """``timing-rank<R>.jsonl`` of a run, by rank."""
+    out = {}
+    for path in sorted(Path(directory).glob("timing-rank*.jsonl")):
+        out[int(path.stem.replace("timing-rank", ""))] = [json.loads(x) for x in path.read_text().splitlines()]
+    return out
 
 
 def parse(log: str) -> Run:

@@ -175,3 +175,86 @@ def test_environment_without_system_site_packages(bridge_python):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "(3, 12) 2.13.0" in r.stdout and "5.12.1" in r.stdout, r.stdout
+
+
+# -- mm_balance.cost=auto and the timing hooks on the real model -----------------------------
+
+#: the calibration window: iterations 2-3 fitted, the fit used from iteration 5 (K + 2)
+AUTO = ["mm_balance.cost=auto", "mm_balance.calibration_iters=3"]
+AUTO_LAYOUT = "dp2_ep2_fp32"
+RANKS, MICROBATCHES = 4, 2            # GBS 8 over data-parallel size 4
+
+
+def _final_checkpoint(run_dir):
+    return run_dir / "checkpoints" / f"iter_{ITERS:07d}"
+
+
+def test_cost_auto_trains_as_off_and_writes_the_fit(runner, bridge_runs_dir, bridge_python):
+    """``mm_balance.cost=auto`` with the timing hooks writing their records: the printed losses
+    equal the off run's exactly, the final checkpoint (model and optimizer tensors) equals it
+    tensor by tensor (bit for bit, or within the fp32 rounding of the data-parallel sums, printed),
+    every micro-batch of every rank is recorded with its grids, and the fit is logged once and
+    saved beside the checkpoints."""
+    from megatron_mm_balance.cost.calibration import FIT_FILE, read_fit
+    off = runner(f"{AUTO_LAYOUT}-off", AUTO_LAYOUT, False)
+    timing_dir = bridge_runs_dir / "auto-timing"
+    auto = runner("auto", AUTO_LAYOUT, True, extra=AUTO + [f"mm_balance.timing_dir={timing_dir}"])
+    table = bu.loss_table({"off": off, "cost=auto": auto})
+    assert off.rc == 0 and auto.rc == 0, f"exit {off.rc}/{auto.rc}\n{auto.tail()}"
+    assert sorted(auto.losses) == list(range(1, ITERS + 1)) and auto.losses == off.losses, table
+    same = bu.compare_checkpoints(bridge_python, _final_checkpoint(bridge_runs_dir / f"{AUTO_LAYOUT}-off"),
+                                  _final_checkpoint(bridge_runs_dir / "auto"))
+    # Moving micro-batches between ranks changes which rank sums which gradients before the
+    # data-parallel reduction, so the fp32 sums may round differently in their last bits: every
+    # tensor is there, and equal or within that rounding (the figures are printed).
+    assert same["tensors"] > 0 and not same["missing"] and same["max_rel_diff"] <= 1e-6, same
+    fit = read_fit(str(bridge_runs_dir / "auto" / "checkpoints" / FIT_FILE))
+    assert (fit.first_iteration, fit.last_iteration, fit.effective_iteration) == (2, 3, 5)
+    assert fit.records == RANKS * MICROBATCHES * 2
+    lines = [x for x in auto.log.splitlines() if x.startswith("[mm-balance] cost auto:")]
+    assert lines == [fit.line()], lines                 # one exchange group: logged once, by its first rank
+    reported = [x for x in auto.log.splitlines() if x.startswith("[mm-balance-timing] iteration ")]
+    assert len(reported) == ITERS - 1, reported        # per log interval, at the next iteration's start
+    records = bu.timing_records(timing_dir)
+    assert sorted(records) == list(range(RANKS)), sorted(records)
+    for rank, recs in records.items():
+        assert [(r["iteration"], r["microbatch"]) for r in recs] == [
+            (i, m) for i in range(1, ITERS + 1) for m in range(MICROBATCHES)], f"rank {rank}"
+        for r in recs:
+            assert r["grids"] and r["images"] == [t * h * w for t, h, w in r["grids"]], r
+            assert r["lengths"] and r["lm_forward_ms"] > 0 and r["lm_backward_ms"] > 0, r
+            assert r["vision_forward_ms"] > 0 and r["vision_backward_ms"] > 0, r
+    print(f"\ncost=auto ({AUTO_LAYOUT}): {fit.line()}\nfinal checkpoint vs off: {same}; wall off "
+          f"{off.wall_s:.0f}s auto {auto.wall_s:.0f}s\n{table}")
+
+
+def test_cost_auto_resume_restores_the_fit(runner, bridge_runs_dir, bridge_python):
+    """Stopped after the fit took effect (``train.exit_interval=5``), resumed to the end: the
+    second job restores the first job's fit (no second calibration), and its losses and final
+    checkpoint equal the uninterrupted ``cost=auto`` run's bit for bit."""
+    from megatron_mm_balance.cost.calibration import FIT_FILE, read_fit
+    timing_dir = bridge_runs_dir / "auto-timing"
+    full = runner("auto", AUTO_LAYOUT, True, extra=AUTO + [f"mm_balance.timing_dir={timing_dir}"])
+    out = bridge_runs_dir / "auto-resume"
+    first = runner("auto-resume-first", AUTO_LAYOUT, True, extra=AUTO + ["train.exit_interval=5"], output=out)
+    saved = read_fit(str(out / "checkpoints" / FIT_FILE))
+    second = runner("auto-resume-second", AUTO_LAYOUT, True, extra=AUTO, output=out)
+    table = bu.loss_table({"uninterrupted": full, "first job": first, "resumed": second})
+    assert full.rc == 0 and first.rc == 0 and second.rc == 0, f"exit {full.rc}/{first.rc}/{second.rc}\n{second.tail()}"
+    assert sorted(first.losses) == [1, 2, 3, 4, 5] and sorted(second.losses) == [6], table
+    assert {**first.losses, **second.losses} == full.losses, table
+    assert f"[mm-balance] cost auto: restored the fit of iterations 2-3 from {out / 'checkpoints' / FIT_FILE}" \
+           f" (effective from iteration 5" in second.log, second.tail()
+    assert "[mm-balance] cost auto: fit" not in second.log, "the resumed job calibrated again"
+    assert read_fit(str(out / "checkpoints" / FIT_FILE)) == saved
+    same = bu.compare_checkpoints(bridge_python, _final_checkpoint(bridge_runs_dir / "auto"), _final_checkpoint(out))
+    assert same["tensors"] > 0 and not same["missing"], same
+    full_fit = read_fit(str(bridge_runs_dir / "auto" / "checkpoints" / FIT_FILE))
+    if saved.ok == full_fit.ok is False:
+        # both jobs balanced with image tokens (their fits refused): the same placements, so the
+        # resumed job must reproduce the uninterrupted one bit for bit
+        assert not same["different"], same
+    else:                            # each job's own fit (its own timings): placements may differ
+        assert same["max_rel_diff"] <= 1e-6, same
+    print(f"\ncost=auto resume: restored {saved.line()}\nfinal checkpoint vs the uninterrupted run's: "
+          f"{same}; wall first {first.wall_s:.0f}s resumed {second.wall_s:.0f}s\n{table}")

@@ -347,13 +347,15 @@ def test_launcher_refuses_unpatched_tree(tmp_path):
 
 
 def test_bridge_patches_import_our_package_only_when_asked():
-    """Each added import of megatron_mm_balance sits behind ``mm_balance.enabled`` or a guarded try."""
+    """Each added import of megatron_mm_balance sits behind ``mm_balance.enabled`` (or
+    ``mm_balance.wraps_train_iterator``: balancing or the timing hooks) or a guarded try."""
     for p in sorted(bu.PATCHES.glob("*.patch")):
         plus = [l[1:] for l in p.read_text().splitlines() if l.startswith("+") and not l.startswith("+++")]
         for k, line in enumerate(plus):
             if "megatron_mm_balance" in line and "import" in line:
                 before = "\n".join(plus[max(0, k - 3):k])
-                assert "try:" in before or "mm_balance" in before and "enabled" in before, (p.name, line)
+                asked = "enabled" in before or "wraps_train_iterator" in before
+                assert "try:" in before or "mm_balance" in before and asked, (p.name, line)
     assert sorted(p.name[:4] for p in bu.PATCHES.glob("*.patch")) == ["0001", "0002", "0003"]
 
 

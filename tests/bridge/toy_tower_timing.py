@@ -9,7 +9,7 @@ kernel is. Timed with it, a 4,096-patch micro-batch takes the same time as one f
 frames. ``--attention per-frame`` (the default) computes each frame's attention on its own, as
 FlashAttention's variable-length kernels do; ``--attention harness`` keeps the harness's.
 
-    PYTHONPATH=REPO:BRIDGE/src:MEGATRON_LM python tests/bridge/toy_tower_timing.py
+    PYTHONPATH=REPO:BRIDGE/src:MEGATRON_LM python tests/bridge/toy_tower_timing.py [--attention per-frame|harness]
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ BATCHES = [
     [(1, 48, 48)], [(1, 16, 16)] * 9, [(1, 32, 64)], [(1, 8, 8)] * 32, [(1, 24, 24), (1, 32, 32)],
     [(2, 40, 40)], [(1, 16, 32)] * 6,
 ]
-REPS = 2
+REPS = 3
 
 
 def install_per_frame_attention() -> None:

@@ -10,8 +10,9 @@ variable-length packed sequences follows the sum of squared sample lengths.
   here, for many packs at once);
 * :class:`CostModel` — milliseconds per phase:
 
-  - vision forward ``a*sum(n_i) + b*sum(n_i**2) + f*[pack has images]`` over the
-    pack's images (``b``: attention inside each image; ``f``: a per-pack launch cost),
+  - vision forward ``a*sum(n_i) + b*sum(n_i**2) + f*[pack has images] + e*images``
+    over the pack's images (``b``: attention inside each image; ``f``: a per-pack launch
+    cost; ``e``: a per-image cost, e.g. its pre-processing),
   - language-model forward ``t*positions + c*sum(len_j**2) + const`` over its
     samples (``positions``: the tokens the model computes, the pack's own or the
     fixed sequence length when padding is computed),
@@ -75,6 +76,7 @@ class FeatureArrays:
     has_images: np.ndarray        # [P] bool
     positions: np.ndarray         # [P] positions the language model computes
     len_sq: np.ndarray            # [P] sum of len_j^2
+    image_count: Optional[np.ndarray] = None   # [P] images per pack (None: not known)
 
     @staticmethod
     def of(packs: Sequence[PackFeatures]) -> "FeatureArrays":
@@ -85,7 +87,8 @@ class FeatureArrays:
             image_sq=np.array([(v * v).sum() for v in img]),
             has_images=np.array([len(p.images) > 0 for p in packs]),
             positions=np.array([float(p.tokens) for p in packs]),
-            len_sq=np.array([(v * v).sum() for v in ln]))
+            len_sq=np.array([(v * v).sum() for v in ln]),
+            image_count=np.array([float(len(p.images)) for p in packs]))
 
 
 @dataclass(frozen=True)
@@ -115,6 +118,7 @@ class CostModel:
     llm_backward_ratio: float = 2.0
     vision_ms_per_pack: float = 0.0
     llm_ms_per_token: float = 0.0
+    vision_ms_per_image: float = 0.0
     #: both ratios at once (the single ratio of ``mm-balance-cost/v1`` files)
     backward_ratio: InitVar[Optional[float]] = None
 
@@ -132,6 +136,10 @@ class CostModel:
         """Milliseconds per phase for every pack of ``f``."""
         vf = (self.vision_ms_per_token * f.image_tokens + self.vision_ms_per_token_sq * f.image_sq
               + self.vision_ms_per_pack * f.has_images)
+        if self.vision_ms_per_image:
+            if f.image_count is None:
+                raise ValueError("cost model: a per-image cost needs the packs' image counts")
+            vf = vf + self.vision_ms_per_image * f.image_count
         lf = self.llm_ms_per_token * f.positions + self.llm_ms_per_len_sq * f.len_sq
         if self.const_ms:
             lf = lf + self.const_ms

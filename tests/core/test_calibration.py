@@ -129,7 +129,9 @@ def test_auto_cost_refused_fit_keeps_image_tokens_and_scalar_mode():
     cost, _ = _auto(flat, K=3, phases=False, fits=fits)
     assert cost.components == 1
     assert [cost.for_batch(gb)(PACK) for gb in range(8)] == [15 * 16] * 8
-    assert not fits[0].ok and "records with images" in fits[0].reason
+    assert not fits[0].ok and fits[0].choice == "image-tokens" and fits[0].model is None
+    assert all("records with images" in r["refused"] for r in fits[0].replay["rows"]
+               if r["name"].startswith("fit")), fits[0].replay["rows"]
 
 
 def test_fit_file_round_trip_and_resume(tmp_path):

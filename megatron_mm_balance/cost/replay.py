@@ -277,13 +277,14 @@ def fit_vision(records: Sequence[dict], terms: Sequence[str], *, min_records: in
     return {_TERM_FIELD[t]: float(c) for t, c in zip(terms, coef)}, float(ratio), r2
 
 
-def fit_language(records: Sequence[dict]) -> Tuple[dict, float, str]:
+def fit_language(records: Sequence[dict], *, r2_floor: float = R2_FLOOR) -> Tuple[dict, float, str]:
     """The language phase from each micro-step's compute
     (:func:`~.timing_records.language_compute_records`): ``t*positions + c*sum(len^2) +
-    const`` where those features vary; where every pack has the same positions and
-    length profile (fixed-length packs of one sample) only the mean is taken (a fit of
-    constant features has no meaning: its R^2 is then NaN). Returns (CostModel fields,
-    R^2, a note)."""
+    const`` where those features vary and explain the time (R^2 at least ``r2_floor``);
+    otherwise only the mean is taken. Fixed-length packs of one sample have constant
+    features (a fit of them has no meaning: the R^2 is then NaN); a fit below the floor
+    would give each pack a language cost that is noise, and the two-phase planner would
+    balance that noise. Returns (CostModel fields, R^2, a note)."""
     lang = language_compute_records(records)
     if not lang:
         return {"llm_backward_ratio": 2.0}, float("nan"), "no language records"
@@ -291,16 +292,18 @@ def fit_language(records: Sequence[dict]) -> Tuple[dict, float, str]:
     y = np.array([float(r["lm_forward_ms"]) for r in lang])
     yb = sum(float(r["lm_backward_ms"]) for r in lang)
     ratio = float(yb / y.sum()) if y.sum() > 0 else 2.0
+    mean_only = {"const_ms": float(max(y.mean(), 0.0)), "llm_backward_ratio": ratio}
     varying = [(name, col) for name, col in (("llm_ms_per_token", f.positions),
                                              ("llm_ms_per_len_sq", f.len_sq)) if np.ptp(col) > 0]
     if not varying:
-        return ({"const_ms": float(max(y.mean(), 0.0)), "llm_backward_ratio": ratio}, float("nan"),
-                "language: constant lengths, mean only")
+        return mean_only, float("nan"), "language: constant lengths, mean only"
     X = np.stack([col for _, col in varying] + [np.ones(len(lang))], axis=1)
     coef = nonnegative_lstsq(X, y)
+    r2 = _r2(y, X @ coef)
+    if not r2 >= r2_floor:
+        return mean_only, r2, f"language R^2 {r2:.3f} below the floor {r2_floor}: mean only"
     out = {name: float(c) for (name, _), c in zip(varying, coef)}
     out.update(const_ms=float(coef[-1]), llm_backward_ratio=ratio)
-    r2 = _r2(y, X @ coef)
     return out, r2, f"language R^2 {r2:.3f}"
 
 
@@ -310,7 +313,7 @@ def fitted_candidate(terms: Sequence[str]) -> Callable:
         recs = _fit_records(batches)
         vision, ratio, r2v = fit_vision(recs, terms, min_records=options.min_records,
                                         r2_floor=options.r2_floor)
-        lang, r2l, note = fit_language(recs)
+        lang, r2l, note = fit_language(recs, r2_floor=options.r2_floor)
         model = CostModel(**{**{f: 0.0 for f in _TERM_FIELD.values()}, **vision},
                           vision_backward_ratio=ratio, **lang)
         coef = ", ".join(f"{t} {vision[_TERM_FIELD[t]]:.4g}" for t in terms)
@@ -339,7 +342,7 @@ def _flops_build(batches: Sequence[ReplayBatch], options: ReplayOptions) -> Pric
         raise CandidateRefused("no images in the fit part")
     scale = float(flops @ y / (flops @ flops))
     vb = sum(float(r["vision_backward_ms"]) for r in recs)
-    lang, r2l, note = fit_language(recs)
+    lang, r2l, note = fit_language(recs, r2_floor=options.r2_floor)
     model = CostModel(vision_ms_per_token=scale * per_token, vision_ms_per_token_sq=scale * per_sq,
                       vision_backward_ratio=vb / float(y.sum()) if y.sum() > 0 else 2.0, **lang)
     r2v = _r2(y, scale * flops)

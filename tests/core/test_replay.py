@@ -14,9 +14,10 @@ from megatron_mm_balance.cost.replay import ReplayError, ReplayOptions, global_b
 
 def records(vision_ms, *, iterations=8, ranks=4, G=8, seed=0, noise=0.0, lengths=lambda rng: [1024],
             images=None):
-    """Timing records with ``vision_ms(images) -> forward ms`` (backward = 2x), a fixed
-    language phase of 50 + 100 ms, and the packs' images either one large image or many
-    small ones (equal image tokens, very different sums of squares)."""
+    """Timing records with ``vision_ms(images) -> forward ms`` (backward = 2x), the packs'
+    images either one large image or many small ones (equal image tokens, very different
+    sums of squares); language forward 4.8 ms + 0.05 ms per token (56 ms for the default
+    fixed-length packs), backward 2x."""
     rng = np.random.default_rng(seed)
     out = []
     for it in range(1, iterations + 1):
@@ -29,9 +30,11 @@ def records(vision_ms, *, iterations=8, ranks=4, G=8, seed=0, noise=0.0, lengths
                     imgs = ([int(rng.integers(8, 13)) * 64] if k == 1 else
                             [64] * (int(rng.integers(2, 13)) * (k > 1)))
                 v = vision_ms(imgs) * (1.0 + noise * rng.standard_normal()) if imgs else 0.0
-                out.append(dict(iteration=it, microbatch=m, rank=r, images=imgs, lengths=lengths(rng),
-                                vision_forward_ms=v, vision_backward_ms=2 * v, lm_forward_ms=50.0,
-                                lm_backward_ms=100.0))
+                lens = lengths(rng)
+                lm = 4.8 + 0.05 * sum(lens)
+                out.append(dict(iteration=it, microbatch=m, rank=r, images=imgs, lengths=lens,
+                                vision_forward_ms=v, vision_backward_ms=2 * v, lm_forward_ms=lm,
+                                lm_backward_ms=2 * lm))
     return out
 
 
@@ -53,7 +56,7 @@ def test_quadratic_times_choose_the_fitted_quadratic_model():
     assert res.model.vision_ms_per_token_sq == pytest.approx(4e-4, rel=0.05)
     # fixed-length packs: the language phase is a constant, not a meaningless fit
     assert "constant lengths" in fit.detail and np.isnan(fit.r2_language)
-    assert res.model.llm_ms_per_token == 0 and res.model.const_ms == pytest.approx(50.0)
+    assert res.model.llm_ms_per_token == 0 and res.model.const_ms == pytest.approx(56.0)
     assert res.fit_iterations == (1, 2, 3, 4) and res.held_iterations == (5, 6, 7, 8)
 
 
@@ -86,9 +89,10 @@ def test_replay_is_deterministic_whatever_the_record_order():
 
 def test_step_sync_chooses_by_rank_totals_and_varying_lengths_are_fitted():
     def lengths(rng):
-        return [int(rng.integers(100, 900))]
+        return [int(rng.integers(100, 1024))]
     res = replay(records(quadratic, noise=0.01, lengths=lengths), ReplayOptions(sync="step"))
-    assert res.sync == "step" and "language R^2" in res.row("fit").detail
+    assert res.sync == "step" and "language R^2 1.000" in res.row("fit").detail
+    assert res.models["fit"].llm_ms_per_token == pytest.approx(0.05, rel=1e-6)
     tokens = res.row("image-tokens")
     chosen = res.row(res.choice)
     assert chosen.rank_total_max_mean <= tokens.rank_total_max_mean
@@ -114,7 +118,7 @@ def test_a_registered_candidate_is_replayed_and_can_be_chosen():
     def oracle(batches, options):                  # the true model, as a config would give it
         from megatron_mm_balance.cost.model import CostModel
         return rp.PricedCost(CostModel(vision_ms_per_token=0.02, vision_ms_per_token_sq=4e-4,
-                                       vision_backward_ratio=2.0, const_ms=50.0), "the true model")
+                                       vision_backward_ratio=2.0, const_ms=56.0), "the true model")
     rp.register_candidate(rp.Candidate("true-model", "test", oracle))
     try:
         with pytest.raises(ValueError, match="already registered"):
@@ -151,7 +155,7 @@ def test_cli_prints_the_table_and_json(tmp_path, capsys):
     assert "micro-step max/mean" in out and "<- chosen" in out and "iterations 3-6" in out
     assert cli.main(["replay", d, "--skip-iterations", "2", "--json"]) == 0
     rep = json.loads(capsys.readouterr().out)
-    assert rep["choice"] == "fit" and rep["held_iterations"] == [7, 8, 9, 10]
+    assert rep["choice"] in ("fit", "fit+pack", "fit+image") and rep["held_iterations"] == [7, 8, 9, 10]
     assert cli.main(["replay", str(tmp_path / "missing")]) == 2
     assert "no such timing directory" in capsys.readouterr().err
     assert cli.main(["replay", d, "--holdout", "1.5"]) == 2

@@ -1,6 +1,7 @@
 """The online calibration of ``--mm-balance-cost auto`` (cost/calibration.py): the fit recovers
 known coefficients from synthetic timing records, refuses degenerate ones (saying so and
 falling back to image tokens), switches at a global-batch boundary, and round-trips its file."""
+import json
 import math
 
 import numpy as np
@@ -159,3 +160,21 @@ def test_calibration_config_is_validated():
     with pytest.raises(ValueError, match="tokens_per_tile"):
         CalibrationConfig(tokens_per_tile=0)
     assert math.isnan(FitResult(False, None, float("nan"), 0.0, 0, 0, 0, 0, "x").r2_vision)
+
+
+def test_fit_files_of_the_first_format_are_read_with_their_choice(tmp_path):
+    """A v1 file (before the replay) restores as it balanced: its accepted fit was the
+    per-pack model, a refused one image tokens."""
+    fit = fit_phases(synthetic_records(), first_iteration=2, last_iteration=5, effective_iteration=7)
+    data = fit.to_json()
+    for key in ("choice", "replay"):
+        del data[key]
+    data["format"] = "mm-balance-cost-fit/v1"
+    path = tmp_path / "v1.json"
+    path.write_text(json.dumps(data))
+    old = read_fit(str(path))
+    assert old.ok and old.choice == "fit+pack" and old.model == fit.model and old.replay is None
+    assert "fit refused" not in old.line() and "by replay" not in old.line()
+    data.update(ok=False, model=None)
+    path.write_text(json.dumps(data))
+    assert read_fit(str(path)).choice == "image-tokens"

@@ -305,9 +305,9 @@ def cmd_replay(args) -> int:
                                vision_shape=args.vision_shape)
     names = [n.strip() for n in args.candidates.split(",") if n.strip()] if args.candidates else None
     recs = read_records(args.timing_dir)
-    if args.ranks_per_node:
-        options = rp.ReplayOptions(**{**options.__dict__,
-                                      "ranks": tuple(sorted({int(r["rank"]) for r in recs}))})
+    if args.ranks_per_node:              # nodes from the global ranks, as the runtime places them
+        import dataclasses
+        options = dataclasses.replace(options, ranks=tuple(sorted({int(r["rank"]) for r in recs})))
     result = rp.replay(recs, options, skip_iterations=args.skip_iterations, candidates=names)
     if args.json:
         print(json.dumps(result.to_json()))
@@ -319,7 +319,8 @@ def cmd_replay(args) -> int:
 def _replay_arguments(rp_parser) -> None:
     from .cost import replay as rp
     rp_parser.add_argument("timing_dir", metavar="TIMING_DIR",
-                           help="a run's --mm-balance-timing-dir (timing-rank*.jsonl of every rank)")
+                           help="a run's --mm-balance-timing-dir (timing-rank*.jsonl of every rank; "
+                                "the ranks are taken as its data-parallel ranks: TP = PP = 1)")
     rp_parser.add_argument("--sync", choices=placement.SYNC_MODES, default="microstep",
                            help="the run's sync mode (microstep: two-phase costs, judged per micro-step; "
                                 "step: one cost, judged by rank totals)")

@@ -316,7 +316,7 @@ def fit_phases(records: Sequence[dict], *, first_iteration: int = 0, last_iterat
                       vision_ms_per_pack=float(fix), vision_backward_ratio=float(rv),
                       llm_ms_per_token=float(t), llm_ms_per_len_sq=float(c), const_ms=float(const),
                       llm_backward_ratio=float(rl))
-    return FitResult(True, model, r2v, r2l, len(recs), **span)
+    return FitResult(True, model, r2v, r2l, len(recs), choice="fit+pack", **span)
 
 
 @dataclass(frozen=True)

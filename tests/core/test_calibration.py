@@ -160,6 +160,15 @@ def test_calibration_config_is_validated():
     with pytest.raises(ValueError, match="tokens_per_tile"):
         CalibrationConfig(tokens_per_tile=0)
     assert math.isnan(FitResult(False, None, float("nan"), 0.0, 0, 0, 0, 0, "x").r2_vision)
+    with pytest.raises(ValueError, match="held-out share"):
+        CalibrationConfig(holdout=1.0)
+    with pytest.raises(ValueError, match="margin"):
+        CalibrationConfig(margin=-0.1)
+    # the replay plans as the balancer does: its sync mode, tolerance and nodes
+    opts = CalibrationConfig(phases=False, balance_tolerance=0.02, ranks_per_node=2,
+                             group_ranks=(6, 4, 5, 7), margin=0.01).replay_options()
+    assert (opts.sync, opts.kind, opts.balance_tolerance, opts.ranks_per_node, opts.ranks, opts.margin) == \
+        ("step", "time", 0.02, 2, (4, 5, 6, 7), 0.01)
 
 
 def test_fit_files_of_the_first_format_are_read_with_their_choice(tmp_path):

@@ -362,6 +362,72 @@ def cmd_compare_checkpoints(args) -> int:
 
 
 # ---------------------------------------------------------------------------
+# replay
+
+def _vision_shape(text):
+    """``LAYERS,HIDDEN,HEADS,FFN`` (the ``MM_BALANCE_CPU_VIT`` form) as four ints > 0."""
+    try:
+        shape = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        shape = ()
+    if len(shape) != 4 or min(shape) <= 0:
+        raise argparse.ArgumentTypeError(f"expected LAYERS,HIDDEN,HEADS,FFN (four integers > 0), got {text!r}")
+    return shape
+
+
+def cmd_replay(args) -> int:
+    from .cost import replay as rp
+    from .sim.run_trace import read_records
+    if args.skip_iterations < 0:
+        raise CliError(f"--skip-iterations must be >= 0, got {args.skip_iterations}")
+    options = rp.ReplayOptions(sync=args.sync, balance_tolerance=args.balance_tolerance,
+                               ranks_per_node=args.ranks_per_node, holdout=args.holdout,
+                               margin=args.margin, min_records=args.min_records, r2_floor=args.r2_floor,
+                               vision_shape=args.vision_shape)
+    names = [n.strip() for n in args.candidates.split(",") if n.strip()] if args.candidates else None
+    recs = read_records(args.timing_dir)
+    if args.ranks_per_node:              # nodes from the global ranks, as the runtime places them
+        import dataclasses
+        options = dataclasses.replace(options, ranks=tuple(sorted({int(r["rank"]) for r in recs})))
+    result = rp.replay(recs, options, skip_iterations=args.skip_iterations, candidates=names)
+    if args.json:
+        print(json.dumps(result.to_json()))
+    else:
+        print("\n".join(result.table()))
+    return 0
+
+
+def _replay_arguments(rp_parser) -> None:
+    from .cost import replay as rp
+    rp_parser.add_argument("timing_dir", metavar="TIMING_DIR",
+                           help="a run's --mm-balance-timing-dir (timing-rank*.jsonl of every rank; "
+                                "the ranks are taken as its data-parallel ranks: TP = PP = 1)")
+    rp_parser.add_argument("--sync", choices=placement.SYNC_MODES, default="microstep",
+                           help="the run's sync mode (microstep: two-phase costs, judged per micro-step; "
+                                "step: one cost, judged by rank totals)")
+    rp_parser.add_argument("--balance-tolerance", type=float, default=None,
+                           help="the run's --mm-balance-tolerance (default: the planner's)")
+    rp_parser.add_argument("--ranks-per-node", type=int, default=None)
+    rp_parser.add_argument("--holdout", type=float, default=rp.DEFAULT_HOLDOUT,
+                           help="share of the iterations held out for scoring, the last ones "
+                                "(default %(default)s)")
+    rp_parser.add_argument("--margin", type=float, default=rp.DEFAULT_MARGIN,
+                           help="how much lower a candidate's held-out max/mean must be than image "
+                                "tokens' to be chosen (default %(default)s)")
+    rp_parser.add_argument("--skip-iterations", type=int, default=2,
+                           help="first iterations left out: start-up (default %(default)s)")
+    rp_parser.add_argument("--min-records", type=int, default=rp.MIN_RECORDS)
+    rp_parser.add_argument("--r2-floor", type=float, default=rp.R2_FLOOR,
+                           help="lowest vision R^2 a fitted candidate may have (default %(default)s)")
+    rp_parser.add_argument("--vision-shape", type=_vision_shape, default=None,
+                           metavar="LAYERS,HIDDEN,HEADS,FFN",
+                           help="the vision encoder's shape, for the vit-flops candidate")
+    rp_parser.add_argument("--candidates", default=None,
+                           help=f"comma-separated candidates (default: all of {', '.join(rp.CANDIDATES)})")
+    rp_parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+# ---------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="mm-balance", description="Image-token load balancing for Megatron-LM VLM pretraining: "
@@ -448,6 +514,11 @@ def build_parser() -> argparse.ArgumentParser:
                     "(the distributed optimizer's flat buckets save their padding as uninitialised memory)")
     cc.add_argument("--json", action="store_true", help="print one JSON object")
     cc.set_defaults(func=cmd_compare_checkpoints)
+
+    rpl = sub.add_parser("replay", help="judge cost models by replaying a run's per-pack timings: the "
+                         "balance each cost's placements reach on held-out iterations")
+    _replay_arguments(rpl)
+    rpl.set_defaults(func=cmd_replay)
 
     for name in EXTENSIONS:
         try:

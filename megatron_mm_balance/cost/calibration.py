@@ -1,12 +1,16 @@
 """Calibrate the cost model: online, from a training job's own per-pack timings
 (``--mm-balance-cost auto``), or offline, by timing a vision encoder against image tokens.
 
-Online (:func:`fit_phases`, :class:`AutoCost`): the timing hooks
+Online (:func:`choose_by_replay`, :class:`AutoCost`): the timing hooks
 (:mod:`megatron_mm_balance.megatron.timing`) record every micro-batch's vision and
 language-model forward and backward time with the pack's features; after the first
-K iterations the records of every rank are fitted into a :class:`~.model.CostModel`
-(two-phase under micro-step synchronisation), agreed on by all ranks, and the
-balancer switches to it at a global-batch boundary. Degenerate fits are refused.
+K iterations the records of every rank are replayed (:mod:`.replay`): the candidate
+cost models are fitted on the first part of those iterations and judged by the
+balance their placements reach on the measured times of the held-out rest; a model
+replaces image tokens only where it beats them there by the margin. The decision is
+made on one rank, agreed on by all, and the balancer switches to it at a global-batch
+boundary (two-phase costs under micro-step synchronisation). :func:`fit_phases` is
+the two-phase fit the simulator's run traces use; degenerate fits are refused.
 
 Offline (:func:`calibrate`):
 
@@ -35,15 +39,16 @@ import numpy as np
 from .model import CostModel, FeatureArrays, PackFeatures, nonnegative_lstsq
 from .pack import (DEFAULT_TOKENS_PER_TILE, ImageTokenCost, QwenVLGridFeatures, check_tokens_per_tile,
                    pack_features)
+from .replay import (DEFAULT_HOLDOUT, DEFAULT_MARGIN, IMAGE_TOKENS, ReplayError, ReplayOptions,
+                     replay)
+from .timing_records import MIN_RECORDS, R2_FLOOR, language_compute_records
 
 #: Cost-fit file beside the checkpoints (``--save``), read back on ``--load``.
 FIT_FILE = "mm_balance_cost_fit.json"
-FIT_FORMAT = "mm-balance-cost-fit/v1"
+FIT_FORMAT = "mm-balance-cost-fit/v2"
+#: Readable fit files: v1 (no replay, no choice) and v2.
+FIT_FORMATS = ("mm-balance-cost-fit/v1", FIT_FORMAT)
 DEFAULT_CALIBRATION_ITERS = 10
-#: Fewest records with images a vision fit accepts.
-MIN_RECORDS = 8
-#: Lowest R^2 of the vision fit that is accepted (below: image tokens stay the cost).
-R2_FLOOR = 0.5
 
 
 @dataclass(frozen=True)
@@ -178,8 +183,10 @@ def save_results(results: dict, cost_path: str, records_path: str | None = None)
 class FitResult:
     """The outcome of one calibration, identical on every rank (decided on one, broadcast).
 
-    ``ok``: the balancer uses ``model`` from global batch ``effective_iteration`` on;
-    otherwise image tokens stay the cost and ``reason`` says why."""
+    ``ok``: the balancer uses ``model`` (the ``choice`` the replay made) from global batch
+    ``effective_iteration`` on; otherwise image tokens stay the cost and ``reason`` says
+    why. ``replay``: the replay's table (:meth:`~.replay.ReplayResult.to_json`, without the
+    models), None for fits made without one (``mm-balance-cost-fit/v1`` files)."""
 
     ok: bool
     model: Optional[CostModel]
@@ -190,6 +197,8 @@ class FitResult:
     last_iteration: int
     effective_iteration: int
     reason: str = ""
+    choice: str = IMAGE_TOKENS
+    replay: Optional[dict] = None
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -198,9 +207,13 @@ class FitResult:
 
     @staticmethod
     def from_json(data: dict, where: str = "cost fit") -> "FitResult":
-        if not isinstance(data, dict) or data.get("format") != FIT_FORMAT:
+        """A fit from :meth:`to_json` (``v2``), or a ``v1`` file (no replay: its accepted
+        fit was the per-pack model, ``fit+pack``)."""
+        if not isinstance(data, dict) or data.get("format") not in FIT_FORMATS:
             raise ValueError(f"{where}: not a cost-fit file (expected \"format\": \"{FIT_FORMAT}\")")
         d = {k: v for k, v in data.items() if k != "format"}
+        if data["format"] == FIT_FORMATS[0]:
+            d.setdefault("choice", "fit+pack" if d.get("ok") else IMAGE_TOKENS)
         try:
             d["model"] = None if d.get("model") is None else CostModel.from_json(d["model"], where)
             return FitResult(**d)
@@ -208,18 +221,48 @@ class FitResult:
             raise ValueError(f"{where}: malformed cost fit ({exc})") from None
 
     def line(self) -> str:
-        """One log line: the coefficients, R^2, records used, and from when."""
+        """One log line: the choice, its coefficients, R^2, records used, and from when."""
         span = f"{self.records} records of iterations {self.first_iteration}-{self.last_iteration}"
         if not self.ok:
-            return (f"[mm-balance] cost auto: fit refused ({self.reason}; {span}): "
+            how = "kept image tokens by replay" if self.replay is not None else "fit refused"
+            return (f"[mm-balance] cost auto: {how} ({self.reason}; {span}): "
                     f"balancing with image tokens")
         m = self.model
-        return (f"[mm-balance] cost auto: fitted from {span} (R^2 vision {self.r2_vision:.3f}, "
+        how = f"chose {self.choice} by replay ({self.reason}), " if self.replay is not None else ""
+        return (f"[mm-balance] cost auto: {how}fitted from {span} (R^2 vision {self.r2_vision:.3f}, "
                 f"language {self.r2_language:.3f}): vision {m.vision_ms_per_token:.4g} ms/token + "
-                f"{m.vision_ms_per_token_sq:.3g} ms/token^2 + {m.vision_ms_per_pack:.3g} ms/pack, "
+                f"{m.vision_ms_per_token_sq:.3g} ms/token^2 + {m.vision_ms_per_pack:.3g} ms/pack + "
+                f"{m.vision_ms_per_image:.3g} ms/image, "
                 f"backward x{m.vision_backward_ratio:.3f}; language {m.llm_ms_per_token:.4g} ms/token + "
                 f"{m.llm_ms_per_len_sq:.3g} ms/len^2 + {m.const_ms:.4g} ms, backward "
                 f"x{m.llm_backward_ratio:.3f}; balancing with it from iteration {self.effective_iteration}")
+
+    def lines(self) -> List[str]:
+        """:meth:`line` and, after a replay, its table (``[mm-balance] cost auto replay | ...``)."""
+        table = self.replay.get("table", []) if self.replay else []
+        return [self.line()] + [f"[mm-balance] cost auto replay | {t}" for t in table]
+
+
+def choose_by_replay(records: Sequence[dict], options: ReplayOptions, *, first_iteration: int = 0,
+                     last_iteration: int = 0, effective_iteration: int = 0) -> FitResult:
+    """``--mm-balance-cost auto``'s decision: replay the calibration iterations' records
+    (:func:`~.replay.replay`: fit on the first part, score on the held-out rest) and take
+    its choice: a fitted or derived cost model only where it beat image tokens on the
+    held-out iterations by the margin; image tokens otherwise, or when the records
+    cannot be replayed (the reason says which)."""
+    recs = list(records)
+    span = dict(first_iteration=first_iteration, last_iteration=last_iteration,
+                effective_iteration=effective_iteration)
+    try:
+        result = replay(recs, options)
+    except ReplayError as exc:
+        return FitResult(False, None, float("nan"), float("nan"), len(recs), reason=str(exc), **span)
+    table = {k: v for k, v in result.to_json().items() if k != "models"}
+    table["table"] = result.table()
+    row = result.row(result.choice)
+    ok = result.choice != IMAGE_TOKENS
+    return FitResult(ok, result.model if ok else None, row.r2_vision, row.r2_language, len(recs),
+                     reason=result.reason, choice=result.choice, replay=table, **span)
 
 
 def _r2(y: np.ndarray, pred: np.ndarray) -> float:
@@ -227,37 +270,6 @@ def _r2(y: np.ndarray, pred: np.ndarray) -> float:
     if ss_tot <= 0:
         return float("nan")
     return 1.0 - float(((y - pred) ** 2).sum()) / ss_tot
-
-
-def language_compute_records(records: Sequence[dict]) -> List[dict]:
-    """One record per micro-step: the rank that reached the language model last.
-
-    Under expert parallelism the ranks meet in every MoE layer, so a rank's measured
-    language time includes waiting for the others at the first all-to-all. The rank
-    that arrived last waited least, and its time is the compute. A rank arrives after
-    its vision backward of the previous micro-step, the host gap before this
-    micro-batch (``start_s`` - previous ``end_s``) and its vision forward. Records are
-    grouped by ``(iteration, microbatch)``; ties go to the lowest rank."""
-    prev = {}
-    for r in sorted(records, key=lambda r: (r["rank"], r["iteration"], r["microbatch"])):
-        prev[(r["rank"], r["iteration"], r["microbatch"])] = r
-
-    def arrival(r):
-        before = prev.get((r["rank"], r["iteration"], r["microbatch"] - 1))
-        t = float(r["vision_forward_ms"])
-        if before is not None:
-            t += float(before["vision_backward_ms"])
-            if "start_s" in r and "end_s" in before:
-                t += max(0.0, (r["start_s"] - before["end_s"]) * 1e3)
-        return t
-
-    best = {}
-    for r in records:
-        key = (r["iteration"], r["microbatch"])
-        cur = best.get(key)
-        if cur is None or (-arrival(r), r["rank"]) < (-arrival(cur), cur["rank"]):
-            best[key] = r
-    return [best[k] for k in sorted(best)]
 
 
 class TileFeatures:
@@ -374,7 +386,7 @@ def fit_phases(records: Sequence[dict], *, first_iteration: int = 0, last_iterat
                       vision_ms_per_pack=float(fix), vision_backward_ratio=float(rv),
                       llm_ms_per_token=float(t), llm_ms_per_len_sq=float(c), const_ms=float(const),
                       llm_backward_ratio=float(rl))
-    return FitResult(True, model, r2v, r2l, len(recs), **span)
+    return FitResult(True, model, r2v, r2l, len(recs), choice="fit+pack", **span)
 
 
 @dataclass(frozen=True)
@@ -388,11 +400,30 @@ class CalibrationConfig:
     min_records: int = MIN_RECORDS
     r2_floor: float = R2_FLOOR
     wait_s: float = 300.0
+    #: the replay's held-out share of the calibration iterations and its margin
+    holdout: float = DEFAULT_HOLDOUT
+    margin: float = DEFAULT_MARGIN
+    #: the balancer's own planner settings, which the replay plans with
+    balance_tolerance: Optional[float] = None
+    ranks_per_node: Optional[int] = None
+    group_ranks: Optional[tuple] = None
 
     def __post_init__(self):
         if isinstance(self.iterations, bool) or not isinstance(self.iterations, int) or self.iterations < 2:
             raise ValueError(f"calibration iterations must be an int >= 2, got {self.iterations!r}")
         check_tokens_per_tile(self.tokens_per_tile)
+        if not 0 < self.holdout < 1:
+            raise ValueError(f"calibration held-out share must be in (0, 1), got {self.holdout!r}")
+        if not (self.margin >= 0 and math.isfinite(self.margin)):
+            raise ValueError(f"calibration margin must be a number >= 0, got {self.margin!r}")
+
+    def replay_options(self) -> ReplayOptions:
+        """The replay the calibration runs: the balancer's sync mode and planner settings."""
+        return ReplayOptions(sync="microstep" if self.phases else "step",
+                             balance_tolerance=self.balance_tolerance, ranks_per_node=self.ranks_per_node,
+                             ranks=None if self.group_ranks is None else tuple(sorted(self.group_ranks)),
+                             holdout=self.holdout, margin=self.margin, min_records=self.min_records,
+                             r2_floor=self.r2_floor)
 
 
 class AutoCost:
@@ -407,9 +438,10 @@ class AutoCost:
     * At iteration ``start + K + 2`` (``K`` = ``config.iterations``): ``collect(first,
       last)`` returns this rank's records of iterations ``start + 2 .. start + K`` (waiting
       until they are complete), ``agree(records, fit)`` gathers every rank's records,
-      fits on one rank and returns that :class:`FitResult` on all (the glue does the
-      collectives), ``on_fit(result)`` logs and saves it. From that batch on the fit's
-      integer costs are used, or image tokens if it was refused.
+      decides on one rank (:func:`choose_by_replay`) and returns that :class:`FitResult`
+      on all (the glue does the collectives), ``on_fit(result)`` logs and saves it. From
+      that batch on the chosen model's integer costs are used, or image tokens if the
+      replay kept them.
     * A ``saved`` fit (restored beside the checkpoint) is used as is from its
       ``effective_iteration``: a resumed job balances exactly as the job that saved it.
     * ``features`` (default :class:`TileFeatures` of ``config.tokens_per_tile``): what the
@@ -434,7 +466,8 @@ class AutoCost:
     def identity(self) -> str:
         c = self.config
         return (f"megatron_mm_balance.auto_cost(iterations={c.iterations}, tokens_per_tile="
-                f"{c.tokens_per_tile}, min_records={c.min_records}, r2_floor={c.r2_floor}"
+                f"{c.tokens_per_tile}, min_records={c.min_records}, r2_floor={c.r2_floor}, "
+                f"holdout={c.holdout}, margin={c.margin}"
                 + (f", features={self.features.identity}" if not isinstance(self.features, TileFeatures) else "")
                 + (", phases)" if c.phases else ")"))
 
@@ -456,9 +489,8 @@ class AutoCost:
         c = self.config
 
         def fit(records):
-            return fit_phases(records, first_iteration=first, last_iteration=last,
-                              effective_iteration=it, min_records=c.min_records, r2_floor=c.r2_floor,
-                              features=self.features.of_record)
+            return choose_by_replay(records, c.replay_options(), first_iteration=first,
+                                    last_iteration=last, effective_iteration=it)
 
         self.fit = self.agree(local, fit)
         if self.on_fit is not None:

@@ -244,14 +244,16 @@ class MMBalanceConfig:
                      "picks microstep when --expert-model-parallel-size > 1, else step.",
                      type=str, choices=SYNC_CHOICES)
     cost: str = flag("image-tokens", "--mm-balance-cost", "Cost of a pack: its image tokens, a "
-                     "calibrated cost model read from --mm-balance-cost-file, or 'auto': a cost model "
-                     "fitted from the job's own per-pack timings of its first "
-                     "--mm-balance-calibration-iters iterations (image tokens until then; saved "
-                     "beside the checkpoints). Exchange and shadow mode; sampler mode reads image "
+                     "calibrated cost model read from --mm-balance-cost-file, or 'auto': the cost that "
+                     "a replay of the job's own per-pack timings of its first "
+                     "--mm-balance-calibration-iters iterations chooses (models fitted on the first "
+                     "half, judged by the balance they reach on the second; image tokens unless "
+                     "beaten; image tokens until then; saved beside the checkpoints). Exchange and shadow mode; sampler mode reads image "
                      "tokens only.", type=str, choices=COST_CHOICES)
     calibration_iters: int = flag(DEFAULT_CALIBRATION_ITERS, "--mm-balance-calibration-iters",
                                   "Iterations --mm-balance-cost auto calibrates on (the first is "
-                                  "dropped); default %(default)s.", type=int, minimum=2)
+                                  "dropped; at least 3 leave the replay an iteration to fit and "
+                                  "one to judge on); default %(default)s.", type=int, minimum=2)
     #: resolved: also on with --mm-balance-timing-dir, or --mm-balance with --mm-balance-cost auto
     timing: bool = flag(False, "--mm-balance-timing", "Time the vision encoder and the language "
                         "model, forward and backward, for every micro-batch (module hooks; works "

@@ -446,8 +446,9 @@ def auto_cost_fn(cfg, recorder: Optional[TimingRecorder], group, *, features=Non
 
     Its calibration runs on the exchange group from the thread that drives the balancer:
     every rank's records of the calibration iterations are all-gathered, the group's
-    first rank fits them and broadcasts the result (float64 coefficients, pickled), so
-    every rank computes bit-identical integer costs. The fit is logged by that rank and
+    first rank replays them (:func:`~megatron_mm_balance.cost.calibration.choose_by_replay`,
+    with the balancer's sync mode, tolerance and nodes) and broadcasts the choice (float64
+    coefficients, pickled), so every rank computes bit-identical integer costs. The fit is logged by that rank and
     saved beside the checkpoints (``--save``/``mm_balance_cost_fit.json``); a job that
     loaded a checkpoint (``args.iteration > 0``) restores it from ``--load``. ``cfg``: the
     run's :class:`~.config.MMBalanceConfig` (its tokens per tile, sync, timeout, and
@@ -474,7 +475,9 @@ def auto_cost_fn(cfg, recorder: Optional[TimingRecorder], group, *, features=Non
                   f"{saved.last_iteration} from {os.path.join(load, FIT_FILE)} (effective from "
                   f"iteration {saved.effective_iteration}; {'ok' if saved.ok else 'refused'})", flush=True)
     config = CalibrationConfig(iterations=cfg.calibration_iters, phases=cfg.sync == "microstep",
-                               tokens_per_tile=cfg.tokens_per_tile, wait_s=cfg.timeout)
+                               tokens_per_tile=cfg.tokens_per_tile, wait_s=cfg.timeout,
+                               balance_tolerance=cfg.tolerance, ranks_per_node=cfg.ranks_per_node,
+                               group_ranks=tuple(ranks) if group is not None else None)
 
     def collect(first_it, last_it):
         if not recorder.wait_until_done(last_it, config.wait_s):
@@ -494,7 +497,7 @@ def auto_cost_fn(cfg, recorder: Optional[TimingRecorder], group, *, features=Non
     def on_fit(result):
         if me != first:
             return
-        print(result.line(), flush=True)
+        print("\n".join(result.lines()), flush=True)
         save = cfg.megatron.save
         if save:
             os.makedirs(save, exist_ok=True)

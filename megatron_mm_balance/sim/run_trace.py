@@ -218,8 +218,8 @@ def fit_timing_model(run: RunTrace, *, seq_len: int | None = None, exchange_late
     """A timing model fitted from the run's own timings; returns it and the fit's report.
 
     Vision and language terms come from :func:`~megatron_mm_balance.cost.calibration.fit_phases`
-    (the same fit ``--mm-balance-cost auto`` uses); the language phase is charged per
-    pack as the fitted compute at the run's mean positions plus the measured host gap
+    (the per-pack model, ``fit+pack`` among ``--mm-balance-cost auto``'s candidates); the
+    language phase is charged per pack as the fitted compute at the run's mean positions plus the measured host gap
     before each micro-batch (``compute_padding``: the same for every pack); the step
     overhead is the measured median tail of an iteration; the spread of the measured
     vision and language times around the fit becomes the model's ``noise_cv``. Exchange:

@@ -1,6 +1,7 @@
 """The online calibration of ``--mm-balance-cost auto`` (cost/calibration.py): the fit recovers
 known coefficients from synthetic timing records, refuses degenerate ones (saying so and
 falling back to image tokens), switches at a global-batch boundary, and round-trips its file."""
+import json
 import math
 
 import numpy as np
@@ -129,7 +130,9 @@ def test_auto_cost_refused_fit_keeps_image_tokens_and_scalar_mode():
     cost, _ = _auto(flat, K=3, phases=False, fits=fits)
     assert cost.components == 1
     assert [cost.for_batch(gb)(PACK) for gb in range(8)] == [15 * 16] * 8
-    assert not fits[0].ok and "records with images" in fits[0].reason
+    assert not fits[0].ok and fits[0].choice == "image-tokens" and fits[0].model is None
+    assert all("records with images" in r["refused"] for r in fits[0].replay["rows"]
+               if r["name"].startswith("fit")), fits[0].replay["rows"]
 
 
 def test_fit_file_round_trip_and_resume(tmp_path):
@@ -157,3 +160,30 @@ def test_calibration_config_is_validated():
     with pytest.raises(ValueError, match="tokens_per_tile"):
         CalibrationConfig(tokens_per_tile=0)
     assert math.isnan(FitResult(False, None, float("nan"), 0.0, 0, 0, 0, 0, "x").r2_vision)
+    with pytest.raises(ValueError, match="held-out share"):
+        CalibrationConfig(holdout=1.0)
+    with pytest.raises(ValueError, match="margin"):
+        CalibrationConfig(margin=-0.1)
+    # the replay plans as the balancer does: its sync mode, tolerance and nodes
+    opts = CalibrationConfig(phases=False, balance_tolerance=0.02, ranks_per_node=2,
+                             group_ranks=(6, 4, 5, 7), margin=0.01).replay_options()
+    assert (opts.sync, opts.kind, opts.balance_tolerance, opts.ranks_per_node, opts.ranks, opts.margin) == \
+        ("step", "time", 0.02, 2, (4, 5, 6, 7), 0.01)
+
+
+def test_fit_files_of_the_first_format_are_read_with_their_choice(tmp_path):
+    """A v1 file (before the replay) restores as it balanced: its accepted fit was the
+    per-pack model, a refused one image tokens."""
+    fit = fit_phases(synthetic_records(), first_iteration=2, last_iteration=5, effective_iteration=7)
+    data = fit.to_json()
+    for key in ("choice", "replay"):
+        del data[key]
+    data["format"] = "mm-balance-cost-fit/v1"
+    path = tmp_path / "v1.json"
+    path.write_text(json.dumps(data))
+    old = read_fit(str(path))
+    assert old.ok and old.choice == "fit+pack" and old.model == fit.model and old.replay is None
+    assert "fit refused" not in old.line() and "by replay" not in old.line()
+    data.update(ok=False, model=None)
+    path.write_text(json.dumps(data))
+    assert read_fit(str(path)).choice == "image-tokens"

@@ -190,13 +190,18 @@ K = 3                      # calibration iterations: the fit takes effect at ite
 
 class StubRecorder:
     """This rank's timing records (all ranks' with ``rank=None``), generated from a known model
-    with rank-specific noise."""
+    with rank-specific noise: vision time quadratic in each image's tokens (attention inside
+    large images), which image tokens cannot see and the replay's fitted model can."""
 
     def __init__(self, rank=None):
         import sys
         sys.path.insert(0, __import__("os").path.join(__import__("os").path.dirname(__file__), "..", "core"))
+        from megatron_mm_balance.cost.model import CostModel
         from test_calibration import synthetic_records
-        self.recs = [r for r in synthetic_records(iterations=range(1, 8), ranks=3, G=G, noise=0.02, seed=0)
+        model = CostModel(vision_ms_per_token=0.05, vision_ms_per_token_sq=5e-3, vision_backward_ratio=1.8,
+                          llm_ms_per_token=0.02, const_ms=10.0, llm_backward_ratio=1.2)
+        self.recs = [r for r in synthetic_records(model, iterations=range(1, 8), ranks=3, G=G, noise=0.02,
+                                                  seed=0)
                      if rank is None or r["rank"] == rank]
         self.waited = []
 
@@ -253,6 +258,11 @@ def test_all_ranks_agree_on_the_fitted_costs(tmp_path):
     fit = results[0]["fit"]
     assert fit["ok"] and fit["effective_iteration"] == K + 2 and fit["records"] == 3 * G * (K - 1)
     assert fit["first_iteration"] == 2 and fit["last_iteration"] == K
+    # chosen by replay: fitted on iteration 2, judged on held-out iteration K
+    assert fit["choice"] not in ("image-tokens", None) and fit["model"] is not None
+    assert fit["replay"]["fit_iterations"] == [2] and fit["replay"]["held_iterations"] == [K]
+    rows = {r["name"]: r for r in fit["replay"]["rows"]}
+    assert rows[fit["choice"]]["microstep_max_mean"] <= rows["image-tokens"]["microstep_max_mean"] - 0.005
     assert len({json.dumps(r["probes"]) for r in results}) == 1, "ranks compute different costs"
     assert all(r["waited"] == [K] for r in results)
     # every pack delivered exactly once per global batch, whatever the costs
@@ -280,7 +290,7 @@ def test_the_fit_survives_a_checkpoint(tmp_path):
     assert costs[K] != costs[K + 1]                   # the switch (iteration K + 2)
     assert first.fit.ok
     resumed = auto_cost_fn(config(2, str(tmp_path)), StubRecorder(), None)
-    assert resumed.fit == first.fit
+    assert resumed.fit == first.fit and resumed.fit.choice == first.fit.choice != "image-tokens"
     assert [[resumed.for_batch(gb)(p) for p in PROBES] for gb in range(6)] == costs[2:8]
     fresh = auto_cost_fn(config(0, str(tmp_path)), StubRecorder(1), None)
     assert fresh.fit is None                          # nothing restored without a loaded checkpoint

@@ -51,6 +51,10 @@ class MMBalanceBridgeConfig:
     timeout: float = _D.timeout
     #: GPUs per node (None: ``LOCAL_WORLD_SIZE``)
     ranks_per_node: Optional[int] = None
+    #: Qwen3-VL under context parallelism with ``vision_dp_when_cp``: ``cost`` splits each
+    #: micro-batch's frames across the context-parallel ranks by per-frame cost, ``count``
+    #: keeps Bridge's equal-count split (:mod:`.cp_split`); inert without context parallelism
+    cp_split: str = "cost"
 
 
 def as_args(mm: MMBalanceBridgeConfig, cfg, *, train_state=None) -> types.SimpleNamespace:
@@ -66,6 +70,8 @@ def as_args(mm: MMBalanceBridgeConfig, cfg, *, train_state=None) -> types.Simple
         from ..megatron.checks import MMBalanceConfigError
         raise MMBalanceConfigError("mm_balance.mode=sampler needs Megatron-LM's pretraining sampler; "
                                    "on Megatron-Bridge use mm_balance.mode=exchange (or auto, shadow)")
+    from .cp_split import checked_choice
+    checked_choice(getattr(mm, "cp_split", "cost"))
     if mm.cost == "auto":
         from ..megatron.checks import MMBalanceConfigError
         raise MMBalanceConfigError("mm_balance.cost=auto fits costs from the per-pack timing hooks of "

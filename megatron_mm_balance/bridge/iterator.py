@@ -66,6 +66,9 @@ def _layout(pg_collection):
 def wrap_train_data_iterator(train_data_iterator, cfg, pg_collection, *, state=None):
     """Wrap Bridge's train iterator(s) for ``cfg.mm_balance.enabled``; a no-op otherwise.
 
+    With it, Qwen3-VL's context-parallel frame split follows ``mm_balance.cp_split``
+    (:func:`~.cp_split.install_cp_split`: by cost by default, inert without context parallelism).
+
     Call on **every** rank at the same point (the exchange groups are created
     collectively). Accepts what ``setup_data_iterators`` returns (a
     ``RerunDataIterator``, ``None``, or a list of them under virtual pipeline) and
@@ -79,9 +82,11 @@ def wrap_train_data_iterator(train_data_iterator, cfg, pg_collection, *, state=N
     from ..megatron.groups import init_exchange_groups
     from ..megatron.iterator import _unwrap
     from .config import as_args
+    from .cp_split import install_cp_split
 
     args = as_args(mm, cfg, train_state=getattr(state, "train_state", None))
     core_cfg = checked_config(args)
+    install_cp_split(cfg)
     is_list = isinstance(train_data_iterator, list)
     iterators = train_data_iterator if is_list else [train_data_iterator]
     groups = init_exchange_groups(_layout(pg_collection), num_chunks=len(iterators),

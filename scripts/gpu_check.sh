@@ -14,6 +14,15 @@ out="${OUT:-./gpu_results}"
 timeout --signal=TERM 480 python3 "${here}/scripts/gpu_check.py" --out "${out}" "$@"
 case " $* " in *" --cpu "*) exit 0 ;; esac
 gpus=$(python3 -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+# -- Bridge Qwen3-VL, context parallel 2 (vision_dp_when_cp): frames split by count vs by cost
+#    (mm_balance.cp_split), the losses of the two runs compared; self-contained section.
+if [ "${gpus}" -ge 2 ] && [ -n "${MEGATRON_BRIDGE_DIR:-}" ] && [ -n "${DATA_PATH:-}" ]; then
+  echo "== 5. Bridge Qwen3-VL CP=2 frame split, count vs cost (2 GPUs, launcher runs)"
+  timeout --signal=TERM 1900 python3 "${here}/scripts/gpu_check.py" --bridge-cp-split --out "${out}" --gpus 2 \
+    || echo "== 5. Bridge CP=2 frame split: FAILED (see ${out}/bridge-cp2-*.log)"
+else
+  echo "== 5. Bridge CP=2 frame split: skipped (needs 2 GPUs, MEGATRON_BRIDGE_DIR (patched) and DATA_PATH; PYTHON: Bridge's Python 3.12)"
+fi
 if [ "${gpus}" -lt 2 ]; then
   echo "== 4. off/on in Megatron-LM's own loop: skipped (${gpus} GPU visible; needs 2)"
   exit 0

@@ -532,5 +532,91 @@ def main(argv=None) -> int:
     return 0 if ok else 1
 
 
+# --------------------------------------------------------------------------- Bridge: CP frame split
+# Self-contained: the context-parallel Qwen3-VL launcher run, mm_balance.cp_split=count vs cost
+# (docs/bridge.md section 7). Only its planning runs without GPUs (tests/bridge/test_gpu_check_cp_split.py).
+
+#: Bridge's iteration line (each line is that iteration's loss: Bridge resets its accumulators).
+BRIDGE_ITER_RE = r"\biteration\s+(\d+)/\s*\d+ \|.*?\blm loss: ([0-9.Ee+-]+)"
+
+
+def bridge_cp_split_plan(*, repo: str, bridge_dir: str, data_path: str, out: str, python: str = "python3",
+                         iters: int = 6, gpus: int = 2) -> list:
+    """The two launcher runs of the check: the toy Qwen3-VL MoE config on ``gpus`` GPUs with
+    context parallel 2 and ``vision_dp_when_cp``, fp32, ``mm_balance`` on, frames split by
+    count, then by cost. Each: ``{"name", "argv", "env", "log"}`` (env: the variables to set)."""
+    if gpus < 2 or gpus % 2:
+        raise ValueError(f"the context-parallel check needs an even number of GPUs (CP=2), got {gpus}")
+    runs = []
+    for split in ("count", "cost"):
+        run_dir = os.path.join(out, f"bridge-cp2-{split}")
+        env = {"MEGATRON_BRIDGE_DIR": bridge_dir, "DATA_PATH": data_path, "PYTHON": python,
+               "MM_BALANCE": "1", "CP": "2", "EP": "1", "NPROC_PER_NODE": str(gpus), "GBS": "8",
+               "PRECISION": "fp32", "TRAIN_ITERS": str(iters), "OUTPUT_DIR": run_dir, "LOG_INTERVAL": "1"}
+        argv = ["bash", os.path.join(repo, "scripts", "pretrain_bridge_vlm.sh"), "--config",
+                os.path.join(repo, "configs", "bridge", "qwen3_vl_moe_tiny_cpu.sh"),
+                "model.vision_dp_when_cp=true", f"mm_balance.cp_split={split}"]
+        runs.append({"name": split, "argv": argv, "env": env, "log": run_dir + ".log"})
+    return runs
+
+
+def bridge_cp_split_check(plan: list, log, timeout: float = 900.0) -> dict:
+    """Run the plan's launcher commands; the per-iteration losses, their largest relative
+    difference (count vs cost: the same maths, so only reduction order may differ), and wall times."""
+    import re
+    import subprocess
+    result = {}
+    for run in plan:
+        t0 = time.perf_counter()
+        with open(run["log"], "w") as f:
+            rc = subprocess.run(run["argv"], env=dict(os.environ, **run["env"]), stdout=f,
+                                stderr=subprocess.STDOUT, timeout=timeout).returncode
+        text = open(run["log"], errors="replace").read()
+        losses = {int(i): float(v) for i, v in re.findall(BRIDGE_ITER_RE, text)}
+        result[run["name"]] = {"rc": rc, "wall_s": time.perf_counter() - t0, "losses": losses}
+        log(f"  cp_split={run['name']}: rc {rc}, {len(losses)} iterations, "
+            f"{result[run['name']]['wall_s']:.0f} s, log {run['log']}")
+    a, b = result["count"]["losses"], result["cost"]["losses"]
+    common = sorted(set(a) & set(b))
+    result["max_rel_loss_diff"] = max((abs(a[i] - b[i]) / abs(a[i]) for i in common), default=None)
+    result["ok"] = all(result[n]["rc"] == 0 for n in ("count", "cost")) and bool(common) \
+        and result["max_rel_loss_diff"] <= 1e-5
+    return result
+
+
+def bridge_cp_split_main(argv) -> int:
+    """``gpu_check.py --bridge-cp-split``: the check above (``--plan-only`` prints the plan)."""
+    ap = argparse.ArgumentParser(description="Bridge Qwen3-VL context-parallel frame split, count vs cost")
+    ap.add_argument("--bridge-cp-split", action="store_true")
+    ap.add_argument("--out", default=os.environ.get("OUT") or "./gpu_results")
+    ap.add_argument("--bridge-dir", default=os.environ.get("MEGATRON_BRIDGE_DIR"))
+    ap.add_argument("--data-path", default=os.environ.get("DATA_PATH"))
+    ap.add_argument("--python", default=os.environ.get("PYTHON", "python3"))
+    ap.add_argument("--gpus", type=int, default=2)
+    ap.add_argument("--iters", type=int, default=6)
+    ap.add_argument("--plan-only", action="store_true")
+    args = ap.parse_args(argv)
+    if not args.bridge_dir or not args.data_path:
+        print("--bridge-cp-split needs MEGATRON_BRIDGE_DIR (a patched Megatron-Bridge v0.6.0) and DATA_PATH "
+              "(mm-balance make-dataset --format bridge-qwen-vl)", file=sys.stderr)
+        return 2
+    os.makedirs(args.out, exist_ok=True)
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    plan = bridge_cp_split_plan(repo=repo, bridge_dir=args.bridge_dir, data_path=args.data_path,
+                                out=os.path.abspath(args.out), python=args.python, iters=args.iters,
+                                gpus=args.gpus)
+    if args.plan_only:
+        print(json.dumps(plan, indent=1))
+        return 0
+    result = bridge_cp_split_check(plan, log=print)
+    with open(os.path.join(args.out, "bridge_cp_split.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"{'iter':>4} {'cp_split=count':>16} {'cp_split=cost':>16}")
+    for i in sorted(result["count"]["losses"]):
+        print(f"{i:>4} {result['count']['losses'][i]:>16.6E} {result['cost']['losses'].get(i, float('nan')):>16.6E}")
+    print(f"max relative loss difference: {result['max_rel_loss_diff']}; ok: {result['ok']}")
+    return 0 if result["ok"] else 1
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(bridge_cp_split_main(sys.argv[1:]) if "--bridge-cp-split" in sys.argv[1:] else main())

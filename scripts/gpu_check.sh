@@ -55,4 +55,15 @@ elif [ $dry = 1 ]; then
 else
   timeout --signal=TERM 2000 "${part5[@]}" --bridge-only || rc=$?
 fi
+# part 6: Bridge Qwen3-VL, context parallel 2 (vision_dp_when_cp): frames split by count vs by
+# cost (mm_balance.cp_split), the losses of the two runs compared (2 GPUs)
+part6=(python3 "${here}/scripts/gpu_check.py" --bridge-cp-split --out "${out}" --gpus 2)
+if [ "${gpus}" -lt 2 ] || [ -z "${MEGATRON_BRIDGE_DIR:-}" ] || [ -z "${DATA_PATH:-}" ]; then
+  echo "== 6. Bridge CP=2 frame split: skipped (needs 2 GPUs, MEGATRON_BRIDGE_DIR (patched) and DATA_PATH; PYTHON: Bridge's Python 3.12)"
+elif [ $dry = 1 ]; then
+  echo "== 6. Bridge Qwen3-VL CP=2 frame split, count vs cost: timeout 1900 ${part6[*]}"
+else
+  echo "== 6. Bridge Qwen3-VL CP=2 frame split, count vs cost (2 GPUs, launcher runs)"
+  timeout --signal=TERM 1900 "${part6[@]}" || { rc=$?; echo "== 6. Bridge CP=2 frame split: FAILED (see ${out}/bridge-cp2-*.log)"; }
+fi
 exit $rc

@@ -1,13 +1,13 @@
 # Toy Qwen3-VL MoE through Megatron-Bridge, DP=2 x EP=2 on 4 ranks: trains on CPU (CI, laptops),
 # smoke test on one GPU node. Sourced by scripts/pretrain_bridge_vlm.sh; the model, data and
 # optimizer settings are the recipe function RECIPE (configs/bridge/qwen3_vl_moe_tiny_cpu.py).
-# Layout and run length come from the environment when set (TP, PP, EP, GBS, TRAIN_ITERS, ...).
+# Layout and run length come from the environment when set (TP, PP, EP, CP, GBS, TRAIN_ITERS, ...).
 NNODES=1
 GPUS_PER_NODE=4
 TP=${TP:-1}
 PP=${PP:-1}
 EP=${EP:-2}
-CP=1
+CP=${CP:-1}
 MBS=1
 GBS=${GBS:-8}
 TRAIN_ITERS=${TRAIN_ITERS:-20}

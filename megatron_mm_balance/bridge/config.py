@@ -63,6 +63,10 @@ class MMBalanceBridgeConfig:
     #: placement's override of the nodes found at start-up: global rank r on node r // N
     #: (None: the found nodes, from torchrun's GROUP_RANK, else SLURM_NODEID, else the host)
     ranks_per_node: Optional[int] = None
+    #: Qwen3-VL under context parallelism with ``vision_dp_when_cp``: ``cost`` splits each
+    #: micro-batch's frames across the context-parallel ranks by per-frame cost, ``count``
+    #: keeps Bridge's equal-count split (:mod:`.cp_split`); inert without context parallelism
+    cp_split: str = "cost"
 
     @property
     def wraps_train_iterator(self) -> bool:
@@ -86,6 +90,8 @@ def as_args(mm: MMBalanceBridgeConfig, cfg, *, train_state=None) -> types.Simple
         from ..megatron.checks import MMBalanceConfigError
         raise MMBalanceConfigError("mm_balance.mode=sampler needs Megatron-LM's pretraining sampler; "
                                    "on Megatron-Bridge use mm_balance.mode=exchange (or auto, shadow, control)")
+    from .cp_split import checked_choice
+    checked_choice(getattr(mm, "cp_split", "cost"))
     return _BridgeArgs(
         train_state,
         mm_balance=bool(mm.enabled), mm_balance_mode=mm.mode, mm_balance_sync=mm.sync,

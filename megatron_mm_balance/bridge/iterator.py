@@ -118,6 +118,9 @@ def _layout(pg_collection):
 def wrap_train_data_iterator(train_data_iterator, cfg, pg_collection, *, state=None, model=None):
     """Wrap Bridge's train iterator(s) for ``cfg.mm_balance.enabled``; a no-op otherwise.
 
+    With it, Qwen3-VL's context-parallel frame split follows ``mm_balance.cp_split``
+    (:func:`~.cp_split.install_cp_split`: by cost by default, inert without context parallelism).
+
     Call on **every** rank at the same point (the exchange groups are created
     collectively). Accepts what ``setup_data_iterators`` returns (a
     ``RerunDataIterator``, ``None``, or a list of them under virtual pipeline) and
@@ -133,6 +136,7 @@ def wrap_train_data_iterator(train_data_iterator, cfg, pg_collection, *, state=N
     from ..megatron.groups import init_exchange_groups
     from ..megatron.iterator import _unwrap
     from .config import as_args
+    from .cp_split import install_cp_split
     from .timing import install_bridge_timing
 
     args = as_args(mm, cfg, train_state=getattr(state, "train_state", None))
@@ -140,6 +144,7 @@ def wrap_train_data_iterator(train_data_iterator, cfg, pg_collection, *, state=N
     timing = install_bridge_timing(model, core_cfg, args, state)
     if not core_cfg.enabled:
         return train_data_iterator
+    install_cp_split(cfg)
     is_list = isinstance(train_data_iterator, list)
     iterators = train_data_iterator if is_list else [train_data_iterator]
     groups = init_exchange_groups(_layout(pg_collection), num_chunks=len(iterators),

@@ -71,6 +71,14 @@ Each stand-in added here, with the CUDA-only (or GPU-stack-only) assumption it r
   micro-batches between ranks changed that bf16 rounding (docs/bridge.md section 5).
   Given to ``megatron.core.tensor_parallel.layers`` only (nothing enters ``sys.modules``,
   so Bridge's own probe still finds no apex).
+* **uneven all-gathers on gloo**: Qwen3-VL under context parallelism with
+  ``vision_dp_when_cp`` gathers each rank's vision embeddings with
+  ``torch.distributed.all_gather`` into outputs of *different* sizes (the ranks encode
+  different frames, by count or by cost alike); NCCL's all-gather takes uneven outputs
+  (torch runs it as one broadcast per rank), gloo refuses them ("invalid tensor size").
+  On gloo, and only for uneven outputs, each rank's tensor is zero-padded to the largest,
+  gathered, and cut back to its size: the same values NCCL delivers
+  (``install_gloo_uneven_all_gather``; even all-gathers go to gloo untouched).
 * **other fused kernels Bridge's providers ask for by default on GPU** (Qwen3-VL rope
   fusion, ``persist_layer_norm``, bias-activation / bias-dropout fusion,
   ``moe_permute_fusion``, grouped GEMM) are switched off by the config
@@ -318,6 +326,32 @@ def _wgrad_accumulation() -> None:
     layers._grad_accum_fusion_available = True
 
 
+def install_gloo_uneven_all_gather() -> None:
+    """``torch.distributed.all_gather`` into outputs of different sizes on gloo (module docstring)."""
+    import torch
+    import torch.distributed as dist
+    if getattr(dist.all_gather, "mm_balance_uneven", False):
+        return
+    orig = dist.all_gather
+
+    def all_gather(tensor_list, tensor, group=None, async_op=False):
+        shapes = {tuple(t.shape) for t in tensor_list}
+        uneven_rows = len(shapes) > 1 and all(s[1:] == tuple(tensor.shape[1:]) for s in shapes)
+        if not uneven_rows or async_op or dist.get_backend(group) != "gloo":
+            return orig(tensor_list, tensor, group=group, async_op=async_op)
+        rows = max(t.shape[0] for t in tensor_list)
+        padded = torch.zeros((rows, *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+        padded[:tensor.shape[0]] = tensor
+        gathered = [torch.empty_like(padded) for _ in tensor_list]
+        orig(gathered, padded, group=group)
+        for out, full in zip(tensor_list, gathered):
+            out.copy_(full[:out.shape[0]])
+        return None
+
+    all_gather.mm_balance_uneven = True
+    dist.all_gather = all_gather
+
+
 def install() -> None:
     """Install every stand-in listed in the module docstring (idempotent)."""
     global _DONE
@@ -338,6 +372,7 @@ def install() -> None:
     cpu_pretrain._torch_adam_resume()
     _torch_adam_load_template()
     _wgrad_accumulation()
+    install_gloo_uneven_all_gather()
     _DONE = True
 
 

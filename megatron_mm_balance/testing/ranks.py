@@ -20,13 +20,15 @@ from ..bench.runtime import free_port
 REPO = Path(__file__).resolve().parents[2]
 
 
-def run_rank_script(script: str, world: int, *, timeout: float = 120.0) -> list:
-    """Each rank's result dict, in rank order (see the module docstring)."""
+def run_rank_script(script: str, world: int, *, timeout: float = 120.0, python: str = sys.executable,
+                    pythonpath: tuple = ()) -> list:
+    """Each rank's result dict, in rank order (see the module docstring); ``python`` runs the
+    ranks, ``pythonpath`` goes before this repository on their ``PYTHONPATH``."""
     port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
-        env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-                   OMP_NUM_THREADS="1")
-        procs = [subprocess.Popen([sys.executable, script, str(r), str(world), str(port), tmp], env=env,
+        path = [*map(str, pythonpath), str(REPO), os.environ.get("PYTHONPATH", "")]
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in path if p), OMP_NUM_THREADS="1")
+        procs = [subprocess.Popen([python, script, str(r), str(world), str(port), tmp], env=env,
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
                  for r in range(world)]
         logs = []

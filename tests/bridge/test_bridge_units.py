@@ -422,3 +422,94 @@ def test_cost_model_without_a_file_is_the_flop_count_of_the_provider():
     cfg.model.vision_cuda_graph_impl = "transformer_engine"
     with pytest.raises(MMBalanceConfigError, match="vision CUDA graphs"):
         cost_fn_for(core, cfg.model)
+
+
+# --------------------------------------------------------------------------- context-parallel frame split
+
+def _fake_qwen3vl_module(monkeypatch, with_split=True):
+    """A stand-in for Bridge's Qwen3-VL model module: its ``qwen3vl_cp_split`` returns what
+    Bridge's does for unpadded frames (pixels, expanded grids, frames per rank by count)."""
+    from megatron_mm_balance.bridge import cp_split as glue
+    from megatron_mm_balance.solver.cp_split import equal_count_split
+    module = types.ModuleType(glue.QWEN3_VL_MODEL)
+    calls = []
+
+    def qwen3vl_cp_split(cp_size, pixel_values, image_grid_thw):
+        calls.append(cp_size)
+        grid = torch.cat([row.repeat(int(row[0]), 1) for row in image_grid_thw])
+        grid[:, 0] = 1
+        return pixel_values, grid, equal_count_split(grid.shape[0], cp_size), [0] * cp_size
+
+    if with_split:
+        module.qwen3vl_cp_split = qwen3vl_cp_split
+    monkeypatch.setitem(sys.modules, glue.QWEN3_VL_MODEL, module)
+    return module, calls
+
+
+def _cp_cfg(cp_split="cost", cp=2, vision_dp=True):
+    vision = types.SimpleNamespace(hidden_size=64, intermediate_size=128)
+    return types.SimpleNamespace(
+        mm_balance=MMBalanceBridgeConfig(enabled=True, cp_split=cp_split),
+        model=types.SimpleNamespace(context_parallel_size=cp, vision_dp_when_cp=vision_dp, vision_config=vision))
+
+
+def test_cp_split_replaces_bridge_count_by_cost(monkeypatch):
+    from megatron_mm_balance.bridge.cp_split import install_cp_split
+    module, calls = _fake_qwen3vl_module(monkeypatch)
+    original = module.qwen3vl_cp_split
+    assert MMBalanceBridgeConfig().cp_split == "cost"
+    assert install_cp_split(_cp_cfg()) and install_cp_split(_cp_cfg())       # idempotent
+    assert module.qwen3vl_cp_split.mm_balance_wraps is original
+    grid = torch.tensor([[1, 32, 32], [1, 32, 32], [1, 4, 4], [2, 4, 4], [1, 2, 2]])
+    pixels = torch.arange(int(grid.prod(1).sum()), dtype=torch.float32)[:, None]
+    out_pixels, out_grid, counts, padded = module.qwen3vl_cp_split(2, pixels, grid)
+    assert calls == [2] and out_pixels is pixels and padded == [0, 0]           # Bridge's own call
+    assert out_grid.shape[0] == 6 and counts == [1, 5]                          # count would be [3, 3]
+
+
+@pytest.mark.parametrize("cfg", [_cp_cfg(cp_split="count"), _cp_cfg(cp=1), _cp_cfg(vision_dp=False)])
+def test_cp_split_changes_nothing_when_off_or_without_context_parallel(monkeypatch, cfg):
+    from megatron_mm_balance.bridge.cp_split import install_cp_split
+    module, _ = _fake_qwen3vl_module(monkeypatch)
+    original = module.qwen3vl_cp_split
+    assert not install_cp_split(cfg) and module.qwen3vl_cp_split is original
+
+
+def test_cp_split_refuses_bad_value_and_missing_bridge_function(monkeypatch):
+    from megatron_mm_balance.bridge.cp_split import install_cp_split
+    with pytest.raises(MMBalanceConfigError, match="mm_balance.cp_split must be one of cost, count"):
+        as_args(MMBalanceBridgeConfig(enabled=True, cp_split="frames"), _bridge_cfg())
+    _fake_qwen3vl_module(monkeypatch, with_split=False)
+    with pytest.raises(RuntimeError, match="has no qwen3vl_cp_split.*cp_split=count"):
+        install_cp_split(_cp_cfg())
+
+
+def test_gloo_uneven_all_gather_stand_in():
+    """Bridge's vision all-gather has outputs of different sizes: gloo refuses them (NCCL
+    takes them), the harness stand-in pads, gathers and cuts; 2 real gloo processes."""
+    code = (
+        "import os, sys, torch, torch.distributed as dist\n"
+        "rank = int(sys.argv[1])\n"
+        "os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=os.environ['PORT'])\n"
+        "dist.init_process_group('gloo', rank=rank, world_size=2)\n"
+        "x = torch.full((2 + 3 * rank, 4), float(rank + 1))\n"
+        "outs = [torch.zeros(2, 4), torch.zeros(5, 4)]\n"
+        "probe = dist.new_group([0, 1])\n"                 # the refused call on its own group
+        "try:\n    dist.all_gather(outs, x, group=probe); print('plain gloo accepts')\n"
+        "except RuntimeError as e:\n    print('plain gloo refuses:', 'invalid tensor size' in str(e))\n"
+        "from megatron_mm_balance.testing import cpu_bridge\n"
+        "cpu_bridge.install_gloo_uneven_all_gather()\n"
+        "outs = [torch.zeros(2, 4), torch.zeros(5, 4)]\n"
+        "dist.all_gather(outs, x)\n"
+        "print('gathered', bool((outs[0] == 1).all() and (outs[1] == 2).all()))\n"
+        "even = [torch.zeros(3), torch.zeros(3)]\n"
+        "dist.all_gather(even, torch.full((3,), float(rank))); print('even', even[1].tolist())\n"
+        # gloo's teardown after the refused call on the probe group can abort: skip it
+        "sys.stdout.flush(); dist.barrier(); os._exit(0)\n")
+    env = dict(os.environ, PYTHONPATH=str(bu.REPO), PORT=str(bu.free_port()))
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(r)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in range(2)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-2000:]
+        assert "plain gloo refuses: True" in out and "gathered True" in out and "even [1.0, 1.0, 1.0]" in out

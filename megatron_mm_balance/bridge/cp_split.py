@@ -1,0 +1,98 @@
+"""``mm_balance.cp_split``: Qwen3-VL's context-parallel frame split by cost, not count.
+
+With ``context_parallel_size > 1`` and ``vision_dp_when_cp``, Bridge's Qwen3-VL forward
+(``modelling_qwen3_vl/model.py``) calls ``qwen3vl_cp_split(cp_size, pixel_values,
+grid_thw)``, which expands videos into frames (``expand_thw``) and returns
+``cp_img_num``, the frames per context-parallel rank, by equal count
+(``qwen2vl_pad_and_split``); ``get_vision_cp_data`` then gives each rank its contiguous
+range, the tower encodes it, and ``AllGatherVisionEmbeddings`` gathers the embeddings
+(and each deepstack feature) back in rank order, sized by the per-rank lengths it is
+given (its backward all-reduces and slices).
+
+:func:`install_cp_split` replaces that one name in the model module with
+:func:`cost_split_qwen3vl` around Bridge's own function: Bridge still expands, copies and
+checks the frames, and only ``cp_img_num`` is recomputed, by
+:func:`megatron_mm_balance.solver.cp_split.cost_split` on the per-frame cost. The ranges
+stay contiguous and in order, so the gathered embeddings are in Bridge's order, and the
+collectives are Bridge's, unchanged (the same all-gather, with other per-rank sizes).
+Every context-parallel rank reads the same micro-batch and computes the same split.
+
+Replacing the function rather than patching it keeps the Bridge patch set as it is and
+follows any 0.6.x whose model module still calls ``qwen3vl_cp_split`` by that name (a
+module that has lost it is refused with a clear error, never silently left at count).
+
+The per-frame cost is :func:`frame_cost_for` (the one place to swap in a calibrated
+per-frame model): ``p * (p + alpha)`` for ``p = h*w`` patches,
+``alpha = 2*hidden + ffn`` of the vision tower (``model.vision_config``).
+"""
+from __future__ import annotations
+
+import sys
+
+from ..solver.cp_split import cost_split, default_frame_cost, tower_alpha
+
+#: The Bridge module whose forward calls ``qwen3vl_cp_split`` (looked up at call time).
+QWEN3_VL_MODEL = "megatron.bridge.models.qwen_vl.modelling_qwen3_vl.model"
+SPLIT_NAME = "qwen3vl_cp_split"
+CHOICES = ("cost", "count")
+
+
+def frame_cost_for(model_cfg):
+    """The per-frame cost ``p -> p * (p + 2*hidden + ffn)`` of the model's vision tower."""
+    vision = getattr(model_cfg, "vision_config", None)
+    hidden = getattr(vision, "hidden_size", None)
+    ffn = getattr(vision, "intermediate_size", None)
+    if hidden is None or ffn is None:
+        raise ValueError("mm_balance.cp_split=cost needs model.vision_config.hidden_size and "
+                         "intermediate_size (the vision tower's sizes)")
+    return default_frame_cost(tower_alpha(hidden, ffn))
+
+
+def cost_split_qwen3vl(bridge_split, frame_cost):
+    """Bridge's ``qwen3vl_cp_split`` with ``cp_img_num`` split by ``frame_cost``.
+
+    Same signature and results as ``bridge_split`` but the frames per rank; Bridge's
+    result is kept unchanged when it has no frames or padded a rank (never for
+    Qwen3-VL, which asserts that no rank is padded).
+    """
+
+    def qwen3vl_cp_split(cp_size, pixel_values, image_grid_thw):
+        pixel_values, grid_thw, cp_img_num, images_padded = bridge_split(cp_size, pixel_values, image_grid_thw)
+        if pixel_values is None or any(images_padded):
+            return pixel_values, grid_thw, cp_img_num, images_padded
+        costs = [int(t) * frame_cost(int(h) * int(w)) for t, h, w in grid_thw.tolist()]
+        return pixel_values, grid_thw, cost_split(costs, cp_size), images_padded
+
+    qwen3vl_cp_split.mm_balance_wraps = bridge_split
+    return qwen3vl_cp_split
+
+
+def checked_choice(value) -> str:
+    if value not in CHOICES:
+        from ..megatron.checks import MMBalanceConfigError
+        raise MMBalanceConfigError(f"mm_balance.cp_split must be one of {', '.join(CHOICES)}, got {value!r}")
+    return value
+
+
+def install_cp_split(cfg) -> bool:
+    """Split Qwen3-VL's context-parallel frames by cost for ``mm_balance.cp_split=cost``.
+
+    Acts only where Bridge splits frames at all (``context_parallel_size > 1`` with
+    ``vision_dp_when_cp``) and the Qwen3-VL model module is loaded (the model is built
+    before the train iterators); idempotent. Returns whether the cost split is in place.
+    """
+    mm, model = cfg.mm_balance, cfg.model
+    if checked_choice(getattr(mm, "cp_split", "cost")) == "count":
+        return False
+    if (getattr(model, "context_parallel_size", 1) or 1) <= 1 or not getattr(model, "vision_dp_when_cp", False):
+        return False
+    module = sys.modules.get(QWEN3_VL_MODEL)
+    if module is None:
+        return False
+    current = getattr(module, SPLIT_NAME, None)
+    if current is None:
+        raise RuntimeError(f"mm_balance.cp_split=cost: {QWEN3_VL_MODEL} has no {SPLIT_NAME} in this "
+                           f"Megatron-Bridge; set mm_balance.cp_split=count")
+    if getattr(current, "mm_balance_wraps", None) is None:
+        setattr(module, SPLIT_NAME, cost_split_qwen3vl(current, frame_cost_for(model)))
+    return True

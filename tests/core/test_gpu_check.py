@@ -52,8 +52,9 @@ def _dry_run(gpus, **env):
     proc = subprocess.run(["bash", os.path.join(ROOT, "scripts", "gpu_check.sh"), "--dry-run"],
                           env=e, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    head, _, plan = proc.stdout.partition("its launcher runs:\n")
-    return head, (json.loads(plan) if plan else None)
+    head, _, rest = proc.stdout.partition("its launcher runs:\n")
+    plan, six, tail = rest.partition("== 6.")         # part 5's JSON plan, then part 6's line
+    return head + six + tail, (json.loads(plan) if plan else None)
 
 
 def test_gpu_check_dry_run_plans_each_machine():
@@ -73,6 +74,9 @@ def test_gpu_check_dry_run_plans_each_machine():
     assert "bench-realpath --megatron-lm /m --out /tmp/gpu-out/bench-realpath" in head
     assert [(r["name"], r["env"]["NPROC_PER_NODE"], r["env"]["EP"]) for r in plan] == \
         [("dp2-ep2-off", "4", "2"), ("dp2-ep2-on", "4", "2")]
+    assert "6. Bridge CP=2 frame split: skipped (needs 2 GPUs, MEGATRON_BRIDGE_DIR" in head
+    head, _ = _dry_run(2, MEGATRON_BRIDGE_DIR="/b", DATA_PATH="/d")
+    assert "6. Bridge Qwen3-VL CP=2 frame split, count vs cost: timeout 1900" in head and "--bridge-cp-split" in head
 
 
 #: Two iterations as Bridge's training_log prints them, and our telemetry line.

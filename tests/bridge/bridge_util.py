@@ -111,15 +111,6 @@ class Run:
         return {i: float(t[key]) for i, t in self.telemetry.items() if key in t}
 
 
-def compare_checkpoints(python: str, a: Path, b: Path) -> dict:
-    """Every tensor of two ``torch_dist`` checkpoint directories compared bit for bit, in the
-    Bridge environment (``checkpoint_tensors.py``): ``{"tensors", "elements", "different"}``."""
-    script = Path(__file__).with_name("checkpoint_tensors.py")
-    res = subprocess.run([python, str(script), str(a), str(b)], capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, f"checkpoint comparison failed:\n{res.stderr[-2000:]}"
-    return json.loads(res.stdout.strip().splitlines()[-1])
-
-
 def timing_records(directory: Path) -> Dict[int, List[dict]]:
     """``timing-rank<R>.jsonl`` of a run, by rank."""
     out = {}

@@ -185,29 +185,31 @@ AUTO_LAYOUT = "dp2_ep2_fp32"
 RANKS, MICROBATCHES = 4, 2            # GBS 8 over data-parallel size 4
 
 
-def _final_checkpoint(run_dir):
-    return run_dir / "checkpoints" / f"iter_{ITERS:07d}"
-
-
-def test_cost_auto_trains_as_off_and_writes_the_fit(runner, bridge_runs_dir, bridge_python):
+def test_cost_auto_trains_as_off_and_writes_the_fit(runner, bridge_runs_dir):
     """``mm_balance.cost=auto`` with the timing hooks writing their records: the printed losses
-    equal the off run's exactly, the final checkpoint (model and optimizer tensors) equals it
-    tensor by tensor (bit for bit, or within the fp32 rounding of the data-parallel sums, printed),
-    every micro-batch of every rank is recorded with its grids, and the fit is logged once and
-    saved beside the checkpoints."""
+    equal the off run's exactly; on the bits of the final checkpoint (every model tensor,
+    ``megatron/checkpoints.py``) it is within the control run's band of the off run (fp32 under
+    expert parallelism is not bit-identical when micro-batches regroup, section 5.1 of
+    docs/bridge.md), and where the calibration kept image tokens it is bit for bit the
+    image-token balanced run; every micro-batch of every rank is recorded with its grids, and
+    the choice is logged once and saved beside the checkpoints."""
     from megatron_mm_balance.cost.calibration import FIT_FILE, read_fit
+    from megatron_mm_balance.megatron.band import DEFAULT_K
+    from megatron_mm_balance.megatron.checkpoints import compare_checkpoints
     off = runner(f"{AUTO_LAYOUT}-off", AUTO_LAYOUT, False)
+    on = runner(f"{AUTO_LAYOUT}-on", AUTO_LAYOUT, True)
+    ctl = runner(f"{AUTO_LAYOUT}-control", AUTO_LAYOUT, True, extra=["mm_balance.mode=control"])
     timing_dir = bridge_runs_dir / "auto-timing"
     auto = runner("auto", AUTO_LAYOUT, True, extra=AUTO + [f"mm_balance.timing_dir={timing_dir}"])
     table = bu.loss_table({"off": off, "cost=auto": auto})
-    assert off.rc == 0 and auto.rc == 0, f"exit {off.rc}/{auto.rc}\n{auto.tail()}"
+    assert off.rc == 0 and auto.rc == 0 and on.rc == 0 and ctl.rc == 0, f"exit {off.rc}/{auto.rc}\n{auto.tail()}"
     assert sorted(auto.losses) == list(range(1, ITERS + 1)) and auto.losses == off.losses, table
-    same = bu.compare_checkpoints(bridge_python, _final_checkpoint(bridge_runs_dir / f"{AUTO_LAYOUT}-off"),
-                                  _final_checkpoint(bridge_runs_dir / "auto"))
-    # Moving micro-batches between ranks changes which rank sums which gradients before the
-    # data-parallel reduction, so the fp32 sums may round differently in their last bits: every
-    # tensor is there, and equal or within that rounding (the figures are printed).
-    assert same["tensors"] > 0 and not same["missing"] and same["max_rel_diff"] <= 1e-6, same
+    ckpt = lambda name: str(bridge_runs_dir / name / "checkpoints")  # noqa: E731
+    same = compare_checkpoints(ckpt(f"{AUTO_LAYOUT}-off"), ckpt("auto"))
+    band = compare_checkpoints(ckpt(f"{AUTO_LAYOUT}-off"), ckpt(f"{AUTO_LAYOUT}-control"))
+    assert same.same and not (same.only_a or same.only_b), same.summary()
+    assert same.norm_relative_difference <= DEFAULT_K * max(band.norm_relative_difference, FP32_CHECKPOINT_FLOOR), \
+        (same.summary(), band.summary())
     fit = read_fit(str(bridge_runs_dir / "auto" / "checkpoints" / FIT_FILE))
     assert (fit.first_iteration, fit.last_iteration, fit.effective_iteration) == (2, 3, 5)
     assert fit.records == RANKS * MICROBATCHES * 2
@@ -224,11 +226,14 @@ def test_cost_auto_trains_as_off_and_writes_the_fit(runner, bridge_runs_dir, bri
             assert r["grids"] and r["images"] == [t * h * w for t, h, w in r["grids"]], r
             assert r["lengths"] and r["lm_forward_ms"] > 0 and r["lm_backward_ms"] > 0, r
             assert r["vision_forward_ms"] > 0 and r["vision_backward_ms"] > 0, r
-    print(f"\ncost=auto ({AUTO_LAYOUT}): {fit.line()}\nfinal checkpoint vs off: {same}; wall off "
+    if not fit.ok:                   # image tokens kept: the image-token balanced run's placements
+        as_on = compare_checkpoints(ckpt(f"{AUTO_LAYOUT}-on"), ckpt("auto"))
+        assert as_on.identical, as_on.summary()
+    print(f"\ncost=auto ({AUTO_LAYOUT}): {fit.line()}\nfinal checkpoint vs off: {same.summary()}; wall off "
           f"{off.wall_s:.0f}s auto {auto.wall_s:.0f}s\n{table}")
 
 
-def test_cost_auto_resume_restores_the_fit(runner, bridge_runs_dir, bridge_python):
+def test_cost_auto_resume_restores_the_fit(runner, bridge_runs_dir):
     """Stopped after the fit took effect (``train.exit_interval=5``), resumed to the end: the
     second job restores the first job's fit (no second calibration), and its losses and final
     checkpoint equal the uninterrupted ``cost=auto`` run's bit for bit."""
@@ -247,14 +252,15 @@ def test_cost_auto_resume_restores_the_fit(runner, bridge_runs_dir, bridge_pytho
            f" (effective from iteration 5" in second.log, second.tail()
     assert "[mm-balance] cost auto: fit" not in second.log, "the resumed job calibrated again"
     assert read_fit(str(out / "checkpoints" / FIT_FILE)) == saved
-    same = bu.compare_checkpoints(bridge_python, _final_checkpoint(bridge_runs_dir / "auto"), _final_checkpoint(out))
-    assert same["tensors"] > 0 and not same["missing"], same
+    from megatron_mm_balance.megatron.checkpoints import compare_checkpoints
+    same = compare_checkpoints(str(bridge_runs_dir / "auto" / "checkpoints"), str(out / "checkpoints"))
+    assert same.same and not (same.only_a or same.only_b), same.summary()
     full_fit = read_fit(str(bridge_runs_dir / "auto" / "checkpoints" / FIT_FILE))
     if saved.ok == full_fit.ok is False:
         # both jobs balanced with image tokens (their fits refused): the same placements, so the
         # resumed job must reproduce the uninterrupted one bit for bit
-        assert not same["different"], same
+        assert same.identical, same.summary()
     else:                            # each job's own fit (its own timings): placements may differ
-        assert same["max_rel_diff"] <= 1e-6, same
+        assert same.norm_relative_difference <= 1e-6, same.summary()
     print(f"\ncost=auto resume: restored {saved.line()}\nfinal checkpoint vs the uninterrupted run's: "
-          f"{same}; wall first {first.wall_s:.0f}s resumed {second.wall_s:.0f}s\n{table}")
+          f"{same.summary()}; wall first {first.wall_s:.0f}s resumed {second.wall_s:.0f}s\n{table}")

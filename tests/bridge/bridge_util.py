@@ -22,6 +22,8 @@ from megatron_mm_balance.bench.runtime import free_port
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests" / "realpath"))
 from realpath_util import loss_table, max_rel_diff  # noqa: E402,F401  (the Megatron-LM path's, shared)
+sys.path.insert(0, str(REPO / "tests" / "megatron_glue"))
+from megatron_trees import rewrite_package_info  # noqa: E402  (the release trees' version rewrite, shared)
 BRIDGE_ARCHIVE = "Megatron-Bridge-v0.6.0.tar.gz"
 MLM_ARCHIVE = "Megatron-LM-cd4afffa.tar.gz"
 CACHE = REPO / ".bridge-cache"
@@ -209,13 +211,7 @@ def unpack_bridge_source(dest: Path) -> Optional[Path]:
 def set_bridge_version(package: Path, version: str) -> None:
     """Rewrite MAJOR/MINOR/PATCH of ``package``/package_info.py (package: a megatron/bridge/
     directory), a stand-in for another release of Bridge (0.6.2, 0.7.0)."""
-    f = package / "package_info.py"
-    values = dict(zip(("MAJOR", "MINOR", "PATCH"), version.split(".")))
-    lines = []
-    for line in f.read_text().splitlines(keepends=True):
-        key = line.partition("=")[0].strip()
-        lines.append(f"{key} = {values[key]}\n" if key in values and "=" in line else line)
-    f.write_text("".join(lines))
+    rewrite_package_info(package / "package_info.py", version)
 
 
 def checkout_as(source: Path, dst: Path, version: str) -> Path:

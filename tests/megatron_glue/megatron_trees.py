@@ -144,13 +144,17 @@ class MegatronTrees:
         return d
 
 
-def set_package_version(tree: Path, version: str) -> None:
-    """Rewrite MAJOR/MINOR/PATCH in megatron/core/package_info.py."""
-    f = tree / "megatron/core/package_info.py"
+def rewrite_package_info(f: Path, version: str) -> None:
+    """Rewrite MAJOR/MINOR/PATCH of a ``package_info.py`` (Megatron-LM's, Megatron-Bridge's)."""
     values = dict(zip(("MAJOR", "MINOR", "PATCH"), version.split(".")))
     lines = []
     for line in f.read_text().splitlines(keepends=True):
         key = line.partition("=")[0].strip()
         lines.append(f"{key} = {values[key]}\n" if key in values and "=" in line else line)
     f.write_text("".join(lines))
+
+
+def set_package_version(tree: Path, version: str) -> None:
+    """Rewrite MAJOR/MINOR/PATCH in megatron/core/package_info.py."""
+    rewrite_package_info(tree / "megatron/core/package_info.py", version)
     assert package_version(tree) == version

@@ -441,27 +441,37 @@ def _torch_adam_resume() -> None:
 
 
 def _packed_attention(self, query, key, value, attn_mask_type, params):
-    """Attention over a THD pack ``[t, heads, dim]``: each sample attends only within itself."""
+    """Attention over a THD pack ``[t, heads, dim]``: each sample attends only within itself.
+
+    Computed segment by segment (one attention per packed sample, or per vision frame), so
+    its cost follows each segment's length squared, as a GPU's varlen attention does: a
+    dense masked attention over the whole pack would cost the pack's length squared and
+    misrepresent native-resolution vision (many small frames against one large one)."""
     import torch
 
     cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
+    bounds = [int(x) for x in cu.to(torch.long).cpu().tolist()]
     t = query.shape[0]
-    pos = torch.arange(t)
-    seg = torch.bucketize(pos, cu[1:].to(torch.long).cpu(), right=True)
-    allowed = seg[:, None] == seg[None, :]
+    if bounds[-1] < t:                 # rows after the last segment attend among themselves
+        bounds.append(t)
     mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
-    if "causal" in getattr(mask_type, "name", str(mask_type)):
-        allowed &= pos[None, :] <= pos[:, None]
+    causal = "causal" in getattr(mask_type, "name", str(mask_type))
     rep = query.shape[1] // key.shape[1]
     if rep > 1:
         key = key.repeat_interleave(rep, dim=1)
         value = value.repeat_interleave(rep, dim=1)
     q, k, v = (x.float().transpose(0, 1) for x in (query, key, value))  # [h, t, d]
-    scores = torch.matmul(q, k.transpose(1, 2)) * self.softmax_scale
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.matmul(probs, v).to(query.dtype)  # [h, t, d]
-    return out.transpose(0, 1).reshape(t, 1, -1)
+    out = q.new_zeros(q.shape[0], t, v.shape[2])
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        if end <= start:
+            continue
+        scores = torch.matmul(q[:, start:end], k[:, start:end].transpose(1, 2)) * self.softmax_scale
+        if causal:
+            n = end - start
+            upper = torch.ones(n, n, dtype=torch.bool).triu(1)
+            scores = scores.masked_fill(upper, float("-inf"))
+        out[:, start:end] = torch.matmul(torch.softmax(scores, dim=-1), v[:, start:end])
+    return out.to(query.dtype).transpose(0, 1).reshape(t, 1, -1)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -278,12 +278,13 @@ def cmd_make_dataset(args) -> int:
     from .data import make_dataset
     if args.format != "bridge-qwen-vl":
         return make_dataset.run(args)
-    if args.mix != "default" or args.tile_size != make_dataset.DEFAULT_TILE_SIZE:
-        raise make_dataset.MakeDatasetError("--mix and --tile-size apply to --format megatron-multimodal; "
-                                            "bridge-qwen-vl images come at their own resolutions")
+    if args.mix not in ("default", "native-res") or args.tile_size != make_dataset.DEFAULT_TILE_SIZE:
+        raise make_dataset.MakeDatasetError("--tile-size and --mix vision-heavy apply to --format "
+                                            "megatron-multimodal; bridge-qwen-vl images come at their own "
+                                            "resolutions (--mix default or native-res)")
     try:
         from .bridge.dataset import make_qwen_vl_dataset
-        lines = make_qwen_vl_dataset(args.out_dir, samples=args.samples, seed=args.seed)
+        lines = make_qwen_vl_dataset(args.out_dir, samples=args.samples, seed=args.seed, mix=args.mix)
     except ImportError as exc:
         raise make_dataset.MakeDatasetError(f"make-dataset needs {exc.name or exc} (pip install "
                                             "megatron-energon pillow tokenizers)") from None

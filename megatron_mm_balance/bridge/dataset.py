@@ -127,17 +127,8 @@ def token_ids(processor_dir) -> Dict[str, int]:
             "bos_token_id": ids["<|endoftext|>"], "eos_token_id": ids["<|im_end|>"]}
 
 
-#: ``--mix`` of this format: ``default`` (light and heavy images of 4-256 patches) or
-#: ``native-res`` (:mod:`.native_dataset`: native-resolution images, documents, videos, text).
-MIXES = ("default", "native-res")
-
-
-def make_qwen_vl_dataset(out_dir, samples: int = md.DEFAULT_SAMPLES, seed: int = md.DEFAULT_SEED,
-                         mix: str = "default") -> List[str]:
-    """Write the dataset and processor under ``out_dir``; return the summary lines."""
-    if mix not in MIXES:
-        raise md.MakeDatasetError(f"--mix for --format bridge-qwen-vl must be one of {', '.join(MIXES)}, "
-                                  f"got {mix!r}")
+def check_output(out_dir, samples, seed) -> Path:
+    """The output directory (absolute) after checking the arguments; one-line errors."""
     if isinstance(samples, bool) or not isinstance(samples, int) or samples < md.MIN_SAMPLES:
         raise md.MakeDatasetError(f"--samples must be an integer >= {md.MIN_SAMPLES}, got {samples!r}")
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
@@ -148,9 +139,12 @@ def make_qwen_vl_dataset(out_dir, samples: int = md.DEFAULT_SAMPLES, seed: int =
     if out.is_dir() and any(out.iterdir()) and not (out / "processor").is_dir():
         raise md.MakeDatasetError(f"{out}: directory is not empty (give a new or empty directory, "
                                   f"or one written by make-dataset --format bridge-qwen-vl)")
-    if mix == "native-res":
-        from .native_dataset import make_native_res_dataset
-        return make_native_res_dataset(out, samples, seed)
+    return out
+
+
+def make_qwen_vl_dataset(out_dir, samples: int = md.DEFAULT_SAMPLES, seed: int = md.DEFAULT_SEED) -> List[str]:
+    """Write the dataset and processor under ``out_dir``; return the summary lines."""
+    out = check_output(out_dir, samples, seed)
     if out.is_dir():
         shutil.rmtree(out)
     out.mkdir(parents=True)

@@ -124,7 +124,7 @@ def _trim(tok, sample: "nr.NativeResSample", turns, max_tokens: int):
 
 def make_native_res_dataset(out_dir, samples: int, seed: int, mix: "nr.NativeResMix" = nr.NativeResMix()) -> List[str]:
     """Write the dataset and its processor under ``out_dir``; return the summary lines."""
-    out = Path(out_dir).absolute()
+    out = bd.check_output(out_dir, samples, seed)
     if out.is_dir():
         shutil.rmtree(out)
     out.mkdir(parents=True)

@@ -41,6 +41,8 @@ TEMPORAL_PATCH = 2
 #: Template tokens of a conversation (role markers, turn ends) and of each image or video
 #: (vision start / end) and of each video temporal patch (its timestamp and markers).
 TEMPLATE_TOKENS, MEDIA_TOKENS, TEMPORAL_TOKENS = 24, 2, 12
+#: Text every sample keeps at least (a question and a one-sentence answer).
+MIN_TEXT_TOKENS = 40
 KINDS = ("text", "image", "document", "video")
 
 Grid = Tuple[int, int, int]
@@ -83,8 +85,8 @@ class NativeResMix:
     document_images: Tuple[int, int] = (2, 5)
     video_temporal: Tuple[int, int] = (2, 6)
     #: text tokens (log-uniform) per kind
-    text_range: dict = field(default_factory=lambda: {"text": (200, 900), "image": (16, 400),
-                                                      "document": (40, 400), "video": (16, 200)})
+    text_range: dict = field(default_factory=lambda: {"text": (200, 900), "image": (40, 400),
+                                                      "document": (40, 400), "video": (40, 200)})
 
     def __post_init__(self):
         kinds = [k for k, _ in self.shares]
@@ -94,7 +96,7 @@ class NativeResMix:
         if not 64 <= self.min_patches <= self.max_patches:
             raise ValueError(f"native-res patches: need 64 <= min_patches <= max_patches, got "
                              f"{self.min_patches}, {self.max_patches}")
-        smallest = TEMPLATE_TOKENS + MEDIA_TOKENS + self.max_patches // 4 + 16
+        smallest = TEMPLATE_TOKENS + MEDIA_TOKENS + self.max_patches // 4 + MIN_TEXT_TOKENS
         if self.max_tokens < smallest:
             raise ValueError(f"native-res max_tokens {self.max_tokens} cannot hold one image of "
                              f"max_patches {self.max_patches} ({smallest} tokens)")
@@ -143,8 +145,9 @@ def video_grid(rng: np.random.Generator, mix: NativeResMix) -> Grid:
 
 
 def _fit(kind: str, grids: List[Grid], videos: List[bool], text: int, mix: NativeResMix):
-    """Shrink a sample to ``max_tokens``: trailing images, then temporal patches, then text."""
-    floor = 8
+    """Shrink a sample to ``max_tokens``: trailing images, then temporal patches, then text
+    (down to :data:`MIN_TEXT_TOKENS`)."""
+    floor = MIN_TEXT_TOKENS
     while len(grids) > 1 and sample_tokens(grids, videos, floor) > mix.max_tokens:
         grids, videos = grids[:-1], videos[:-1]
     while grids and videos[0] and grids[0][0] > 1 and sample_tokens(grids, videos, floor) > mix.max_tokens:
@@ -154,7 +157,7 @@ def _fit(kind: str, grids: List[Grid], videos: List[bool], text: int, mix: Nativ
     if room < floor:
         raise ValueError(f"native-res: a {kind} sample of grids {grids} does not fit max_tokens "
                          f"{mix.max_tokens}")
-    return NativeResSample(kind, tuple(grids), tuple(videos), int(min(text, room)))
+    return NativeResSample(kind, tuple(grids), tuple(videos), int(max(floor, min(text, room))))
 
 
 def draw_sample(rng: np.random.Generator, kind: str, mix: NativeResMix = NativeResMix()) -> NativeResSample:

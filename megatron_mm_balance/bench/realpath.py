@@ -604,6 +604,10 @@ def run_bench(a) -> dict:
     if a.rounds < 1 or a.iters < 1 or a.warmup < 2:
         raise BenchError("--rounds and --iters must be >= 1 and --warmup >= 2 (the first iterations carry "
                          "start-up costs; Megatron averages a job's first two into its second log line)")
+    balanced = [m for m in modes if m not in ("off", "untimed")]
+    if a.holdout_seed is not None and a.holdout_seed == a.seed:
+        raise BenchError(f"--holdout-seed {a.holdout_seed}: must differ from --seed (a data set the timing "
+                         f"model was not fitted on)")
     overrides = {}
     for kv in a.set or []:
         if "=" not in kv:
@@ -617,10 +621,6 @@ def run_bench(a) -> dict:
     if "auto" in modes and a.calibration_iters + 2 > train_iters:
         raise BenchError(f"--calibration-iters {a.calibration_iters}: the fit takes effect at iteration "
                          f"{a.calibration_iters + 2}, after the last ({train_iters}); lower it or raise --iters")
-    balanced = [m for m in modes if m not in ("off", "untimed")]
-    if a.holdout_seed is not None and a.holdout_seed == a.seed:
-        raise BenchError(f"--holdout-seed {a.holdout_seed}: must differ from --seed (a data set the timing "
-                         f"model was not fitted on)")
     print(f"bench-realpath ({fw.name}): {a.rounds} rounds x {', '.join(modes)}, {train_iters} iterations per run "
           f"(first {a.warmup} dropped), config {a.config}"
           + (f"; hold-out round on seed {a.holdout_seed}: off, {balanced[0]}" if a.holdout_seed is not None

@@ -22,7 +22,7 @@ from .data.traces import DEFAULT_TOKENS_PER_TILE, TraceError, load_trace
 
 # Modules that add subcommands through ``register(subparsers)``.
 EXTENSIONS = ("megatron_mm_balance.sim.cli", "megatron_mm_balance.bench.runtime",
-              "megatron_mm_balance.bench.realpath")
+              "megatron_mm_balance.bench.realpath", "megatron_mm_balance.bridge.bench")
 
 
 class CliError(Exception):
@@ -278,12 +278,17 @@ def cmd_make_dataset(args) -> int:
     from .data import make_dataset
     if args.format != "bridge-qwen-vl":
         return make_dataset.run(args)
-    if args.mix != "default" or args.tile_size != make_dataset.DEFAULT_TILE_SIZE:
-        raise make_dataset.MakeDatasetError("--mix and --tile-size apply to --format megatron-multimodal; "
-                                            "bridge-qwen-vl images come at their own resolutions")
+    if args.mix not in ("default", "native-res") or args.tile_size != make_dataset.DEFAULT_TILE_SIZE:
+        raise make_dataset.MakeDatasetError("--tile-size and --mix vision-heavy apply to --format "
+                                            "megatron-multimodal; bridge-qwen-vl images come at their own "
+                                            "resolutions (--mix default or native-res)")
     try:
-        from .bridge.dataset import make_qwen_vl_dataset
-        lines = make_qwen_vl_dataset(args.out_dir, samples=args.samples, seed=args.seed)
+        if args.mix == "native-res":
+            from .bridge.native_dataset import make_native_res_dataset
+            lines = make_native_res_dataset(args.out_dir, samples=args.samples, seed=args.seed)
+        else:
+            from .bridge.dataset import make_qwen_vl_dataset
+            lines = make_qwen_vl_dataset(args.out_dir, samples=args.samples, seed=args.seed)
     except ImportError as exc:
         raise make_dataset.MakeDatasetError(f"make-dataset needs {exc.name or exc} (pip install "
                                             "megatron-energon pillow tokenizers)") from None

@@ -16,6 +16,19 @@ order, so that load drifting over the rounds falls on every mode alike):
 * ``untimed`` (only when asked for in ``--modes``): ``off`` without the timing hooks,
   which measures what the hooks cost.
 
+``--bridge`` runs the same bench on Megatron-Bridge (:class:`~megatron_mm_balance.bridge.bench.BridgeFramework`):
+``scripts/pretrain_bridge_vlm.sh --config configs/bridge/qwen3_vl_moe_native_res_cpu.sh`` on a
+``make-dataset --format bridge-qwen-vl --mix native-res`` dataset, Bridge's own ``elapsed
+time per iteration``, modes ``off``, ``packs`` (pack placement, ``mm_balance.cost`` =
+``--cost``), ``model`` (pack placement with the FLOP-derived cost, ``mm_balance.cost=model``)
+and ``images`` (``mm_balance.vision=images``, where the installed ``mm_balance`` config has
+that field). What differs per framework (launcher, config, modes and their overrides, the
+data set, how the log prints losses) is one small object (:class:`MegatronLMFramework`,
+:class:`~megatron_mm_balance.bridge.bench.BridgeFramework`); the runs, the analysis and the simulation are shared.
+``--holdout-seed`` adds a round of ``off`` and the first balanced mode on a data set of
+another seed, and the simulator's timing model fitted on the main ``off`` runs predicts
+those runs' measured iteration times (:func:`predict_holdout`).
+
 Every run has ``--mm-balance-timing-dir`` (per-pack timings, JSON Lines per rank). From
 Megatron's log: the median ``elapsed time per iteration`` and its spread per mode, after
 dropping the warm-up iterations (Megatron prints the mean of a job's first two
@@ -43,7 +56,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import ClassVar, Dict, List, Optional
 
 REPO = Path(__file__).resolve().parents[2]
 LAUNCHER = REPO / "scripts" / "pretrain_vlm_moe.sh"
@@ -54,6 +67,7 @@ MODES = ("off", "sync", "overlap", "auto")
 EXTRA_MODES = ("images", "untimed")
 DEFAULTS = dict(rounds=3, iters=6, warmup=2, calibration_iters=3, samples=512, seed=0,
                 timeout=1800.0, loss_tolerance=1e-5)
+
 #: Megatron's per-iteration log line.
 ITER_RE = re.compile(r"\biteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([0-9.]+)"
                      r".*?\blm loss: ([0-9.Ee+-]+)")
@@ -97,18 +111,20 @@ class RunResult:
         return os.path.join(self.out_dir, "timing")
 
 
-def parse_log(text: str):
+def parse_log(text: str, *, first_two_averaged: bool = True):
     """(elapsed ms per iteration, lm loss per iteration, telemetry per iteration, fit line).
 
     Megatron does not reset its accumulators after a job's first iteration, so its second
     line prints the mean of the first two iterations; that iteration's own loss is
-    ``2 * printed - first`` (its elapsed time stays the mean: warm-up drops it)."""
+    ``2 * printed - first`` (its elapsed time stays the mean: warm-up drops it).
+    Megatron-Bridge resets them at every line (``first_two_averaged=False``): each line is
+    its iteration's own loss and time."""
     elapsed, losses = {}, {}
     for m in ITER_RE.finditer(text):
         elapsed[int(m.group(1))] = float(m.group(2))
         losses[int(m.group(1))] = float(m.group(3))
     its = sorted(losses)
-    if len(its) >= 2 and its[1] == its[0] + 1:
+    if first_two_averaged and len(its) >= 2 and its[1] == its[0] + 1:
         losses[its[1]] = 2 * losses[its[1]] - losses[its[0]]
     tele = {}
     for m in TELEMETRY_RE.finditer(text):
@@ -147,24 +163,99 @@ def mode_flags(mode: str, calibration_iters: int) -> tuple:
     raise BenchError(f"unknown mode {mode!r} (choose from {', '.join(MODES + EXTRA_MODES)})")
 
 
-def run_launcher(mode: str, rnd: int, *, megatron_lm: str, data: dict, out: Path, train_iters: int,
-                 calibration_iters: int, env_overrides: dict, timeout: float, python: str,
-                 config: Path = CONFIG, log=lambda m: print(m, flush=True)) -> RunResult:
-    """One launcher run, as a user runs it; its whole process group is killed at ``timeout``."""
-    run_dir = out / f"round{rnd}-{mode}"
+# -- frameworks ---------------------------------------------------------------------------
+
+@dataclass
+class MegatronLMFramework:
+    """Megatron-LM's examples/multimodal through ``scripts/pretrain_vlm_moe.sh``."""
+
+    megatron_lm: Optional[str] = None
+    calibration_iters: int = DEFAULTS["calibration_iters"]
+    name: ClassVar[str] = "megatron-lm"
+    launcher: ClassVar[Path] = LAUNCHER
+    config: ClassVar[Path] = CONFIG
+    #: the log's second line is the mean of a job's first two iterations
+    first_two_averaged: ClassVar[bool] = True
+    #: a record's images are whole images (tiles of one size): the cost unit is the image
+    frames: ClassVar[bool] = False
+    #: the simulator's strategies and the modes they stand for
+    simulated: ClassVar[Dict[str, str]] = {"none": "off", "redistribute-sync": "sync",
+                                           "redistribute-overlap": "overlap"}
+    defaults: ClassVar[dict] = {}
+    #: the bench's options left unset take these
+    bench_defaults: ClassVar[dict] = DEFAULTS
+
+    @classmethod
+    def from_args(cls, a) -> "MegatronLMFramework":
+        return cls(megatron_lm=a.megatron_lm or os.environ.get("MEGATRON_LM_DIR"),
+                   calibration_iters=a.calibration_iters)
+
+    def all_modes(self) -> tuple:
+        return MODES + EXTRA_MODES
+
+    def default_modes(self) -> tuple:
+        return MODES
+
+    def check(self) -> None:
+        if not self.megatron_lm:
+            raise BenchError("set --megatron-lm (or MEGATRON_LM_DIR) to a Megatron-LM checkout with our patches")
+        if not (Path(self.megatron_lm) / "examples" / "multimodal" / "train.py").is_file():
+            raise BenchError(f"{self.megatron_lm}: no examples/multimodal/train.py")
+
+    def environment(self) -> dict:
+        return {"MEGATRON_LM_DIR": str(self.megatron_lm)}
+
+    def mode_args(self, mode: str) -> tuple:
+        return mode_flags(mode, self.calibration_iters)
+
+    def timing_args(self, directory: Path) -> list:
+        return ["--mm-balance-timing-dir", str(directory)]
+
+    def make_data(self, out: Path, samples: int, seed: int) -> dict:
+        return make_data(out, samples, seed)
+
+    def auto_switch(self) -> int:
+        return self.calibration_iters + 2
+
+
+#: Frameworks by name (``name`` attribute); Megatron-LM's is this module's, Megatron-Bridge's
+#: registers itself from :mod:`megatron_mm_balance.bridge.bench` (the CLI loads it).
+FRAMEWORKS: Dict[str, type] = {}
+
+
+def register_framework(cls: type) -> type:
+    """Add a framework class (its ``name``, ``from_args(a)`` and the members of
+    :class:`MegatronLMFramework`)."""
+    FRAMEWORKS[cls.name] = cls
+    return cls
+
+
+register_framework(MegatronLMFramework)
+
+
+def run_launcher(mode: str, rnd: int, *, data: dict, out: Path, train_iters: int, env_overrides: dict,
+                 timeout: float, python: str, megatron_lm: Optional[str] = None, calibration_iters: int = 3,
+                 config: Optional[Path] = None, framework=None, name: Optional[str] = None,
+                 log=lambda m: print(m, flush=True)) -> RunResult:
+    """One launcher run, as a user runs it; its whole process group is killed at ``timeout``.
+    ``framework``: :class:`MegatronLMFramework` (default, from ``megatron_lm``) or
+    ``BridgeFramework`` (bridge/bench.py); ``name``: the run's directory under ``out`` (``roundR-MODE``)."""
+    fw = framework or MegatronLMFramework(megatron_lm=megatron_lm, calibration_iters=calibration_iters)
+    run_dir = out / (name or f"round{rnd}-{mode}")
     if run_dir.exists():
         subprocess.run(["rm", "-rf", str(run_dir)], check=True)
     run_dir.mkdir(parents=True)
-    balance, extra = mode_flags(mode, calibration_iters)
+    balance, extra = fw.mode_args(mode)
     env = dict(os.environ)
-    env.update(MEGATRON_LM_DIR=str(megatron_lm), DATA_PATH=data["DATA_PATH"],
-               TOKENIZER_MODEL=data["TOKENIZER_MODEL"], MM_BALANCE=balance, OUTPUT_DIR=str(run_dir),
-               TRAIN_ITERS=str(train_iters), LOG_INTERVAL="1", PYTHON=python,
-               MASTER_PORT=str(free_port()),
+    env.update(fw.defaults)
+    env.update(fw.environment())
+    env.update(data)
+    env.update(MM_BALANCE=balance, OUTPUT_DIR=str(run_dir), TRAIN_ITERS=str(train_iters), LOG_INTERVAL="1",
+               PYTHON=python, MASTER_PORT=str(free_port()),
                PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     env.update(env_overrides)
-    timing = [] if mode == "untimed" else ["--mm-balance-timing-dir", str(run_dir / "timing")]
-    cmd = ["bash", str(LAUNCHER), "--config", str(config), *timing, *extra]
+    timing = [] if mode == "untimed" else fw.timing_args(run_dir / "timing")
+    cmd = ["bash", str(fw.launcher), "--config", str(config or fw.config), *timing, *extra]
     log_path = run_dir / "train.log"
     t0 = time.monotonic()
     with open(log_path, "w") as logf:
@@ -182,14 +273,14 @@ def run_launcher(mode: str, rnd: int, *, megatron_lm: str, data: dict, out: Path
             proc.wait()
     wall = time.monotonic() - t0
     text = log_path.read_text(errors="replace")
-    elapsed, losses, tele, fit = parse_log(text)
+    elapsed, losses, tele, fit = parse_log(text, first_two_averaged=fw.first_two_averaged)
     res = RunResult(mode, rnd, rc, wall, str(run_dir), elapsed, losses, tele, fit, parse_vision(text))
     med = statistics.median([elapsed[i] for i in sorted(elapsed)[2:]]) if len(elapsed) > 2 else float("nan")
-    log(f"  round {rnd} {mode:<8} exit {rc}, {wall:6.0f} s wall, median iteration {med:8.1f} ms"
+    log(f"  {run_dir.name:<16} exit {rc}, {wall:6.0f} s wall, median iteration {med:8.1f} ms"
         + (f"  [{fit[:90]}]" if fit else ""))
     if rc != 0:
         tail = "\n".join(text.splitlines()[-30:])
-        raise BenchError(f"round {rnd} {mode}: the launcher exited {rc} (log {log_path}):\n{tail}")
+        raise BenchError(f"{run_dir.name}: the launcher exited {rc} (log {log_path}):\n{tail}")
     return res
 
 
@@ -225,8 +316,10 @@ def measured_window(res: RunResult, warmup: int, switch: Optional[int] = None) -
 
 
 def analyze(results: List[RunResult], *, warmup: int, loss_tolerance: float,
-            auto_switch: Optional[int] = None) -> dict:
-    """Everything the table and ``--json`` report (see the module docstring)."""
+            auto_switch: Optional[int] = None, frames: bool = False) -> dict:
+    """Everything the table and ``--json`` report (see the module docstring). ``frames``:
+    read the timing records' images as frames (Qwen-VL grids, :func:`~megatron_mm_balance.
+    sim.run_trace.frames_view`)."""
     from ..sim.run_trace import load_run, placement_order, predicted_times, time_breakdown, vision_share
     by_mode: Dict[str, List[RunResult]] = {}
     for r in results:
@@ -284,7 +377,7 @@ def analyze(results: List[RunResult], *, warmup: int, loss_tolerance: float,
         for r in runs:
             switch = auto_switch if mode == "auto" else None
             try:
-                trace = load_run(r.timing_dir, skip_iterations=warmup)
+                trace = load_run(r.timing_dir, skip_iterations=warmup, frames=frames)
             except ValueError:
                 continue
             keep = [k for k, it in enumerate(trace.iterations) if it >= (switch or 0)]
@@ -321,12 +414,15 @@ def analyze(results: List[RunResult], *, warmup: int, loss_tolerance: float,
     return report
 
 
-def simulate_against(results: List[RunResult], report: dict, *, warmup: int) -> dict:
+def simulate_against(results: List[RunResult], report: dict, *, warmup: int, frames: bool = False,
+                     simulated: Optional[Dict[str, str]] = None) -> dict:
     """The simulator on each round's ``off`` layout, with a timing model fitted from that
     run's timings, and the synchronous exchange's costs measured on the ``sync`` runs
     against the ``off`` runs: the longer iteration tail (the first ``next()`` of a global
     batch pulls it, all-gathers and solves) per batch, and the longer host gaps between
-    micro-batches spread over the micro-steps whose packs move."""
+    micro-batches spread over the micro-steps whose packs move. ``simulated``: the
+    simulator's strategies and the modes they are compared with (default Megatron-LM's:
+    ``none`` off, ``redistribute-sync`` sync, ``redistribute-overlap`` overlap)."""
     from ..sim.run_trace import fit_timing_model, load_run, placement_order, simulate_layout
     per_mode = report.get("predicted", {}).get("per_mode", {})
 
@@ -337,12 +433,13 @@ def simulate_against(results: List[RunResult], report: dict, *, warmup: int) -> 
     if part("sync", "tail_ms") is not None and part("off", "tail_ms") is not None:
         sync_batch = max(0.0, part("sync", "tail_ms") - part("off", "tail_ms"))
         extra_gaps = max(0.0, part("sync", "host_gap_ms") - part("off", "host_gap_ms"))
-    sims = {"none": [], "redistribute-sync": [], "redistribute-overlap": []}
+    names = simulated or MegatronLMFramework.simulated
+    sims = {strategy: [] for strategy in names}
     fits = []
     for r in results:
         if r.mode != "off":
             continue
-        trace = load_run(r.timing_dir, skip_iterations=warmup)
+        trace = load_run(r.timing_dir, skip_iterations=warmup, frames=frames)
         if sync_batch is not None:
             order = placement_order(trace)
             home = np.arange(trace.shape[1])[None, :, None] * trace.shape[2]
@@ -354,7 +451,6 @@ def simulate_against(results: List[RunResult], report: dict, *, warmup: int) -> 
             sims[run["strategy"]].append(run["time_per_batch_ms"])
     if not fits:
         return {}
-    names = {"none": "off", "redistribute-sync": "sync", "redistribute-overlap": "overlap"}
     out = {"timing_fit": fits, "exchange_latency_ms": latency, "sync_batch_ms": sync_batch}
     off_meas = report["modes"].get("off", {}).get("iteration_ms", {}).get("median")
     off_sim = statistics.median(sims["none"]) if sims["none"] else None
@@ -413,13 +509,24 @@ def format_report(rep: dict) -> str:
     s = rep.get("simulated") or {}
     if s:
         lines.append("simulated (mm-balance simulate OFF_RUN/timing --timing run) vs measured:")
-        for mode in ("off", "sync", "overlap"):
+        for mode in [m for m in s if isinstance(s[m], dict) and "simulated_ms" in s[m]]:
             if mode in s:
                 v = s[mode]
                 lines.append(f"  {mode:<8} simulated {v['simulated_ms']:.0f} ms, measured {f(v['measured_ms'], '.0f')} ms "
                              f"({f(None if v['rel_error'] is None else 100 * v['rel_error'], '+.1f')}%); gain "
                              f"simulated {f(None if v['simulated_gain'] is None else 100 * v['simulated_gain'], '+.1f')}%, "
                              f"measured {f(None if v['measured_gain'] is None else 100 * v['measured_gain'], '+.1f')}%")
+    h = rep.get("holdout") or {}
+    if any(isinstance(v, dict) and "simulated_ms" in v for v in h.values()):
+        lines.append(f"hold-out data set (seed {h.get('seed')}): the timing model fitted on the main off runs' "
+                     f"per-pack timings, on the hold-out off run's global batches, vs measured:")
+        for mode, v in h.items():
+            if isinstance(v, dict) and "simulated_ms" in v:
+                lines.append(f"  {mode:<8} simulated {v['simulated_ms']:.0f} ms ({v['strategy']}), measured "
+                             f"{f(v['measured_ms'], '.0f')} ms ({v['iterations']} iterations): "
+                             f"{f(None if v['rel_error'] is None else 100 * v['rel_error'], '+.1f')}%")
+    elif h.get("error"):
+        lines.append(f"hold-out prediction: {h['error']}")
     if rep.get("losses"):
         worst = max(x["max_rel_diff"] for x in rep["losses"])
         ok = all(x["equal"] for x in rep["losses"])
@@ -428,21 +535,79 @@ def format_report(rep: dict) -> str:
     return "\n".join(lines)
 
 
+def predict_holdout(main: List[RunResult], holdout: List[RunResult], *, warmup: int, frames: bool,
+                    simulated: Dict[str, str]) -> dict:
+    """The simulator's timing model fitted on each main ``off`` run's per-pack timings
+    (:func:`~megatron_mm_balance.sim.run_trace.fit_timing_model`), run on the hold-out
+    ``off`` run's own global batches (another data seed): ``none`` against the hold-out
+    ``off`` run's measured median iteration time, the balanced strategy against the
+    hold-out balanced run's (both read the same global batches). Medians over the fits."""
+    from ..sim.run_trace import fit_timing_model, load_run, simulate_layout
+    off_b = [r for r in holdout if r.mode == "off"]
+    if not off_b:
+        return {}
+    trace_b = load_run(off_b[0].timing_dir, skip_iterations=warmup, frames=frames)
+    sims: Dict[str, List[float]] = {k: [] for k in simulated}
+    fitted_on = []
+    for r in main:
+        if r.mode != "off":
+            continue
+        t, _ = fit_timing_model(load_run(r.timing_dir, skip_iterations=warmup, frames=frames))
+        fitted_on.append(r.out_dir)
+        for run in simulate_layout(trace_b, t, strategies=tuple(simulated)):
+            sims[run["strategy"]].append(run["time_per_batch_ms"])
+    out = {"fitted_on": fitted_on, "predicted_run": off_b[0].out_dir}
+    for strategy, mode in simulated.items():
+        runs = [r for r in holdout if r.mode == mode]
+        if not runs or not sims[strategy]:
+            continue
+        its = [r.elapsed_ms[i] for r in runs for i in measured_window(r, warmup)]
+        meas = statistics.median(its) if its else None
+        pred = statistics.median(sims[strategy])
+        out[mode] = {"strategy": strategy, "simulated_ms": pred, "measured_ms": meas,
+                     "rel_error": (pred / meas - 1.0) if meas else None, "iterations": len(its)}
+    return out
+
+
+def framework_of(a):
+    """The framework the arguments ask for (``--bridge``: Megatron-Bridge; else Megatron-LM)."""
+    name = "bridge" if getattr(a, "bridge", None) is not None else MegatronLMFramework.name
+    if name not in FRAMEWORKS:
+        raise BenchError(f"no {name} support loaded (import megatron_mm_balance.bridge.bench, as "
+                         f"mm-balance does)")
+    return FRAMEWORKS[name].from_args(a)
+
+
+def resolve_defaults(a, fw) -> None:
+    """Fill the options left unset with the framework's defaults (in place)."""
+    d = fw.bench_defaults
+    for key in ("rounds", "iters", "warmup", "samples", "seed"):
+        if getattr(a, key) is None:
+            setattr(a, key, d[key])
+    if a.config is None:
+        a.config = str(fw.config)
+    if a.python is None:
+        a.python = fw.python() if hasattr(fw, "python") else sys.executable
+
+
 def run_bench(a) -> dict:
-    megatron_lm = a.megatron_lm or os.environ.get("MEGATRON_LM_DIR")
-    if not megatron_lm:
-        raise BenchError("set --megatron-lm (or MEGATRON_LM_DIR) to a Megatron-LM checkout with our patches")
-    if not (Path(megatron_lm) / "examples" / "multimodal" / "train.py").is_file():
-        raise BenchError(f"{megatron_lm}: no examples/multimodal/train.py")
-    modes = [m.strip() for m in a.modes.split(",") if m.strip()]
+    fw = framework_of(a)
+    resolve_defaults(a, fw)
+    fw.check()
+    modes = [m.strip() for m in a.modes.split(",") if m.strip()] if a.modes else list(fw.default_modes())
     for m in modes:
-        if m not in MODES + EXTRA_MODES:
-            raise BenchError(f"--modes: unknown mode {m!r} (choose from {', '.join(MODES + EXTRA_MODES)})")
+        if m not in fw.all_modes():
+            raise BenchError(f"--modes: unknown mode {m!r} (choose from {', '.join(fw.all_modes())})")
+        fw.mode_args(m)                              # refuses a mode this installation cannot run
     if "off" not in modes:
         raise BenchError("--modes must include off (gains and losses are measured against it)")
     if a.rounds < 1 or a.iters < 1 or a.warmup < 2:
-        raise BenchError("--rounds and --iters must be >= 1 and --warmup >= 2 (Megatron averages a "
-                         "job's first two iterations into its second log line)")
+        raise BenchError("--rounds and --iters must be >= 1 and --warmup >= 2 (the first iterations carry "
+                         "start-up costs; Megatron averages a job's first two into its second log line)")
+    balanced = [m for m in modes if m not in ("off", "untimed")]
+    if a.holdout_seed is not None and a.holdout_seed == a.seed:
+        raise BenchError(f"--holdout-seed {a.holdout_seed}: must differ from --seed (a data set the timing "
+                         f"model was not fitted on)")
     overrides = {}
     for kv in a.set or []:
         if "=" not in kv:
@@ -451,59 +616,85 @@ def run_bench(a) -> dict:
         overrides[k] = v
     out = Path(a.out).absolute()
     out.mkdir(parents=True, exist_ok=True)
-    data = make_data(Path(a.data).absolute() if a.data else out / "data", a.samples, a.seed)
+    data = fw.make_data(Path(a.data).absolute() if a.data else out / "data", a.samples, a.seed)
     train_iters = a.warmup + a.iters
     if "auto" in modes and a.calibration_iters + 2 > train_iters:
         raise BenchError(f"--calibration-iters {a.calibration_iters}: the fit takes effect at iteration "
                          f"{a.calibration_iters + 2}, after the last ({train_iters}); lower it or raise --iters")
-    print(f"bench-realpath: {a.rounds} rounds x {', '.join(modes)}, {train_iters} iterations per run "
-          f"(first {a.warmup} dropped), config {a.config}; {_uptime()}", flush=True)
+    print(f"bench-realpath ({fw.name}): {a.rounds} rounds x {', '.join(modes)}, {train_iters} iterations per run "
+          f"(first {a.warmup} dropped), config {a.config}"
+          + (f"; hold-out round on seed {a.holdout_seed}: off, {balanced[0]}" if a.holdout_seed is not None
+             and balanced else "") + f"; {_uptime()}", flush=True)
     t0 = time.monotonic()
+    run = dict(out=out, train_iters=train_iters, env_overrides=overrides, timeout=a.timeout, python=a.python,
+               config=Path(a.config), framework=fw)
     results = []
     for rnd in range(1, a.rounds + 1):
         for mode in (modes if rnd % 2 else modes[::-1]):
-            results.append(run_launcher(mode, rnd, megatron_lm=megatron_lm, data=data, out=out,
-                                        train_iters=train_iters, calibration_iters=a.calibration_iters,
-                                        env_overrides=overrides, timeout=a.timeout, python=a.python,
-                                        config=Path(a.config)))
-    # --mm-balance-cost auto decides at iteration K + 2 (cost/calibration.py): its speed is read
-    # from there on, whether the fit was accepted or refused.
-    return report_of(results, a, modes, megatron_lm=megatron_lm, data=data, overrides=overrides,
+            results.append(run_launcher(mode, rnd, data=data, **run))
+    holdout = []
+    if a.holdout_seed is not None and balanced:
+        hdata = fw.make_data(out / f"data-seed{a.holdout_seed}", a.samples, a.holdout_seed)
+        for mode in ("off", balanced[0]):
+            holdout.append(run_launcher(mode, 0, data=hdata, name=f"holdout-{mode}", **run))
+    return report_of(results, a, modes, fw, holdout=holdout, data=data, overrides=overrides,
                      wall_s=time.monotonic() - t0, train_iters=train_iters)
 
 
-def report_of(results, a, modes, **meta) -> dict:
-    """Analysis, simulation and metadata of finished runs."""
-    rep = analyze(results, warmup=a.warmup, loss_tolerance=a.loss_tolerance,
-                  auto_switch=a.calibration_iters + 2)
+def report_of(results, a, modes, fw, holdout=(), **meta) -> dict:
+    """Analysis, simulation and metadata of finished runs (``holdout``: the hold-out round's)."""
+    # --mm-balance-cost auto decides at iteration K + 2 (cost/calibration.py): its speed is read
+    # from there on, whether the fit was accepted or refused.
+    rep = analyze(results, warmup=a.warmup, loss_tolerance=a.loss_tolerance, auto_switch=fw.auto_switch(),
+                  frames=fw.frames)
     try:
-        rep["simulated"] = simulate_against(results, rep, warmup=a.warmup)
+        rep["simulated"] = simulate_against(results, rep, warmup=a.warmup, frames=fw.frames,
+                                            simulated=fw.simulated)
     except ValueError as exc:
         rep["simulated"] = {"error": str(exc)}
-    rep["meta"] = {"rounds": a.rounds, "modes": modes, "warmup": a.warmup,
-                   "calibration_iters": a.calibration_iters, "config": str(a.config), **meta,
-                   "load_after": _uptime()}
+    if holdout:
+        balanced = [m for m in modes if m not in ("off", "untimed")]
+        try:
+            rep["holdout"] = predict_holdout(results, holdout, warmup=a.warmup, frames=fw.frames,
+                                             simulated={"none": "off",
+                                                        "redistribute-overlap": balanced[0]})
+        except ValueError as exc:
+            rep["holdout"] = {"error": str(exc)}
+        rep["holdout"]["seed"] = a.holdout_seed
+        rep["holdout"]["runs"] = [{"mode": r.mode, "out_dir": r.out_dir, "elapsed_ms": r.elapsed_ms}
+                                  for r in holdout]
+    rep["meta"] = {"framework": fw.name, "rounds": a.rounds, "modes": modes, "warmup": a.warmup,
+                   "calibration_iters": a.calibration_iters, "config": str(a.config), "seed": a.seed,
+                   "samples": a.samples, **meta, "load_after": _uptime()}
     return rep
 
 
+def _result_of(d: Path, mode: str, rnd: int, fw) -> RunResult:
+    text = (d / "train.log").read_text(errors="replace")
+    elapsed, losses, tele, fit = parse_log(text, first_two_averaged=fw.first_two_averaged)
+    return RunResult(mode, rnd, 0, 0.0, str(d), elapsed, losses, tele, fit, parse_vision(text))
+
+
 def reanalyze(a) -> dict:
-    """``--reanalyze``: the report of the runs already in ``--out`` (``roundR-MODE/``)."""
+    """``--reanalyze``: the report of the runs already in ``--out`` (``roundR-MODE/``, and the
+    hold-out round's ``holdout-MODE/``)."""
+    fw = framework_of(a)
+    resolve_defaults(a, fw)
     out = Path(a.out)
-    results = []
+    results, holdout = [], []
     for d in sorted(out.glob("round*-*")):
         m = re.fullmatch(r"round(\d+)-(.+)", d.name)
-        log_path = d / "train.log"
-        if not m or not log_path.is_file():
-            continue
-        text = log_path.read_text(errors="replace")
-        elapsed, losses, tele, fit = parse_log(text)
-        results.append(RunResult(m.group(2), int(m.group(1)), 0, 0.0, str(d), elapsed, losses, tele, fit,
-                                 parse_vision(text)))
+        if m and (d / "train.log").is_file():
+            results.append(_result_of(d, m.group(2), int(m.group(1)), fw))
+    for d in sorted(out.glob("holdout-*")):
+        if (d / "train.log").is_file():
+            holdout.append(_result_of(d, d.name[len("holdout-"):], 0, fw))
     if not results:
         raise BenchError(f"--reanalyze: no roundN-MODE/train.log under {out}")
-    order = [m for m in MODES + EXTRA_MODES if any(r.mode == m for r in results)]
+    order = [m for m in fw.all_modes() if any(r.mode == m for r in results)]
     results.sort(key=lambda r: (order.index(r.mode), r.round))
-    return report_of(results, a, order, reanalyzed=True, runs=len(results))
+    holdout.sort(key=lambda r: r.mode != "off")
+    return report_of(results, a, order, fw, holdout=holdout, reanalyzed=True, runs=len(results))
 
 
 def _uptime() -> str:
@@ -515,24 +706,42 @@ def _uptime() -> str:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--megatron-lm", default=None, metavar="DIR",
-                   help="patched Megatron-LM checkout (default: $MEGATRON_LM_DIR)")
+                   help="patched Megatron-LM checkout (default: $MEGATRON_LM_DIR); with --bridge: the "
+                        "Megatron-LM Bridge pins (default: the launcher's choice)")
+    p.add_argument("--bridge", nargs="?", const="", default=None, metavar="DIR",
+                   help="run on Megatron-Bridge: the patched checkout or installed package DIR (default: "
+                        "$MEGATRON_BRIDGE_DIR, else the Bridge that --python imports), the native-res "
+                        "config and data")
     p.add_argument("--out", default="runs/bench-realpath", help="runs, logs and timings (default %(default)s)")
     p.add_argument("--data", default=None,
-                   help="make-dataset --mix vision-heavy output (default: OUT/data, made when missing)")
-    p.add_argument("--config", default=str(CONFIG), help="launch config (default %(default)s)")
-    p.add_argument("--modes", default=",".join(MODES), help="modes per round (default %(default)s)")
-    p.add_argument("--rounds", type=int, default=DEFAULTS["rounds"])
-    p.add_argument("--iters", type=int, default=DEFAULTS["iters"], help="measured iterations per run")
-    p.add_argument("--warmup", type=int, default=DEFAULTS["warmup"], help="iterations dropped (>= 2)")
+                   help="the data set (default: OUT/data, made when missing: make-dataset --mix vision-heavy, "
+                        "with --bridge --format bridge-qwen-vl --mix native-res)")
+    p.add_argument("--config", default=None, help=f"launch config (default {CONFIG.relative_to(REPO)}, with "
+                                                   f"--bridge configs/bridge/qwen3_vl_moe_native_res_cpu.sh)")
+    p.add_argument("--modes", default=None,
+                   help=f"modes per round (default {','.join(MODES)}; with --bridge off,packs,model, and "
+                        f"images where mm_balance.vision exists)")
+    p.add_argument("--cost", default="image-tokens", choices=("image-tokens", "model"),
+                   help="--bridge: mm_balance.cost of the packs and images modes (default %(default)s)")
+    p.add_argument("--rounds", type=int, default=None, help=f"interleaved rounds (default {DEFAULTS['rounds']})")
+    p.add_argument("--iters", type=int, default=None,
+                   help=f"measured iterations per run (default {DEFAULTS['iters']}; --bridge 8)")
+    p.add_argument("--warmup", type=int, default=None, help="iterations dropped (>= 2; default 2)")
     p.add_argument("--calibration-iters", type=int, default=DEFAULTS["calibration_iters"],
                    help="--mm-balance-calibration-iters of the auto mode (default %(default)s)")
-    p.add_argument("--samples", type=int, default=DEFAULTS["samples"], help="dataset samples")
-    p.add_argument("--seed", type=int, default=DEFAULTS["seed"], help="dataset seed")
+    p.add_argument("--samples", type=int, default=None,
+                   help=f"dataset samples (default {DEFAULTS['samples']}; --bridge 256)")
+    p.add_argument("--seed", type=int, default=None, help="dataset seed (default 0)")
+    p.add_argument("--holdout-seed", type=int, default=None, metavar="SEED",
+                   help="also run off and the first balanced mode on a data set of this seed, and predict "
+                        "their iteration times with the timing model fitted on the main off runs")
     p.add_argument("--set", action="append", metavar="VAR=VALUE",
                    help="launcher/config environment override, e.g. GBS=8 (repeatable)")
     p.add_argument("--timeout", type=float, default=DEFAULTS["timeout"], help="seconds per run")
     p.add_argument("--loss-tolerance", type=float, default=DEFAULTS["loss_tolerance"])
-    p.add_argument("--python", default=sys.executable, help="interpreter for the ranks")
+    p.add_argument("--python", default=None,
+                   help="interpreter for the ranks (default this one; --bridge: .venv-bridge/bin/python "
+                        "when it exists)")
     p.add_argument("--json", default=None, metavar="FILE", help="write the whole report as JSON")
     p.add_argument("--reanalyze", action="store_true",
                    help="run nothing: report the runs already in --out")
@@ -553,7 +762,8 @@ def cmd(a) -> int:
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("bench-realpath", help="Megatron-LM's own iteration time, --mm-balance off vs "
-                              "on, real CPU compute (docs/real_speed.md)", description=__doc__.split("\n\n")[0])
+    p = subparsers.add_parser("bench-realpath", help="Megatron-LM's (--bridge: Megatron-Bridge's) own iteration "
+                              "time, balancing off vs on, real CPU compute (docs/real_speed.md)",
+                              description=__doc__.split("\n\n")[0])
     add_arguments(p)
     p.set_defaults(func=cmd)

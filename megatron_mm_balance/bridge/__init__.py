@@ -9,6 +9,8 @@ Modules, each importable without Megatron-Bridge (it is imported inside function
 * :mod:`.timing` — the core package's per-micro-batch timing hooks on Bridge's Qwen3-VL model
   (``mm_balance.timing``, ``timing_dir``; ``cost=auto`` fits them);
 * :mod:`.dataset` — ``make-dataset --format bridge-qwen-vl``;
+* :mod:`.native_dataset` — its ``--mix native-res`` (images, documents, videos, text);
+* :mod:`.bench` — ``bench-realpath --bridge``: the bench's Megatron-Bridge framework;
 * :mod:`.run` — a pretraining entry point (recipe function + YAML + overrides -> ``pretrain()``).
 """
 

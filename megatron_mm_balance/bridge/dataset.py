@@ -30,7 +30,7 @@ import pickle
 import random
 import shutil
 from pathlib import Path
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from ..data import make_dataset as md
 
@@ -85,14 +85,17 @@ def _sample(rng: random.Random, kind: str):
     return units, [_image_bytes(img, u) for img, u in zip(images, units)], turns
 
 
-def _dataset_yaml() -> str:
+def _dataset_yaml(field_map: Dict[str, str]) -> str:
     return ("__module__: megatron.bridge.data.energon.task_encoder_utils\n"
             "__class__: ChatMLWebdataset\n"
-            "field_map:\n  imgs: jpgs\n  conversation: json\n")
+            "field_map:\n" + "".join(f"  {k}: {v}\n" for k, v in field_map.items()))
 
 
-def _write_processor(out: Path, corpus: List[str], vocab_size: int = 2048) -> None:
-    _, added = md.train_bpe_tokenizer(out, corpus, SPECIAL_TOKENS, vocab_size)
+def _write_processor(out: Path, corpus: List[str], vocab_size: int = 2048, *, min_pixels: int = MIN_PIXELS,
+                     max_pixels: int = MAX_PIXELS):
+    """The processor directory (tokenizer, chat template, image and video processor settings
+    with these pixel bounds); returns the trained tokenizer."""
+    tok, added = md.train_bpe_tokenizer(out, corpus, SPECIAL_TOKENS, vocab_size)
 
     def dump(name, obj):
         (out / name).write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
@@ -106,12 +109,13 @@ def _write_processor(out: Path, corpus: List[str], vocab_size: int = 2048) -> No
     vision = {"patch_size": PATCH, "temporal_patch_size": 2, "merge_size": MERGE,
               "image_mean": _MEAN, "image_std": _STD, "do_resize": True, "do_rescale": True,
               "do_normalize": True, "do_convert_rgb": True, "rescale_factor": 1 / 255,
-              "size": {"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS},
+              "size": {"shortest_edge": min_pixels, "longest_edge": max_pixels},
               "processor_class": "Qwen3VLProcessor"}
     dump("preprocessor_config.json", {**vision, "image_processor_type": "Qwen2VLImageProcessorFast"})
     dump("video_preprocessor_config.json", {**vision, "video_processor_type": "Qwen3VLVideoProcessor",
                                             "fps": 2, "min_frames": 4, "max_frames": 16,
                                             "do_sample_frames": False})
+    return tok
 
 
 def token_ids(processor_dir) -> Dict[str, int]:
@@ -123,8 +127,8 @@ def token_ids(processor_dir) -> Dict[str, int]:
             "bos_token_id": ids["<|endoftext|>"], "eos_token_id": ids["<|im_end|>"]}
 
 
-def make_qwen_vl_dataset(out_dir, samples: int = md.DEFAULT_SAMPLES, seed: int = md.DEFAULT_SEED) -> List[str]:
-    """Write the dataset and processor under ``out_dir``; return the summary lines."""
+def check_output(out_dir, samples, seed) -> Path:
+    """The output directory (absolute) after checking the arguments; one-line errors."""
     if isinstance(samples, bool) or not isinstance(samples, int) or samples < md.MIN_SAMPLES:
         raise md.MakeDatasetError(f"--samples must be an integer >= {md.MIN_SAMPLES}, got {samples!r}")
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
@@ -135,6 +139,12 @@ def make_qwen_vl_dataset(out_dir, samples: int = md.DEFAULT_SAMPLES, seed: int =
     if out.is_dir() and any(out.iterdir()) and not (out / "processor").is_dir():
         raise md.MakeDatasetError(f"{out}: directory is not empty (give a new or empty directory, "
                                   f"or one written by make-dataset --format bridge-qwen-vl)")
+    return out
+
+
+def make_qwen_vl_dataset(out_dir, samples: int = md.DEFAULT_SAMPLES, seed: int = md.DEFAULT_SEED) -> List[str]:
+    """Write the dataset and processor under ``out_dir``; return the summary lines."""
+    out = check_output(out_dir, samples, seed)
     if out.is_dir():
         shutil.rmtree(out)
     out.mkdir(parents=True)
@@ -167,8 +177,9 @@ def make_qwen_vl_dataset(out_dir, samples: int = md.DEFAULT_SAMPLES, seed: int =
             f"DATA_PATH={out}", f"PROCESSOR={out / 'processor'}"]
 
 
-def _prepare(root: Path, shards: List[str]) -> None:
-    """energon's prepare step (as the default form does), then the ChatML dataset.yaml."""
+def _prepare(root: Path, shards: List[str], field_map: Optional[Dict[str, str]] = None) -> None:
+    """energon's prepare step (as the default form does), then the ChatML dataset.yaml
+    (``field_map``: the sample parts of each ChatMLSample field; default images only)."""
     import contextlib
     import hashlib
     import io
@@ -181,7 +192,7 @@ def _prepare(root: Path, shards: List[str]) -> None:
             root, shards, split_parts_patterns=[("train", r"train-.*\.tar"), ("val", r"val-.*\.tar")],
             workers=1, shuffle_seed=None)
     meta = root / ".nv-meta"
-    (meta / "dataset.yaml").write_text(_dataset_yaml())
+    (meta / "dataset.yaml").write_text(_dataset_yaml(field_map or {"imgs": "jpgs", "conversation": "json"}))
     digest = hashlib.sha256()
     for name in shards:
         digest.update(name.encode())

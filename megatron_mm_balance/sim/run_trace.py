@@ -96,10 +96,24 @@ def read_records(directory: str) -> list:
     return out
 
 
-def load_run(directory: str, *, skip_iterations: int = 2, last_iteration: int | None = None) -> RunTrace:
+def frames_view(rec: dict) -> dict:
+    """A Qwen-VL record (its ``grids``) with ``images`` = the patches of every frame (``h*w``
+    once per temporal patch): the units the tower attends within, so that a fitted
+    ``tokens^2`` term is per frame, not per whole video. Records without grids unchanged."""
+    grids = rec.get("grids")
+    if not grids:
+        return rec
+    return dict(rec, images=[int(h) * int(w) for t, h, w in grids for _ in range(int(t))])
+
+
+def load_run(directory: str, *, skip_iterations: int = 2, last_iteration: int | None = None,
+             frames: bool = False) -> RunTrace:
     """The run's layout: iterations after the first ``skip_iterations`` (warm-up) in which
-    every rank timed the same number of micro-batches; ranks in rank order."""
+    every rank timed the same number of micro-batches; ranks in rank order. ``frames``:
+    each record's images as its frames (:func:`frames_view`)."""
     recs = read_records(directory)
+    if frames:
+        recs = [frames_view(r) for r in recs]
     ranks = sorted({r["rank"] for r in recs})
     by = {}
     for r in recs:

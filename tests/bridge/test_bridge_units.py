@@ -238,7 +238,7 @@ def test_make_dataset_bridge_form_through_the_cli(tmp_path):
     assert _tree_digest(tmp_path / "cli") == _tree_digest(tmp_path / "fn")
     bad = subprocess.run(cmd + [str(tmp_path / "bad"), "--format", "bridge-qwen-vl", "--mix", "vision-heavy"],
                          env=env, capture_output=True, text=True, timeout=300)
-    assert bad.returncode == 2 and "--mix and --tile-size apply to --format megatron-multimodal" in bad.stderr
+    assert bad.returncode == 2 and "--mix vision-heavy apply to --format megatron-multimodal" in bad.stderr
 
 
 # --------------------------------------------------------------------------- apply_patches.sh

@@ -13,6 +13,14 @@ adds a transfer time of ``B * p`` per moved frame. For :func:`plan_frames` per r
 ``max(ceil(total / D), max frame)``, the same for a from-scratch greedy least-loaded
 assignment and its moved cost over the excess, and the planner's CPU time (thread
 time, so the figure holds on a shared machine; the greedy is not timed).
+
+    python benchmarks/bench_frame_plan.py --versus-images heldout-real,mixed,video-heavy
+
+compares it with :func:`megatron_mm_balance.solver.images.balance_images` (the Megatron-LM
+path's image planner) on the simulator's micro-steps of those mixtures (every image a
+unit, costs the ``vlm_30b_moe`` vision forward in microseconds, 4 global batches x 4
+micro-steps per row): largest load over the lower bound, moved cost of plan_frames over
+balance_images', CPU ms of each.
 """
 from __future__ import annotations
 
@@ -33,6 +41,46 @@ def _pct(x, q):
     return float(np.percentile(np.asarray(x, dtype=np.float64), q))
 
 
+def versus_images(traces, dps, seed):
+    from megatron_mm_balance.data.mixtures import make_mixture
+    from megatron_mm_balance.sim.pool import build_pool, draw_indices
+    from megatron_mm_balance.sim.timing import load_timing
+    from megatron_mm_balance.sim.vision_balance import image_costs, micro_step_images
+    from megatron_mm_balance.solver.images import balance_images
+
+    t = load_timing("vlm_30b_moe")
+    print("4 global batches x 4 micro-steps per row; vlm_30b_moe vision forward us per image; "
+          "p50 (max) over the micro-steps; CPU ms")
+    head = (f"{'trace':>13} {'DP':>5} | {'images max/LB':>15} {'frames max/LB':>15} | "
+            f"{'frames/images moved':>20} | {'ms images':>9} {'ms frames':>9}")
+    print(head)
+    print("-" * len(head))
+    for trace in traces:
+        samples = make_mixture(trace, n=20000) if trace != "mixed" else make_mixture("mixed")[:20000]
+        pool = build_pool(samples, 8192)
+        icost = np.rint(image_costs(pool, t) * 1000).astype(np.int64)
+        for D in dps:
+            idx = draw_indices(len(pool), 4, D, 4, seed=seed)
+            rows = []
+            for b in range(4):
+                for m in range(4):
+                    owner, img = micro_step_images(pool, idx[b, :, m])
+                    c = icost[img]
+                    t0 = time.thread_time()
+                    enc = balance_images(owner, c, D)
+                    t1 = time.thread_time()
+                    pl = plan_frames(owner, c, D)
+                    t2 = time.thread_time()
+                    load = np.bincount(enc, weights=c, minlength=D)
+                    moved_images = c[enc != owner].sum()
+                    rows.append((load.max() / pl.lower_bound, pl.max_after / pl.lower_bound,
+                                 pl.moved_cost / max(1, moved_images), (t1 - t0) * 1e3, (t2 - t1) * 1e3))
+            r = np.array(rows)
+            pm = lambda k: f"{np.median(r[:, k]):.4f} ({r[:, k].max():.4f})"
+            print(f"{trace:>13} {D:>5} | {pm(0):>15} {pm(1):>15} | {pm(2):>20} | "
+                  f"{np.median(r[:, 3]):9.2f} {np.median(r[:, 4]):9.2f}")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dp", default="8,64,1024")
@@ -40,7 +88,12 @@ def main(argv=None):
     ap.add_argument("--alpha", default="256,6608")
     ap.add_argument("--transfer", type=int, default=0, help="transfer time per moved patch")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--versus-images", default=None, metavar="TRACES",
+                    help="compare with balance_images on these mixtures instead")
     args = ap.parse_args(argv)
+    if args.versus_images:
+        return versus_images(args.versus_images.split(","), [int(x) for x in args.dp.split(",")],
+                             args.seed + 1)
     print(f"{args.steps} micro-steps per row; cost p*(p+alpha); transfer {args.transfer} per patch; "
           f"percentiles p50 / p90 / max; CPU ms of plan_frames")
     head = (f"{'DP':>5} {'alpha':>5} {'frames':>6} | {'moved/excess':>20} | {'moved/cover':>20} | "

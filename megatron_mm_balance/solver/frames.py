@@ -280,6 +280,7 @@ class _Receivers:
             del self.free[bisect_left(self.free, (self.slack[r], r))]
 
     def release(self, r: int) -> None:
+        """Put ``r`` back into the choice, at its current slack."""
         if self.slack[r] > 0:
             insort(self.free, (self.slack[r], r))
 
@@ -423,6 +424,10 @@ class _LevelPlan:
         return need, stuck
 
     def make_room(self, u: int, size: int, pat: int) -> bool:
+        """Place unit ``u`` (``size`` with its transfer, ``pat`` patches), which no receiver
+        takes as it is, on the receiver with the most slack after that receiver sends a
+        cheap cover of the shortfall of its own units to the others (best fit); nothing
+        changes if they do not all fit."""
         recv, u_ = self.recv, self.units
         if not recv.free:
             return False

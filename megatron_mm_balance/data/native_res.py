@@ -4,9 +4,9 @@ A Qwen2/2.5/3-VL vision tower sees each image or video at its own size, a ``t x 
 grid of patches (``h``, ``w`` multiples of the spatial merge, 2); it attends inside each
 temporal patch (*frame*) only, so the units whose cost matters are frames of ``h*w``
 patches (:mod:`megatron_mm_balance.cost.frames`). One function draws the grids of a
-sample mix both users share: the simulator's ``native-res`` mixture (every frame one
-"image" of ``h*w / merge^2`` tokens, :func:`native_res_trace`) and the Bridge data set
-of ``mm-balance make-dataset --mix native-res``.
+sample mix for every user: the simulator's ``native-res`` mixture (every frame one
+"image" of ``h*w / merge^2`` tokens, :func:`native_res_trace`), and the Bridge data set
+of ``mm-balance make-dataset --mix native-res`` can draw its grids from it too.
 
 Sample kinds and their default shares (:data:`DEFAULT_SHARES`):
 

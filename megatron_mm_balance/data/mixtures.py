@@ -125,7 +125,7 @@ BLENDS: dict[str, dict[str, float]] = {
     "video-heavy": {"video": 0.45, "text": 0.30, "caption": 0.15, "tiles": 0.10},
 }
 
-MIXTURES = sorted(["mixed", *COMPONENTS, *BLENDS])
+MIXTURES = sorted(["mixed", "native-res", *COMPONENTS, *BLENDS])
 
 
 def blend_with_sources(shares: dict[str, float], n: int,
@@ -167,6 +167,9 @@ def make_mixture(name: str, n: int | None = None, seed: int = 0) -> list[Sample]
         return mixed(seed)
     if n is None:
         n = 60_000
+    if name == "native-res":            # Qwen-VL grids, every frame one image (data/native_res.py)
+        from .native_res import native_res_trace
+        return native_res_trace(n, seed)
     if name in BLENDS:
         return blend(BLENDS[name], n, seed)
     if name in COMPONENTS:

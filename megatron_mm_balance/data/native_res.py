@@ -195,3 +195,44 @@ def draw(rng: np.random.Generator, n: int, mix: NativeResMix = NativeResMix()) -
     kinds = kinds_for(n, mix)
     order = rng.permutation(len(kinds))
     return [draw_sample(rng, kinds[i], mix) for i in order]
+
+
+#: The mix at the production scale of the simulator's ``native-res`` mixture: 8K-token
+#: sequences, images up to 8,192 patches (about 1,450 px square), videos of up to 32
+#: temporal patches (64 frames), longer documents' text.
+SIM_MIX = NativeResMix(max_tokens=8192, max_patches=8192, video_temporal=(2, 32),
+                       text_range={"text": (200, 6000), "image": (40, 2000), "document": (40, 4000),
+                                   "video": (40, 1000)})
+
+
+def sample_token_count(s: NativeResSample) -> int:
+    """The language-model tokens of one drawn sample (:func:`sample_tokens`)."""
+    return sample_tokens(s.grids, s.videos, s.text_tokens)
+
+
+def micro_step_frames(rng: np.random.Generator, num_ranks: int, mix: NativeResMix = SIM_MIX):
+    """One micro-step's frames over ``num_ranks`` ranks, each holding one sequence of
+    consecutive samples while they fit in ``mix.max_tokens`` tokens: ``(owner, patches)``
+    per frame, rank-major (the frame planner's tests and benchmark)."""
+    samples = draw(rng, int(num_ranks) * 48, mix)
+    owner, patches, it = [], [], iter(samples)
+    for r in range(int(num_ranks)):
+        used = 0
+        for s in it:
+            tokens = sample_token_count(s)
+            if used + tokens > mix.max_tokens:
+                break
+            used += tokens
+            owner.extend([r] * len(s.frames))
+            patches.extend(s.frames)
+    return np.asarray(owner, dtype=np.int64), np.asarray(patches, dtype=np.int64)
+
+
+def native_res_trace(n: int = 60_000, seed: int = 0, mix: NativeResMix = SIM_MIX):
+    """The simulator's ``native-res`` mixture: :func:`draw` as
+    :class:`~megatron_mm_balance.data.traces.Sample` records whose "images" are the
+    frames (``h*w / merge^2`` tokens each), so a pack's per-image costs are per-frame
+    costs and image-level balancing moves frames (a video's frames separately)."""
+    from .traces import Sample
+    return [Sample(sample_token_count(s), tuple(p // (MERGE * MERGE) for p in s.frames))
+            for s in draw(np.random.default_rng(seed), n, mix)]

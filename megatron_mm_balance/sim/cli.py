@@ -93,6 +93,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heatmap-ranks", default="64", help="ranks shown in the heat map")
     p.add_argument("--out", required=True, metavar="DIR", help="output directory")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    p.add_argument("--no-floors", action="store_true",
+                   help="skip the bound rows (perfect balance and the floors of whole packs and "
+                        "of whole frames on the same global batches)")
     prog = p.add_mutually_exclusive_group()
     prog.add_argument("--progress", dest="progress", action="store_true", default=None,
                       help="always show the progress bar")
@@ -261,7 +264,7 @@ def _run(args) -> int:
                     seed=seed, strategies=tuple(strategies), balance_cost=balance_cost,
                     draw=draw, heatmap_ranks=heat_ranks,
                     ranks_per_node=ranks_per_node if ranks_per_node > 1 else None,
-                    prefetch=bool(args.prefetch))
+                    prefetch=bool(args.prefetch), floors=not args.no_floors)
     runs, heat = [], None
     t1 = time.perf_counter()
     for t in timings:

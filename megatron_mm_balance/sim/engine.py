@@ -31,12 +31,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..cost.model import FeatureArrays, image_token_costs
+from ..solver.floors import batch_floors
 from .pool import PackPool, draw_indices
 from .strategies import (DEFAULT_STRATEGIES, exchange_times, inter_node_mask, local_order,
                          redistribute_order)
 from .timeline import simulate_timeline
 from .timing import TimingModel
-from .vision_balance import all_to_all_ms, balanced_vision, simulate_images_timeline
+from .vision_balance import all_to_all_ms, balanced_vision, frame_terms, simulate_images_timeline
 
 BALANCE_COSTS = ("auto", "two-phase", "time", "image-tokens")
 # Work per chunk of batches: keeps the [B, D, G] arrays near 8 MB each.
@@ -58,6 +59,8 @@ class SimConfig:
     heatmap_ranks: int = 64
     ranks_per_node: int | None = 8
     prefetch: bool = False
+    #: report the bounds (perfect balance, the floors of whole packs and of whole frames)
+    floors: bool = True
 
 
 @dataclass
@@ -132,6 +135,9 @@ class _Acc:
     moved: int = 0
     slots: int = 0
     batches: int = 0
+    objective: float = 0.0          # the placements' objective, summed over batches
+    perfect: float = 0.0            # the perfectly even one, likewise
+    vision: dict = field(default_factory=dict)   # image balancing: what the planner did
     solver_ms: list = field(default_factory=list)
 
     def add(self, res: dict, tokens: np.ndarray, D: int, overhead: float,
@@ -149,8 +155,22 @@ class _Acc:
             self.inter_bytes += float(inter_bytes)
             self.inter_moved += int(inter_moved)
 
+    def add_objective(self, v, lm, sync: str) -> None:
+        """The placement's objective (module :mod:`megatron_mm_balance.solver.floors`) of
+        ``[B, D, G]`` vision (forward + backward) and language times in compute order."""
+        if sync == "microstep":
+            j = v.max(axis=1).sum(axis=1) + lm.max(axis=1).sum(axis=1)
+        else:
+            j = (v + lm).sum(axis=2).max(axis=1)
+        self.objective += float(j.sum())
+        self.perfect += float((v + lm).sum(axis=(1, 2)).sum()) / v.shape[1]
+
     def summary(self) -> dict:
-        return {
+        extra = {"objective_over_perfect": self.objective / self.perfect} if self.perfect else {}
+        if self.vision.get("vision_ms"):
+            extra["vision_moved_share"] = self.vision["moved_ms"] / self.vision["vision_ms"]
+            extra["vision_max_over_floor"] = self.vision["max_ms"] / self.vision["floor_ms"]
+        return {**extra,
             "time_per_batch_ms": self.time / self.batches,
             "wait_share": self.wait / self.time,
             "exchange_share": self.exch / self.time,
@@ -214,7 +234,9 @@ def simulate_dp(cfg: SimConfig, D: int, timing: TimingModel, pool: PackPool,
         if idx_all.shape != (B, D, G):
             raise ValueError(f"layout indices have shape {idx_all.shape}, expected {(B, D, G)}")
     acc = {s: _Acc() for s in ("none", "local", "redistribute-sync", "redistribute-overlap",
-                               "redistribute-images")}
+                               "redistribute-images", "redistribute-frames")}
+    bounds = {"perfect": 0.0, "floor-packs": 0.0, "floor-frames": 0.0, "exact": True}
+    frames = frame_terms(pool, timing) if cfg.floors else None
     heat = {} if keep_heatmap else None
     chunk = max(1, CHUNK_ELEMENTS // (D * G))
     need_redist = bool(want & {"redistribute-sync", "redistribute-overlap"})
@@ -227,6 +249,9 @@ def simulate_dp(cfg: SimConfig, D: int, timing: TimingModel, pool: PackPool,
         noise = _noise_field(timing, (nb, D, G), cfg.seed, b0)
         res = _timeline(vf, lm, vb, noise, sync=sync, bubble=ph.bubble, overhead=ov)
         acc["none"].add(res, tok, D, ov)
+        acc["none"].add_objective(vf + vb, lm, sync)
+        if cfg.floors:
+            _add_floors(bounds, ph, frames, idx, D, sync, timing)
         if heat is not None and b0 == 0:
             heat["none"] = (vf + lm + vb)[0]
         if "local" in want:
@@ -235,6 +260,7 @@ def simulate_dp(cfg: SimConfig, D: int, timing: TimingModel, pool: PackPool,
             lvf, llm, lvb = _reorder((vf, lm, vb), order)
             acc["local"].add(_timeline(lvf, llm, lvb, noise, sync=sync, bubble=ph.bubble,
                                                overhead=ov), tok, D, ov)
+            acc["local"].add_objective(lvf + lvb, llm, sync)
             if heat is not None and b0 == 0:
                 heat["local"] = (lvf + llm + lvb)[0]
         if need_redist:
@@ -262,12 +288,14 @@ def simulate_dp(cfg: SimConfig, D: int, timing: TimingModel, pool: PackPool,
                                   overhead=ov + (timing.sync_batch_ms if mode == "sync" else 0.0),
                                           prefetch=cfg.prefetch and mode == "overlap")
                     acc[name].add(r, tok, D, ov, moved_bytes, moved, inter_bytes, inter_moved)
+                    acc[name].add_objective(rvf + rvb, rlm, sync)
             if heat is not None and b0 == 0:
                 heat["redistribute"] = (rvf + rlm + rvb)[0]
         elif progress is not None:
             progress.update(nb)
-        if "redistribute-images" in want:
-            _images_run(acc["redistribute-images"], cfg, timing, pool, ph, idx, tok, ov)
+        for name, planner in (("redistribute-images", "images"), ("redistribute-frames", "frames")):
+            if name in want:
+                _images_run(acc[name], cfg, timing, pool, ph, idx, tok, ov, planner)
 
     base = acc["none"].summary()
     common = {"dp": D, "ga": G, "seq_len": cfg.seq_len, "sync": cfg.sync, "pp": cfg.pp,
@@ -299,19 +327,63 @@ def simulate_dp(cfg: SimConfig, D: int, timing: TimingModel, pool: PackPool,
                 a.add(simulate_timeline(vf, lm, vb, sync=sync, bubble=bph.bubble, overhead=ov),
                       bph.tokens[idx], D, ov)
             emit("budget", a, bpool, base["tokens_per_s"])
-    for name in ("local", "redistribute-sync", "redistribute-overlap", "redistribute-images"):
+    for name in ("local", "redistribute-sync", "redistribute-overlap", "redistribute-images",
+                 "redistribute-frames"):
         if name in want:
             a = acc[name]
             if name == "redistribute-sync":
                 a.solver_ms = acc["redistribute-overlap"].solver_ms
             emit(name, a, pool, base["tokens_per_s"])
+    if cfg.floors:
+        runs.extend(_bound_runs(bounds, acc["none"], {**common, "efficiency": pool.efficiency},
+                                ph.bubble + ov, base["tokens_per_s"]))
+    perfect = next((r["tokens_per_s"] for r in runs if r["strategy"] == "perfect"), None)
+    for r in runs:
+        if perfect and r.get("budget") is None:
+            r["perfect_share"] = r["tokens_per_s"] / perfect
     return runs, heat
 
 
+def _add_floors(bounds: dict, ph: PackPhases, frames, idx: np.ndarray, D: int, sync: str,
+                timing: TimingModel) -> None:
+    """Add one chunk of batches' perfect balance and floors (:func:`batch_floors`: whole
+    packs, and whole frames) to ``bounds``."""
+    ratio = 1.0 + timing.vision_bwd_fwd_ratio
+    fvision, heaviest = frames
+    for b in idx:
+        fl = batch_floors(ph.vf[b] + ph.vb[b], ph.lm[b], heaviest[b] * ratio, D, sync=sync,
+                          frame_vision=fvision[b] * ratio)
+        bounds["perfect"] += fl.perfect
+        bounds["floor-packs"] += fl.packs
+        bounds["floor-frames"] += fl.frames
+        bounds["exact"] &= fl.packs_exact
+
+
+def _bound_runs(bounds: dict, none: _Acc, common: dict, per_batch_ms: float, base_tps: float) -> list:
+    """The report rows of the bounds: what no placement of whole units beats on the same
+    global batches, with the same bubble and step overhead; waiting, exchange and
+    movement ``None``."""
+    out = []
+    ideal = none.ideal / none.batches
+    for name in ("perfect", "floor-packs", "floor-frames"):
+        ms = bounds[name] / none.batches + per_batch_ms
+        tps = none.tokens / (ms * none.batches / 1000.0)
+        out.append({**common, "strategy": name, "bound": True, "budget": None,
+                    "time_per_batch_ms": ms, "wait_share": None,
+                    "exchange_share": None, "slowdown": ms / ideal - 1.0, "tokens_per_s": tps,
+                    "bytes_moved_per_step": None, "moved_fraction": None,
+                    "throughput_rel": tps / base_tps,
+                    "objective_over_perfect": bounds[name] / bounds["perfect"] if bounds["perfect"] else 1.0,
+                    "exact": True if name == "perfect" else bounds["exact"] if name == "floor-packs"
+                    else False})
+    return out
+
+
 def _images_run(a: _Acc, cfg: SimConfig, timing: TimingModel, pool: PackPool, ph: PackPhases,
-                idx: np.ndarray, tok: np.ndarray, ov: float) -> None:
-    """``redistribute-images`` on one chunk of batches (:mod:`.vision_balance`): packs
-    placed on their language-phase cost, images balanced per micro-step."""
+                idx: np.ndarray, tok: np.ndarray, ov: float, planner: str = "images") -> None:
+    """``redistribute-images`` / ``redistribute-frames`` on one chunk of batches
+    (:mod:`.vision_balance`): packs placed on their language-phase cost, images (frames)
+    balanced per micro-step by ``planner``."""
     nb, D, G = idx.shape
     lang = np.rint(ph.lm * 1000.0).astype(np.int64)          # integer microseconds
     order = np.empty((nb, D, G), dtype=np.int64)
@@ -320,7 +392,9 @@ def _images_run(a: _Acc, cfg: SimConfig, timing: TimingModel, pool: PackPool, ph
         order[i] = redistribute_order(lang[idx[i]], sync=cfg.sync, ranks_per_node=cfg.ranks_per_node)
         a.solver_ms.append((time.perf_counter() - t0) * 1e3)
     placed = np.take_along_axis(idx.reshape(nb, -1), order.reshape(nb, -1), axis=1).reshape(nb, D, G)
-    vf, img_out, img_in = balanced_vision(pool, timing, placed)
+    vf, img_out, img_in, stats = balanced_vision(pool, timing, placed, planner)
+    for k, v in stats.items():
+        a.vision[k] = a.vision.get(k, 0.0) + v
     lm = ph.lm[placed]
     vb = vf * timing.vision_bwd_fwd_ratio
     x, b_in = exchange_times(order, ph.nbytes[idx].reshape(nb, -1), link_gbps=timing.link_gbps,
@@ -333,3 +407,4 @@ def _images_run(a: _Acc, cfg: SimConfig, timing: TimingModel, pool: PackPool, ph
     img_bytes = float(img_in.sum()) * timing.bytes_per_image_token
     a.add(res, tok, D, ov, b_in.sum() + img_bytes, int((b_in > 0).sum()),
           float(b_in[inter].sum()), int(inter.sum()))
+    a.add_objective(vf + vb, lm, cfg.sync)

@@ -17,6 +17,10 @@ STYLE = {
     "local": dict(color="tab:orange", marker="s"),
     "redistribute-sync": dict(color="tab:blue", marker="^"),
     "redistribute-overlap": dict(color="tab:green", marker="v"),
+    # the bounds (report rows with "bound": true): what no placement of whole units beats
+    "perfect": dict(color="gray", linestyle=":"),
+    "floor-packs": dict(color="gray", linestyle="--"),
+    "floor-frames": dict(color="gray", linestyle="-."),
 }
 
 
@@ -66,8 +70,9 @@ def _line_plot(runs, key, ylabel, title, path, percent):
 
 def plot_all(out_dir: str, runs: list[dict], heat: dict | None, *, title: str = "",
              heatmap_ranks: int = 64) -> list[str]:
+    strategies = [r for r in runs if not r.get("bound")]
     paths = [
-        _line_plot(runs, "wait_share", "time spent waiting (%)", f"Waiting share vs DP {title}",
+        _line_plot(strategies, "wait_share", "time spent waiting (%)", f"Waiting share vs DP {title}",
                    os.path.join(out_dir, "wait_share_vs_dp.png"), True),
         _line_plot(runs, "throughput_rel", "throughput / 1D greedy",
                    f"Throughput vs DP {title}", os.path.join(out_dir, "throughput_vs_dp.png"),

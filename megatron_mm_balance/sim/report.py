@@ -3,7 +3,17 @@
 ``report.json`` is ``{"runs": [...], "meta": {...}}``; every run carries at least
 ``dp``, ``strategy`` (``none``, ``budget``, ``local``, ``redistribute-sync``,
 ``redistribute-overlap``), ``efficiency``, ``wait_share``, ``throughput_rel`` and
-``bytes_moved_per_step``; ``budget`` runs name their image budget.
+``bytes_moved_per_step``; ``budget`` runs name their image budget. Rows with
+``"bound": true`` (``perfect``, ``floor-packs``, ``floor-frames``) are not strategies but
+what no placement beats on the same global batches (:mod:`megatron_mm_balance.solver.floors`):
+their step time and throughput are the bound's, their waiting, exchange and movement
+``null``. Strategy runs carry ``objective_over_perfect``: their placement's objective
+(``sum_m (max_r V + max_r L)``, or the largest rank total under ``sync="step"``) over the
+perfectly even one, the quantity the floors bound (the bound rows carry theirs);
+``perfect_share``: throughput over the ``perfect`` row's. ``redistribute-images`` and
+``redistribute-frames`` also carry ``vision_moved_share`` (vision time encoded away from
+its pack's rank over all of it) and ``vision_max_over_floor`` (each micro-step's largest
+encoder load over ``max(mean, heaviest image)``, summed).
 """
 from __future__ import annotations
 
@@ -14,19 +24,28 @@ import os
 REQUIRED_KEYS = ("dp", "strategy", "efficiency", "wait_share", "throughput_rel",
                  "bytes_moved_per_step")
 
+def _pct(key, digits=1):
+    return lambda r: "-" if r.get(key) is None else f"{round(r[key] * 100, digits) + 0.0:.{digits}f}%"
+
+
 COLUMNS = [
     ("llm_b", 6, lambda r: "-" if r.get("llm_params_b") is None else f"{r['llm_params_b']:g}"),
     ("dp", 5, lambda r: str(r["dp"])),
     ("strategy", 20, lambda r: r["strategy"] + (f"@{r['budget']}" if r.get("budget") else "")),
     ("pack_eff", 8, lambda r: f"{r['efficiency'] * 100:.1f}%"),
     ("step_s", 8, lambda r: f"{r['time_per_batch_ms'] / 1000:.2f}"),
-    ("wait", 6, lambda r: f"{r['wait_share'] * 100:.1f}%"),
-    ("exch", 6, lambda r: f"{r['exchange_share'] * 100:.1f}%"),
-    ("slowdown", 8, lambda r: f"{r['slowdown'] * 100:.1f}%"),
+    ("wait", 6, _pct("wait_share")),
+    ("exch", 6, _pct("exchange_share")),
+    ("slowdown", 8, _pct("slowdown")),
     ("thru_rel", 8, lambda r: f"{r['throughput_rel']:.3f}"),
-    ("moved", 6, lambda r: f"{r['moved_fraction'] * 100:.0f}%"),
-    ("GB/step", 8, lambda r: f"{r['bytes_moved_per_step'] / 1e9:.2f}"),
-    ("inter GB", 8, lambda r: f"{r.get('inter_node_bytes_per_step', 0.0) / 1e9:.2f}"),
+    ("of_perf", 7, lambda r: f"{r['perfect_share'] * 100:.1f}%" if r.get("perfect_share") else "-"),
+    ("obj/perf", 8, lambda r: "-" if r.get("objective_over_perfect") is None
+     else f"{r['objective_over_perfect']:.4f}"),
+    ("moved", 6, _pct("moved_fraction", 0)),
+    ("GB/step", 8, lambda r: "-" if r.get("bytes_moved_per_step") is None
+     else f"{r['bytes_moved_per_step'] / 1e9:.2f}"),
+    ("inter GB", 8, lambda r: "-" if r.get("bound")
+     else f"{r.get('inter_node_bytes_per_step', 0.0) / 1e9:.2f}"),
 ]
 
 

@@ -334,7 +334,7 @@ def simulate_layout(run: RunTrace, timing: TimingModel, *, sync: str = "microste
     pool, idx = run_pool(run, seq_len)
     cfg = SimConfig(dps=[D], ga=G, seq_len=pool.seq_len, sync=sync, batches=I,
                     strategies=tuple(strategies), balance_cost=balance_cost,
-                    ranks_per_node=ranks_per_node, prefetch=prefetch)
+                    ranks_per_node=ranks_per_node, prefetch=prefetch, floors=False)
     runs, _ = simulate_dp(cfg, D, timing, pool, {}, indices=idx)
     return runs
 

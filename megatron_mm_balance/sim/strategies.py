@@ -14,6 +14,10 @@
 * ``redistribute-images``: packs placed for the language phase only, then every
   micro-step's images spread over the ranks for the encoder and the embeddings
   sent back (:mod:`.vision_balance`), overlapped pack exchange.
+* ``redistribute-frames``: the same with the frame planner
+  (:func:`megatron_mm_balance.solver.frames.plan_frames`: planned from where the frames
+  are, the embeddings' transfer in the plan, a patch cap); on a native-resolution
+  mixture (``native-res``) every frame of a video is its own unit.
 
 Each function returns a flat gather index ``[.., D, G]`` into the rank-major
 ``D * G`` packs of a global batch (``src_rank * G + src_index``).
@@ -25,10 +29,10 @@ import numpy as np
 from ..solver.placement import plan_placement
 
 STRATEGIES = ("none", "budget", "local", "redistribute-sync", "redistribute-overlap",
-              "redistribute-images")
+              "redistribute-images", "redistribute-frames")
 # What ``--strategies`` runs when not given: image balancing is opt-in (it is a
 # what-if for a runtime path that does not exist yet; see :mod:`.vision_balance`).
-DEFAULT_STRATEGIES = STRATEGIES[:-1]
+DEFAULT_STRATEGIES = STRATEGIES[:-2]
 
 
 def identity_order(B: int, D: int, G: int) -> np.ndarray:

@@ -1,4 +1,5 @@
-"""Image-level vision balancing on top of pack placement (the ``redistribute-images`` strategy).
+"""Image-level vision balancing on top of pack placement (``redistribute-images`` and
+``redistribute-frames``).
 
 Per-image encoders (CLIP/SigLIP/InternViT tiles, Qwen-VL images) compute every
 image on its own, so the images of one micro-step may be encoded on any
@@ -16,6 +17,14 @@ rank with the lightest load at that moment (longest processing time first; ties
 by rank). A rank's vision time is
 ``a * n + b * n^2`` summed over the images it encodes, plus ``f`` (the per-pack
 constant of the timing model) if it encodes any.
+
+``redistribute-frames`` plans the same with
+:func:`megatron_mm_balance.solver.frames.plan_frames` instead (:data:`VISION_PLANNERS`): the
+cost of a unit is its vision forward and backward, the embedding and its gradient over the
+link are the transfer time charged to the rank that encodes it, and no receiving rank ends
+above the most image tokens any rank held. On the ``native-res`` mixture every "image" is
+one frame (a temporal patch of a Qwen-VL grid, :mod:`megatron_mm_balance.data.native_res`),
+so a video's frames are units of their own.
 
 **Traffic** (the timing model's ``exchange`` section; one link per rank):
 
@@ -41,6 +50,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..solver.frames import default_patch_cap, plan_frames
 from ..solver.images import balance_images
 from .pool import PackPool
 from .timing import TimingModel
@@ -62,30 +72,74 @@ def micro_step_images(pool: PackPool, packs: np.ndarray):
     return owner, first + np.arange(int(counts.sum()))
 
 
-def balanced_vision(pool: PackPool, t: TimingModel, placed: np.ndarray):
+#: Who decides which rank encodes which image: ``images`` (:func:`balance_images`: each rank
+#: keeps its heaviest images within the target, the rest longest first to the least
+#: loaded) or ``frames`` (:func:`megatron_mm_balance.solver.frames.plan_frames`: planned from
+#: where they are, the embeddings' transfer time in the plan, a patch cap).
+VISION_PLANNERS = ("images", "frames")
+
+
+def frame_terms(pool: PackPool, t: TimingModel) -> tuple[np.ndarray, np.ndarray]:
+    """Per pack of the pool: the vision forward ms of its images (frames) encoded apart,
+    and that of its heaviest one (0 for a pack without images)."""
+    icost = image_costs(pool, t)
+    off = pool.image_offsets
+    total = np.concatenate([[0.0], np.cumsum(icost)])
+    heaviest = np.zeros(len(pool))
+    has = pool.num_images > 0
+    if icost.size:
+        heaviest[has] = np.maximum.reduceat(icost, off[:-1][has])
+    return total[off[1:]] - total[off[:-1]], heaviest
+
+
+def _encoders(owner, img, cost_ms, pool, t, D, planner):
+    """Encoder rank of each image of one micro-step, and the plan's moved vision cost."""
+    if planner == "images":
+        return balance_images(owner, np.rint(cost_ms * 1000.0).astype(np.int64), D)
+    tokens = pool.image_sizes[img].astype(np.int64)
+    # the unit's time on the rank that encodes it: forward and backward (integer us), and
+    # the embedding back and its gradient over the link
+    cost = np.rint(cost_ms * (1.0 + t.vision_bwd_fwd_ratio) * 1000.0).astype(np.int64)
+    transfer = np.rint(2.0 * tokens * t.bytes_per_embedding_token / (t.link_gbps * 1e6) * 1000.0).astype(np.int64)
+    return plan_frames(owner, cost, D, patches=tokens, transfer=transfer,
+                       patch_cap=default_patch_cap(owner, tokens, D)).encoder
+
+
+def balanced_vision(pool: PackPool, t: TimingModel, placed: np.ndarray, planner: str = "images"):
     """For packs ``placed[b, r, m]`` (pool indices in compute order): per-rank vision
-    forward ms after image balancing ``[B, D, G]`` and the tokens each rank sends and
-    receives: images (encoder-bound) and embeddings (pack-bound), ``[B, D, G]`` each.
+    forward ms after image balancing ``[B, D, G]``, the tokens each rank sends and
+    receives: images (encoder-bound) and embeddings (pack-bound), ``[B, D, G]`` each, and
+    what the planner did: ``{"moved_ms", "vision_ms", "max_ms", "floor_ms"}`` summed over
+    micro-steps (forward ms moved; encoded; each micro-step's largest rank load; and its
+    floor, ``max(mean, heaviest image)``).
     """
+    if planner not in VISION_PLANNERS:
+        raise ValueError(f"vision planner must be one of {VISION_PLANNERS}, got {planner!r}")
     B, D, G = placed.shape
     icost = image_costs(pool, t)
     vf = np.zeros((B, D, G))
     img_out, img_in = np.zeros((B, D, G)), np.zeros((B, D, G))
+    stats = {"moved_ms": 0.0, "vision_ms": 0.0, "max_ms": 0.0, "floor_ms": 0.0}
     for b in range(B):
         for m in range(G):
             owner, img = micro_step_images(pool, placed[b, :, m])
             if len(img) == 0:
                 continue
             cost = icost[img]
-            enc = balance_images(owner, np.rint(cost * 1000.0).astype(np.int64), D)
-            vf[b, :, m] = np.bincount(enc, weights=cost, minlength=D)
+            enc = _encoders(owner, img, cost, pool, t, D, planner)
+            load = np.bincount(enc, weights=cost, minlength=D)
+            vf[b, :, m] = load
             if t.vision_ms_per_pack:
                 vf[b, :, m] += t.vision_ms_per_pack * (np.bincount(enc, minlength=D) > 0)
             away = enc != owner
             tok = pool.image_sizes[img[away]].astype(np.float64)
             img_out[b, :, m] = np.bincount(owner[away], weights=tok, minlength=D)
             img_in[b, :, m] = np.bincount(enc[away], weights=tok, minlength=D)
-    return vf, img_out, img_in
+            stats["moved_ms"] += float(cost[away].sum())
+            stats["vision_ms"] += float(cost.sum())
+            stats["max_ms"] += float(load.max())
+            stats["floor_ms"] += max(float(cost.sum()) / D, float(cost.max()))
+    return vf, img_out, img_in, stats
 
 
 def all_to_all_ms(tok_a: np.ndarray, tok_b: np.ndarray, bytes_per_token: float,

@@ -7,7 +7,10 @@
 * :mod:`.rank_balance` — evening rank (and node) totals with level-preserving swaps;
 * :mod:`.topology` — node-aware moves (ranks per node, inter-node traffic);
 * :mod:`.sorting` — fast stable integer sorts the solver relies on for determinism;
-* :mod:`.images` — which rank encodes which image (image-level vision balancing);
+* :mod:`.images` — which rank encodes which image (image-level vision balancing on the
+  Megatron-LM path, equal tiles);
+* :mod:`.frames` — which rank encodes which frame, planned from where the frames are
+  (native-resolution frames: moves little, transfer time and a patch cap in the plan);
 * :mod:`.exact` — the exact two-phase grouping (MILP, scipy) for small instances:
   a benchmark and test reference, not a runtime path.
 """

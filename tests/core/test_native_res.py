@@ -86,3 +86,22 @@ def test_image_grid_respects_bounds_at_the_extremes():
         _, h, w = nr.image_grid(rng, mix)
         assert 64 <= h * w <= 256 and h % 2 == 0 and w % 2 == 0
         assert max(h, w) / min(h, w) <= 3.0 * 1.5 + 1e-9 or math.isclose(h * w, 64)
+
+
+def test_the_simulator_mixture_lists_frames_as_images():
+    from megatron_mm_balance.data.mixtures import make_mixture
+    from megatron_mm_balance.data.native_res import SIM_MIX, draw, native_res_trace, sample_token_count
+    trace = native_res_trace(300, seed=1)
+    samples = draw(np.random.default_rng(1), 300, SIM_MIX)
+    assert [t.images for t in trace] == [tuple(p // 4 for p in s.frames) for s in samples]
+    assert all(t.tokens == sample_token_count(s) <= SIM_MIX.max_tokens for t, s in zip(trace, samples))
+    assert make_mixture("native-res", n=300, seed=1) == trace
+    frames = np.array([p for s in samples for p in s.frames])
+    assert frames.min() >= 64 and frames.max() > 3000         # frames of several thousand patches
+
+
+def test_a_micro_step_fills_each_rank_with_consecutive_samples():
+    from megatron_mm_balance.data.native_res import micro_step_frames
+    owner, patches = micro_step_frames(np.random.default_rng(0), 16)
+    assert len(owner) == len(patches) and np.all(np.diff(owner) >= 0) and owner.max() <= 15
+    assert patches.min() >= 64

@@ -20,9 +20,11 @@ def test_report_contract_and_plots(tmp_path, capsys):
     assert rc == 0
     report = json.loads((out / "report.json").read_text())
     check_report(report)
-    runs = report["runs"]
+    runs = [r for r in report["runs"] if not r.get("bound")]
     names = {r["strategy"] for r in runs}
     assert names == {"none", "budget", "local", "redistribute-sync", "redistribute-overlap"}
+    bounds = [r["strategy"] for r in report["runs"] if r.get("bound")]
+    assert bounds == ["perfect", "floor-packs", "floor-frames"] * 2
     budgets = sorted(r["budget"] for r in runs if r["strategy"] == "budget")
     assert budgets == [2048, 2048, 4096, 4096]
     assert {r["dp"] for r in runs} == {8, 32}

@@ -1,0 +1,571 @@
+"""Which rank encodes which frame, planned from where the frames are.
+
+A Qwen-VL vision tower attends inside each frame (temporal patch) only, so the frames of
+one micro-step may be encoded on any data-parallel rank and their embeddings returned to
+the rank that computes the pack. :func:`plan_frames` decides where, on the same
+all-gathered integers on every rank.
+
+**Load model.** Rank ``r``'s load is the cost of the units it encodes plus the transfer
+time of the units it receives: moving unit ``i`` from ``s`` to ``r`` takes ``cost[i]``
+off ``s`` and puts ``cost[i] + transfer[i]`` on ``r`` (the receiver waits for the
+unit; the sender's send is asynchronous). The micro-step's vision time is the largest
+load.
+
+**Target.** No placement ends below the lower bound ``LB = max(ceil(total / D), max
+cost)``, but with whole units (and transfers, and the patch cap) ``LB`` is often out of
+reach: with ``D * LB - total < D`` of slack the receivers can only take units that fill
+them exactly, and a rank whose excess is smaller than its lightest unit must still move
+a whole one. The plan uses the *reachable level*: the smallest ``T`` in ``[LB, max
+before]`` at which the level plan below brings every rank to ``T`` or under, found by
+bisection to within ``max(1, T / 1024)`` (0.1%). ``T = LB`` when that holds; ``LB + max
+cost`` is tried before bisecting (it always holds without cap and transfers, so the
+plan's max is then within the LPT bound); ``T = max before`` and nothing moves when
+nothing lower holds. The least cost any plan reaching ``T`` must move is at least the
+excess ``sum_r max(0, load_r - T)`` (``FramePlan.min_moved_cost``) and, with whole
+units, at least ``FramePlan.min_cover_cost`` (a rank whose units lighter than its excess
+add up to less than it must move one unit of at least its excess).
+
+**The level plan at T**, from where the units are:
+
+* *donors* (load above ``T``) each choose units covering their excess ``e = load - T``
+  with the least cost they can: the smaller of the smallest single unit ``>= e`` and the
+  greedy cover (repeatedly the largest unit that still fits in what is left of ``e``,
+  then the smallest unit covering the rest, then dropping any unit the cover does not
+  need and trading a unit for a lighter one that still covers). Zero-cost units never
+  move;
+* the chosen units go to *receivers* (load below ``T``): each to the receiver with the
+  least slack that still holds ``cost + transfer`` within ``T`` and whose patches stay
+  within ``patch_cap`` (best fit; ties by rank), all donors' units together heaviest
+  first (best fit decreasing), or, if that leaves a donor above ``T``, donor by donor,
+  heaviest donor first;
+* a donor whose unit fits nowhere covers the rest of its excess with other units, and
+  only what no receiver takes as it is goes to the receiver with the most slack after
+  that receiver has sent some of its own units to others (it *makes room*);
+* a donor that still cannot cover its excess fails the level (the search goes higher).
+
+Finally every move whose sender no longer needs it (taking it back keeps the sender at
+``T`` or under) is taken back, heaviest first. So every rank ends at ``T`` or under,
+transfers included; every move is needed (taking it back would put its sender above
+``T``) and lowers the larger of its two ranks' loads, or serves, through a receiver that
+made room, a move from a rank above ``T``: no move costs more than it saves. The largest
+load never rises, a balanced micro-step moves nothing, and no receiving rank ends above
+the patch cap.
+
+Integer arithmetic, stable orders and ties by rank and unit index: the same plan for the
+same input, on every rank. ``FramePlan.greedy_moved_cost`` / ``greedy_max`` give a plain
+greedy least-loaded assignment from scratch (every unit, heaviest first, to the least
+loaded rank, wherever it started; VeOmni's scheme) as a reference, computed on first
+access, as is ``min_cover_cost``. Cost: a few level plans of ``O(moves log D)`` Python
+steps; measured by ``benchmarks/bench_frame_plan.py`` (docs/placement.md).
+"""
+from __future__ import annotations
+
+from bisect import bisect_left, bisect_right, insort
+from dataclasses import dataclass, field
+from functools import cached_property
+import heapq
+
+import numpy as np
+
+#: The level search stops when its bracket is this fraction of the level (or 1).
+LEVEL_RESOLUTION = 1024
+#: Rounds of the cover's one-for-one trades (each trade only lowers its overshoot).
+SWAP_ROUNDS = 2
+
+
+@dataclass(frozen=True, eq=False)
+class FramePlan:
+    """The encoder rank of every unit and what the plan costs and reaches.
+
+    Loads include the transfer time of received units (module docstring)."""
+
+    encoder: np.ndarray           # int64, the rank that encodes unit i
+    target: int                   # the level every rank was brought to (or under)
+    lower_bound: int              # max(ceil(total / D), max cost): no plan ends below it
+    max_before: int
+    max_after: int
+    moved_units: int
+    moved_patches: int
+    moved_cost: int               # sum of cost over moved units (transfers excluded)
+    moved_transfer: int           # sum of transfer over moved units
+    min_moved_cost: int           # sum over ranks of max(0, load - target)
+    _inputs: tuple = field(default=(), repr=False, compare=False)
+
+    @property
+    def moved_over_min(self) -> float:
+        """Moved cost over the minimum needed (1.0 when nothing had to move)."""
+        return self.moved_cost / self.min_moved_cost if self.min_moved_cost else 1.0
+
+    @cached_property
+    def min_cover_cost(self) -> int:
+        """A certified lower bound on the cost any plan reaching ``target`` moves with whole
+        units: per rank above the target, its excess ``e``, or, when its units lighter
+        than ``e`` add up to less than ``e``, its lightest unit of at least ``e`` (any
+        cover of ``e`` then holds one). Computed on first access."""
+        owner, cost, _, D = self._inputs
+        return cover_lower_bound(owner, cost, D, self.target)
+
+    @property
+    def moved_over_cover(self) -> float:
+        """Moved cost over :attr:`min_cover_cost` (1.0 when nothing had to move)."""
+        return self.moved_cost / self.min_cover_cost if self.min_cover_cost else 1.0
+
+    @cached_property
+    def _greedy(self) -> tuple[int, int]:
+        owner, cost, transfer, D = self._inputs
+        enc = greedy_assignment(cost, D)
+        moved = enc != owner
+        load = _rank_sums(enc, cost + np.where(moved, transfer, 0), D)
+        return int(cost[moved].sum()), int(load.max()) if D else 0
+
+    @property
+    def greedy_moved_cost(self) -> int:
+        """Cost a from-scratch greedy least-loaded assignment moves (reference)."""
+        return self._greedy[0]
+
+    @property
+    def greedy_max(self) -> int:
+        """The largest load of that greedy assignment, transfers of its moves included."""
+        return self._greedy[1]
+
+    def metrics(self) -> dict:
+        """The plan's figures as plain ints and floats (reports, logs)."""
+        return {"target": self.target, "lower_bound": self.lower_bound,
+                "max_before": self.max_before, "max_after": self.max_after,
+                "moved_units": self.moved_units, "moved_patches": self.moved_patches,
+                "moved_cost": self.moved_cost, "moved_transfer": self.moved_transfer,
+                "min_moved_cost": self.min_moved_cost, "moved_over_min": self.moved_over_min,
+                "min_cover_cost": self.min_cover_cost, "moved_over_cover": self.moved_over_cover,
+                "greedy_moved_cost": self.greedy_moved_cost, "greedy_max": self.greedy_max}
+
+
+def _int_array(values, name: str, n: int | None) -> np.ndarray:
+    a = np.asarray(values)
+    if a.ndim != 1:
+        raise ValueError(f"plan_frames: {name} must be a 1-D sequence, got shape {a.shape}")
+    if a.size and a.dtype.kind not in "iu":
+        raise ValueError(f"plan_frames: {name} must be integers, got dtype {a.dtype}")
+    if n is not None and len(a) != n:
+        raise ValueError(f"plan_frames: {name} has {len(a)} entries for {n} units")
+    a = a.astype(np.int64)
+    if a.size and a.min() < 0:
+        raise ValueError(f"plan_frames: {name} must be >= 0, got {int(a.min())} "
+                         f"at unit {int(np.argmin(a))}")
+    return a
+
+
+def _validate(owner, cost, num_ranks, patches, patch_cap, transfer):
+    if isinstance(num_ranks, bool) or not isinstance(num_ranks, (int, np.integer)) or num_ranks < 1:
+        raise ValueError(f"plan_frames: num_ranks must be an integer >= 1, got {num_ranks!r}")
+    D = int(num_ranks)
+    cost = _int_array(cost, "cost", None)
+    n = len(cost)
+    owner = _int_array(owner, "owner", n)
+    if n and owner.max() >= D:
+        raise ValueError(f"plan_frames: owner {int(owner.max())} of unit {int(np.argmax(owner))} "
+                         f"is not a rank in [0, {D})")
+    patches = np.ones(n, dtype=np.int64) if patches is None else _int_array(patches, "patches", n)
+    transfer = np.zeros(n, dtype=np.int64) if transfer is None else _int_array(transfer, "transfer", n)
+    if patch_cap is not None:
+        if isinstance(patch_cap, bool) or not isinstance(patch_cap, (int, np.integer)) or patch_cap < 0:
+            raise ValueError(f"plan_frames: patch_cap must be an integer >= 0 or None, got {patch_cap!r}")
+        patch_cap = int(patch_cap)
+    return D, owner, cost, patches, patch_cap, transfer
+
+
+def _rank_sums(rank: np.ndarray, values: np.ndarray, D: int) -> np.ndarray:
+    """Exact int64 per-rank sums (``bincount`` would go through float64)."""
+    out = np.zeros(D, dtype=np.int64)
+    np.add.at(out, rank, values)
+    return out
+
+
+def default_patch_cap(owner, patches, num_ranks: int) -> int:
+    """The glue's default cap: the most patches any rank held before balancing."""
+    owner = np.asarray(owner, dtype=np.int64)
+    patches = np.asarray(patches, dtype=np.int64)
+    return int(_rank_sums(owner, patches, int(num_ranks)).max()) if len(owner) else 0
+
+
+def cover_lower_bound(owner, cost, num_ranks: int, target: int) -> int:
+    """Least cost any plan that brings every rank to ``target`` or under must move, as a
+    certified lower bound (:attr:`FramePlan.min_cover_cost`): exact for a rank whose
+    lighter units cannot cover its excess, its excess otherwise."""
+    owner = np.asarray(owner, dtype=np.int64)
+    cost = np.asarray(cost, dtype=np.int64)
+    D = int(num_ranks)
+    excess = np.maximum(_rank_sums(owner, cost, D) - int(target), 0)
+    order = np.lexsort((cost, owner))
+    starts = np.searchsorted(owner[order], np.arange(D + 1))
+    sorted_cost = cost[order]
+    csum = np.concatenate([[0], np.cumsum(sorted_cost)])
+    total = 0
+    for r in np.flatnonzero(excess).tolist():
+        e, a, b = int(excess[r]), int(starts[r]), int(starts[r + 1])
+        k = a + int(np.searchsorted(sorted_cost[a:b], e))       # first unit >= e
+        lighter = int(csum[k] - csum[a])
+        total += e if lighter >= e or k == b else int(sorted_cost[k])
+    return total
+
+
+def greedy_assignment(cost, num_ranks: int) -> np.ndarray:
+    """A plain greedy from scratch (the reference): units by cost descending (ties by
+    index), each to the least-loaded rank (ties by rank), wherever it started."""
+    cost = np.asarray(cost, dtype=np.int64)
+    enc = np.zeros(len(cost), dtype=np.int64)
+    heap = [(0, r) for r in range(int(num_ranks))]
+    for i in np.lexsort((np.arange(len(cost)), -cost)).tolist():
+        load, r = heap[0]
+        enc[i] = r
+        heapq.heapreplace(heap, (load + int(cost[i]), r))
+    return enc
+
+
+def _cover(costs: list, need: int) -> list:
+    """Positions in ``costs`` (ascending) of a cheap subset whose sum is at least ``need``,
+    in descending order (see the module docstring); [] if the whole list is short of it."""
+    n = len(costs)
+    picks, rem, hi = [], need, n
+    while rem > 0:                               # the largest unit that fits what is left
+        j = bisect_right(costs, rem, 0, hi) - 1
+        if j < 0:
+            break
+        picks.append(j)
+        rem -= costs[j]
+        hi = j
+    if rem > 0:                                  # the smallest unit covering the rest
+        taken, rest = set(picks), 0
+        while rest < n and rest in taken:
+            rest += 1
+        if rest == n:
+            return []
+        picks.append(rest)
+        picks.sort(reverse=True)
+    total = sum(costs[j] for j in picks)
+    for j in list(picks):                        # drop what the cover does not need
+        if total - costs[j] >= need:
+            picks.remove(j)
+            total -= costs[j]
+    for _ in range(SWAP_ROUNDS):                 # trade one unit for a lighter one that still covers
+        over, best, taken = total - need, None, set(picks)
+        for j in picks:
+            k = bisect_left(costs, costs[j] - over)
+            while k < j and k in taken:
+                k += 1
+            if k < j and costs[k] < costs[j] and (best is None or costs[j] - costs[k] > best[0]):
+                best = (costs[j] - costs[k], j, k)
+        if best is None:
+            break
+        picks[picks.index(best[1])] = best[2]
+        picks.sort(reverse=True)
+        total -= best[0]
+    single = bisect_left(costs, need)
+    if single < n and costs[single] <= total:
+        return [single]
+    return picks
+
+
+class _Receivers:
+    """Ranks below the level, by slack (``T - load``): the best fit for a unit, the patch
+    cap respected; charges can be given back (the plan's undo)."""
+
+    def __init__(self, ranks, slack, room):
+        self.slack = dict(zip(ranks, slack))
+        self.room = room                        # patches each rank may still take (None: no cap)
+        self.free = sorted((x, r) for r, x in self.slack.items() if x > 0)
+
+    def hold(self, r: int) -> None:
+        """Take ``r`` out of the choice (it is making room)."""
+        if self.slack[r] > 0:
+            del self.free[bisect_left(self.free, (self.slack[r], r))]
+
+    def release(self, r: int) -> None:
+        """Put ``r`` back into the choice, at its current slack."""
+        if self.slack[r] > 0:
+            insort(self.free, (self.slack[r], r))
+
+    def charge(self, r: int, size: int, patches: int) -> None:
+        """Rank ``r`` takes ``size`` of load and ``patches`` (negative: gives them back)."""
+        self.hold(r)
+        self.slack[r] -= size
+        if self.room is not None:
+            self.room[r] -= patches
+        self.release(r)
+
+    def room_for(self, r: int, patches: int) -> bool:
+        return self.room is None or self.room[r] >= patches
+
+    def take(self, size: int, patches: int):
+        """The rank with the least slack >= ``size`` and room for ``patches``, charged; or None."""
+        free = self.free
+        i = bisect_left(free, (size, -1))
+        while i < len(free):
+            r = free[i][1]
+            if self.room_for(r, patches):
+                self.charge(r, size, patches)
+                return r
+            i += 1
+        return None
+
+
+@dataclass(frozen=True)
+class _Units:
+    """Every rank's movable units (cost > 0), cost ascending, as Python lists for the
+    level plans: ``ids[starts[r]:starts[r + 1]]`` and their ``costs``."""
+
+    ids: list
+    costs: list
+    starts: list
+    transfer: list | None        # None: no unit has a transfer time
+    patches: list | None         # None: no patch cap
+
+    def size(self, u: int, c: int) -> int:
+        """What unit ``u`` of cost ``c`` weighs on the rank that receives it."""
+        return c + (self.transfer[u] if self.transfer else 0)
+
+    def pat(self, u: int) -> int:
+        return self.patches[u] if self.patches else 0
+
+
+class _LevelPlan:
+    """The moves that bring every rank to ``T`` or under (module docstring)."""
+
+    def __init__(self, T: int, load: np.ndarray, units: _Units, room0):
+        below = np.flatnonzero(load < T)
+        self.T, self.load, self.units = T, load, units
+        self.recv = _Receivers(below.tolist(), (T - load[below]).tolist(),
+                               None if room0 is None else room0.tolist())
+        self.moves = {}
+
+    def run(self, donors: list, *, together: bool) -> bool:
+        """Every donor (load above ``T``) sheds a cheap cover of its excess; False if one
+        cannot. ``together``: the covers are placed together, heaviest unit first (best
+        fit decreasing: large units take the large holes before small units split them);
+        else donor by donor, heaviest donor first. A donor whose unit fits nowhere then
+        covers the rest of its excess with other units, and only what no receiver takes
+        as it is goes to a receiver that makes room first."""
+        u_, T = self.units, self.T
+        donors = [s for s in donors if self.load[s] > T]
+        covers = {}
+        for s in donors:
+            a, b = u_.starts[s], u_.starts[s + 1]
+            costs = u_.costs[a:b]
+            covers[s] = [(u_.size(u_.ids[a + j], costs[j]), u_.ids[a + j], costs[j])
+                         for j in _cover(costs, int(self.load[s]) - T)]
+        direct = {s: [] for s in donors}
+        short = {}
+
+        def place(s, size, u, c) -> bool:
+            r = self.recv.take(size, u_.pat(u))
+            if r is None:
+                short.setdefault(s, []).append((c, u))
+                return False
+            self.moves[u] = r
+            direct[s].append((c, u))
+            return True
+
+        if together:
+            for neg, u, c, s in sorted((-size, u, c, s) for s in donors for size, u, c in covers[s]):
+                place(s, -neg, u, c)
+            return all(self.finish(s, direct[s], short[s]) for s in donors if s in short)
+        for s in donors:
+            for size, u, c in covers[s]:
+                if not place(s, size, u, c):
+                    if not self.finish(s, direct[s], short[s]):
+                        return False
+                    break
+        return True
+
+    def finish(self, s: int, direct: list, stuck: list) -> bool:
+        """Donor ``s``, some of whose cover fit nowhere, covers the rest of its excess."""
+        u_ = self.units
+        need0 = int(self.load[s]) - self.T
+        need = need0 - sum(c for c, _ in direct)
+        a, b = u_.starts[s], u_.starts[s + 1]
+        out = {u for _, u in stuck}
+        home = [(c, u) for u, c in zip(u_.ids[a:b], u_.costs[a:b]) if u not in self.moves and u not in out]
+        need, _ = self._shed([u for _, u in home], [c for c, _ in home], need, direct, chain=False)
+        if need > 0:
+            rest = sorted({(c, u) for c, u in stuck + home if u not in self.moves})
+            need, _ = self._shed([u for _, u in rest], [c for c, _ in rest], need, direct, chain=True)
+            if need > 0:
+                return False
+        # a later round may have covered what an earlier unit was moved for: take it back
+        over = -need
+        for c, u in sorted(direct, reverse=True):
+            if c <= over:
+                self.recv.charge(self.moves.pop(u), -u_.size(u, c), -u_.pat(u))
+                over -= c
+        return True
+
+    def _shed(self, ids: list, costs: list, need: int, direct: list, *, chain: bool):
+        """Cover rounds over ``ids`` (cost ascending; both lists shrink in place as units
+        move or fit nowhere): ``(need left, [(cost, unit) that fit nowhere])``."""
+        u_, stuck = self.units, []
+        while need > 0:
+            picks = _cover(costs, need)
+            if not picks:
+                break
+            placed = 0
+            for j in picks:                                   # heaviest first
+                u = ids[j]
+                r = self.recv.take(u_.size(u, costs[j]), u_.pat(u))
+                if r is not None:
+                    self.moves[u] = r
+                    direct.append((costs[j], u))
+                elif not (chain and self.make_room(u, u_.size(u, costs[j]), u_.pat(u))):
+                    stuck.append((costs[j], u))
+                    break
+                need -= costs[j]
+                placed += 1
+            gone = set(picks[:placed + 1])                    # placed, and the one that fits nowhere
+            ids[:] = [u for j, u in enumerate(ids) if j not in gone]
+            costs[:] = [c for j, c in enumerate(costs) if j not in gone]
+        return need, stuck
+
+    def make_room(self, u: int, size: int, pat: int) -> bool:
+        """Place unit ``u`` (``size`` with its transfer, ``pat`` patches), which no receiver
+        takes as it is, on the receiver with the most slack after that receiver sends a
+        cheap cover of the shortfall of its own units to the others (best fit); nothing
+        changes if they do not all fit."""
+        recv, u_ = self.recv, self.units
+        if not recv.free:
+            return False
+        slack, r = recv.free[-1]
+        a, b = u_.starts[r], u_.starts[r + 1]
+        home = [(c, v) for v, c in zip(u_.ids[a:b], u_.costs[a:b]) if v not in self.moves]
+        picks = _cover([c for c, _ in home], size - slack)
+        if not picks:
+            return False
+        freed = sum(u_.pat(home[j][1]) for j in picks)
+        if not recv.room_for(r, pat - freed):
+            return False
+        recv.hold(r)
+        done = []
+        for j in picks:
+            c, v = home[j]
+            r2 = recv.take(u_.size(v, c), u_.pat(v))
+            if r2 is None:
+                for c2, v2, r3 in done:
+                    recv.charge(r3, -u_.size(v2, c2), -u_.pat(v2))
+                recv.release(r)
+                return False
+            done.append((c, v, r2))
+        recv.release(r)
+        for c, v, r2 in done:
+            self.moves[v] = r2
+        recv.charge(r, size - sum(c for c, _, _ in done), pat - freed)
+        self.moves[u] = r
+        return True
+
+
+def _drop_unneeded(moves: dict, T: int, owner, cost, patches, transfer, cap, D: int) -> dict:
+    """Take back, heaviest first, every move its sender no longer needs: a receiver that
+    made room may have got slack back when a donor took back a unit it had covered
+    twice. Every rank stays at ``T`` or under and within the patch cap."""
+    enc = owner.copy()
+    units = np.fromiter(moves.keys(), dtype=np.int64, count=len(moves))
+    enc[units] = np.fromiter(moves.values(), dtype=np.int64, count=len(moves))
+    moved = enc != owner
+    load = _rank_sums(enc, cost + np.where(moved, transfer, 0), D).tolist()
+    pat = _rank_sums(enc, patches, D).tolist()
+    received = np.bincount(enc[moved], minlength=D).tolist()
+    changed = True
+    while changed:
+        changed = False
+        for u in sorted(moves, key=lambda u: (-int(cost[u]), u)):
+            s, r, c = int(owner[u]), moves[u], int(cost[u])
+            if load[s] + c > T or (cap is not None and received[s] and pat[s] + int(patches[u]) > cap):
+                continue
+            del moves[u]
+            load[s] += c
+            load[r] -= c + int(transfer[u])
+            pat[s] += int(patches[u])
+            pat[r] -= int(patches[u])
+            received[r] -= 1
+            changed = True
+    return moves
+
+
+def _by_rank_then_cost(owner: np.ndarray, cost: np.ndarray, D: int) -> np.ndarray:
+    """Unit indices by rank, then cost ascending, then index: a stable sort of one int64
+    key when it fits (fast when the units come grouped by rank, as gathered), else
+    ``lexsort``; the same permutation either way."""
+    width = int(cost.max()) + 1 if len(cost) else 1
+    if width * D < 1 << 62:
+        return np.argsort(owner * width + cost, kind="stable")
+    return np.lexsort((cost, owner))
+
+
+def _level_plan(T: int, load: np.ndarray, donors: list, units: _Units, room0):
+    """Moves ``{unit: rank}`` that bring every rank to ``T`` or under, or None."""
+    for together in (True, False):
+        plan = _LevelPlan(T, load, units, room0)
+        if plan.run(donors, together=together):
+            return plan.moves
+    return None
+
+
+def plan_frames(owner, cost, num_ranks, *, patches=None, patch_cap=None, transfer=None) -> FramePlan:
+    """The encoder rank of every unit (frame) of one micro-step; see the module docstring.
+
+    ``owner[i]``: the rank holding unit ``i``; ``cost[i]``: its compute cost, an integer
+    >= 0; ``patches[i]``: its activation-memory proxy (default 1 per unit);
+    ``patch_cap``: the most patches a receiving rank may end with (default: no cap; the
+    glue passes :func:`default_patch_cap`); ``transfer[i]``: the integer time moving it
+    costs the receiver, in the units of ``cost`` (default 0). Bad input raises one
+    ``ValueError`` line naming it."""
+    D, owner, cost, patches, patch_cap, transfer = _validate(owner, cost, num_ranks, patches,
+                                                            patch_cap, transfer)
+    n = len(cost)
+    load = _rank_sums(owner, cost, D)
+    max_before = int(load.max())
+    total = int(load.sum())
+    lb = max(-(-total // D), int(cost.max()) if n else 0)
+    inputs = (owner, cost, transfer, D)
+    moves = {}
+    target = max_before
+    if max_before > lb and D > 1:
+        room0 = None if patch_cap is None else patch_cap - _rank_sums(owner, patches, D)
+        order = _by_rank_then_cost(owner, cost, D)
+        order = order[cost[order] > 0]                            # zero-cost units never move
+        units = _Units(order.tolist(), cost[order].tolist(),
+                       np.searchsorted(owner[order], np.arange(D + 1)).tolist(),
+                       transfer.tolist() if transfer.any() else None,
+                       None if room0 is None else patches.tolist())
+        donors = np.lexsort((np.arange(D), -load)).tolist()
+        args = (load, donors, units, room0)
+        found = _level_plan(lb, *args)
+        if found is not None:
+            moves, target = found, lb
+        else:
+            lo, hi = lb, max_before                   # lo fails, hi holds (nothing moves)
+            lpt = lb + int(cost.max())                # holds without cap and transfers (LPT bound)
+            if lpt < max_before:
+                found = _level_plan(lpt, *args)
+                if found is None:
+                    lo = lpt
+                else:
+                    moves, hi = found, lpt
+            while hi - lo > max(1, lo // LEVEL_RESOLUTION):
+                mid = (lo + hi) // 2
+                found = _level_plan(mid, *args)
+                if found is None:
+                    lo = mid
+                else:
+                    moves, hi = found, mid
+            target = hi
+    if moves:
+        moves = _drop_unneeded(moves, target, owner, cost, patches, transfer, patch_cap, D)
+    enc = owner.copy()
+    if moves:
+        units = np.fromiter(moves.keys(), dtype=np.int64, count=len(moves))
+        enc[units] = np.fromiter(moves.values(), dtype=np.int64, count=len(moves))
+    moved = enc != owner
+    after = _rank_sums(enc, cost + np.where(moved, transfer, 0), D)
+    return FramePlan(
+        encoder=enc, target=int(target), lower_bound=int(lb), max_before=max_before,
+        max_after=int(after.max()), moved_units=int(moved.sum()),
+        moved_patches=int(patches[moved].sum()), moved_cost=int(cost[moved].sum()),
+        moved_transfer=int(transfer[moved].sum()),
+        min_moved_cost=int(np.maximum(load - target, 0).sum()), _inputs=inputs)

@@ -516,11 +516,20 @@ class ReplayResult:
         """The chosen candidate's cost model (None: image tokens)."""
         return self.models.get(self.choice)
 
+    def excess_share(self, name: str) -> float:
+        """``name``'s held-out figure of the sync mode, its excess over 1.0 as a share of
+        image tokens' (NaN when refused, or image tokens' is 0): below 1, better than them."""
+        row, base = self.row(name), self.row(IMAGE_TOKENS)
+        if row.refused or base.refused or not base.figure(self.sync) > 1.0:
+            return float("nan")
+        return (row.figure(self.sync) - 1.0) / (base.figure(self.sync) - 1.0)
+
     def to_json(self) -> dict:
         return {"format": REPLAY_FORMAT, "choice": self.choice, "reason": self.reason, "sync": self.sync,
                 "features": self.features, "margin": self.margin, "fit_iterations": list(self.fit_iterations),
                 "held_iterations": list(self.held_iterations), "records": self.records,
                 "rows": [r.to_json() for r in self.rows],
+                "excess_vs_image_tokens": {r.name: _or_none(self.excess_share(r.name)) for r in self.rows},
                 "models": {k: (None if m is None else m.to_json()) for k, m in self.models.items()}}
 
     def table(self) -> List[str]:
@@ -532,16 +541,25 @@ class ReplayResult:
         on = f", features {self.features}" if self.features else ""
         out = [f"replay of {self.records} records: fit on {its(self.fit_iterations)} {fit}, scored on "
                f"held-out {its(self.held_iterations)} {held} (sync {self.sync}{on})",
-               f"{'cost':<16} {'micro-step max/mean':>19} {'rank-total max/mean':>19} {'moved':>6}  fit"]
+               f"{'cost':<16} {'micro-step max/mean':>19} {'rank-total max/mean':>19} {'excess':>7} "
+               f"{'moved':>6}  fit"]
         for r in self.rows:
             if r.refused:
-                out.append(f"{r.name:<16} {'-':>19} {'-':>19} {'-':>6}  refused: {r.refused}")
+                out.append(f"{r.name:<16} {'-':>19} {'-':>19} {'-':>7} {'-':>6}  refused: {r.refused}")
                 continue
             mark = "  <- chosen" if r.name == self.choice else ""
-            out.append(f"{r.name:<16} {r.microstep_max_mean:>19.4f} {r.rank_total_max_mean:>19.4f} "
+            share = self.excess_share(r.name)
+            excess = "-" if math.isnan(share) else f"{100 * share:.0f}%"
+            out.append(f"{r.name:<16} {r.microstep_max_mean:>19.4f} {r.rank_total_max_mean:>19.4f} {excess:>7} "
                        f"{100 * r.moved_fraction:>5.1f}%  {r.detail}{mark}")
+        out.append(f"excess: the {'micro-step' if self.sync == 'microstep' else 'rank-total'} max/mean's "
+                   f"excess over 1.0 as a share of image tokens'")
         out.append(f"choice: {self.choice} ({self.reason})")
         return out
+
+
+def _or_none(x: float) -> Optional[float]:
+    return None if math.isnan(x) else x
 
 
 def _span(its: Sequence[int]) -> str:

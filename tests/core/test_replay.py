@@ -192,6 +192,10 @@ def test_per_frame_quadratic_world_chooses_a_per_frame_cost_over_the_patch_count
     assert res.row(res.choice).microstep_max_mean <= tokens - 4 * rp.DEFAULT_MARGIN, table
     assert res.row("flops").selectable and res.row("flops").microstep_max_mean <= tokens - 4 * rp.DEFAULT_MARGIN
     assert res.models["fit"].vision_ms_per_token_sq == pytest.approx(fr.PER_PATCH_SQ_MS, rel=0.05)
+    # the native-resolution target's form: the best cost's excess over 1.0 at most 70% of the
+    # patch count's, the FLOP default (no timing) below the patch count
+    assert res.excess_share(res.choice) <= 0.7 and res.excess_share("flops") < 1.0, table
+    assert res.excess_share("image-tokens") == 1.0 and "excess over 1.0 as a share" in table
     # the same records with a whole video squared as one unit (t*h*w per image): a worse fit
     # and a worse placement than per frame
     per_image = replay(recs, ReplayOptions(features=TileFeatures()), candidates=["fit"])
@@ -230,6 +234,7 @@ def test_cli_replays_a_bridge_timing_directory(tmp_path, capsys):
     assert rep["features"] == "qwen_vl_frames(merge=2)" and rep["held_iterations"] == [7, 8, 9, 10]
     rows = {r["name"]: r for r in rep["rows"]}
     assert "--vision-config" in rows["flops"]["refused"] and rep["choice"] in PER_FRAME_FITS
+    assert rep["excess_vs_image_tokens"]["image-tokens"] == 1.0 and rep["excess_vs_image_tokens"]["flops"] is None
     TRUE_FRAMES.save(str(tmp_path / rp.FLOPS_MODEL_FILE))
     assert cli.main(["replay", d]) == 0
     out = capsys.readouterr().out

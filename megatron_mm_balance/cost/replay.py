@@ -94,6 +94,9 @@ class ReplayBatch:
     vision_ms: np.ndarray                  # [D, G] forward + backward
     language_ms: np.ndarray                # [D, G] forward + backward (compute)
     records: Tuple[dict, ...]              # D * G, the same order (for the fits)
+    #: every pack's language features alike (all padded to one length): the language time's
+    #: variation is the machine's, not the packs', and it stays with the slot it was measured in
+    language_per_slot: bool = False
 
     @property
     def shape(self) -> Tuple[int, int]:
@@ -102,6 +105,12 @@ class ReplayBatch:
     @property
     def time_ms(self) -> np.ndarray:
         return self.vision_ms + self.language_ms
+
+    def placed_ms(self, placement: Placement) -> np.ndarray:
+        """``[D, G]`` measured milliseconds of each slot after ``placement``: the packs' vision
+        times move with them; their language times too, unless :attr:`language_per_slot`."""
+        language = self.language_ms if self.language_per_slot else placement.apply(self.language_ms)
+        return placement.apply(self.vision_ms) + language
 
     def arrays(self) -> FeatureArrays:
         return FeatureArrays.of(list(self.features))
@@ -158,7 +167,8 @@ def global_batches(records: Sequence[dict], *, sync: str = "microstep", skip_ite
             lang = np.array([[float(r["lm_forward_ms"]) + float(r["lm_backward_ms"]) for r in row]
                              for row in rows])
         feats = tuple(_of_record(features, r) for r in flat)
-        batches.append(ReplayBatch(it, feats, vision, lang, tuple(flat)))
+        alike = len({(f.tokens, tuple(sorted(f.lengths))) for f in feats}) == 1
+        batches.append(ReplayBatch(it, feats, vision, lang, tuple(flat), language_per_slot=alike))
     return batches, incomplete
 
 
@@ -475,7 +485,7 @@ def score(held: Sequence[ReplayBatch], cost_of: Optional[Callable[[ReplayBatch],
     for b in held:
         D, G = b.shape
         pl = Placement.identity(D, G) if cost_of is None else _plan(cost_of(b), options)
-        t = pl.apply(b.time_ms)
+        t = b.placed_ms(pl)
         mean = t.mean(axis=0)
         steps.extend(float(x) for x in t.max(axis=0)[mean > 0] / mean[mean > 0])
         tot = t.sum(axis=1)
@@ -486,9 +496,12 @@ def score(held: Sequence[ReplayBatch], cost_of: Optional[Callable[[ReplayBatch],
 
 
 def measured_costs(batch: ReplayBatch, kind: str) -> np.ndarray:
-    """The packs' own measured times as integer microseconds (the ``perfect`` row)."""
+    """The packs' own measured times as integer microseconds (the ``perfect`` row; a language
+    time that is the slot's, :attr:`ReplayBatch.language_per_slot`, is the same for every pack)."""
     v = np.rint(batch.vision_ms * 1000.0).astype(np.int64)
-    lang = np.rint(batch.language_ms * 1000.0).astype(np.int64)
+    language = np.full_like(batch.language_ms, batch.language_ms.mean()) if batch.language_per_slot \
+        else batch.language_ms
+    lang = np.rint(language * 1000.0).astype(np.int64)
     return np.stack([v, lang], axis=2) if kind == "two-phase" else v + lang
 
 

@@ -98,6 +98,25 @@ def test_step_sync_chooses_by_rank_totals_and_varying_lengths_are_fitted():
     assert chosen.rank_total_max_mean <= tokens.rank_total_max_mean
 
 
+def test_language_time_of_packs_padded_alike_stays_with_its_micro_step():
+    """Every pack of one length: a micro-step's language time varies with the machine, not
+    with the packs, so moving packs does not move it (else balancing would look worse than
+    not balancing); with varying lengths it is the pack's and moves with it."""
+    rng = np.random.default_rng(5)
+    slow = {(it, m): float(rng.uniform(1.0, 3.0)) for it in range(1, 9) for m in range(8)}
+    recs = records(linear, noise=0.01)
+    for r in recs:
+        r["lm_forward_ms"] *= slow[(r["iteration"], r["microbatch"])]
+    batches, _ = global_batches(recs)
+    assert all(b.language_per_slot for b in batches)
+    res = replay(recs)
+    table = "\n".join(res.table())
+    assert res.row("image-tokens").microstep_max_mean < res.row("unbalanced").microstep_max_mean, table
+    assert res.row("perfect").microstep_max_mean <= res.row("image-tokens").microstep_max_mean + 1e-9, table
+    varying, _ = global_batches(records(linear, lengths=lambda g: [int(g.integers(100, 1024))]))
+    assert not any(b.language_per_slot for b in varying)
+
+
 def test_incomplete_iterations_are_left_out_and_bad_input_is_named():
     recs = records(linear, iterations=3)
     recs = [r for r in recs if not (r["iteration"] == 2 and r["rank"] == 1 and r["microbatch"] == 7)]

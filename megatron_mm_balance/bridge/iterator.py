@@ -33,6 +33,8 @@ What Bridge relies on, and how it is kept:
 """
 from __future__ import annotations
 
+from typing import Optional
+
 from ..megatron.iterator import ExchangeCoordinator
 
 
@@ -107,7 +109,7 @@ def save_flops_model(timing_dir: str, model_cfg) -> Optional[str]:
         return None
     try:
         model = flops_cost_model(model_cfg)
-    except ValueError:
+    except (ValueError, TypeError):
         return None
     os.makedirs(timing_dir, exist_ok=True)
     path = os.path.join(timing_dir, FLOPS_MODEL_FILE)
@@ -143,7 +145,7 @@ def auto_features_for(model_cfg):
     from .timing import spatial_merge_size
     try:
         model, note = flops_cost_model(model_cfg), ""
-    except ValueError as exc:
+    except (ValueError, TypeError) as exc:          # a config the FLOP count cannot read
         model, note = None, str(exc)
     return QwenVLFeatures(spatial_merge_size(model_cfg), flops_model=model, flops_note=note)
 

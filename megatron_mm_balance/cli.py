@@ -459,7 +459,8 @@ def _flops_model_of(text: str, flops_per_ms):
     if not isinstance(config, dict):
         raise CliError(f"--vision-config: expected a JSON object, got {type(config).__name__}")
     try:
-        return flops.vision_cost_model(config, flops_per_ms=flops_per_ms or default, where="--vision-config")
+        return flops.vision_cost_model(config, flops_per_ms=default if flops_per_ms is None else flops_per_ms,
+                                        where="--vision-config")
     except ValueError as exc:
         raise CliError(str(exc)) from None
 

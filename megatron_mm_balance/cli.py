@@ -381,6 +381,8 @@ def _vision_shape(text):
 
 
 def cmd_replay(args) -> int:
+    import dataclasses
+
     from .cost import replay as rp
     from .sim.run_trace import read_records
     if args.skip_iterations < 0:
@@ -391,8 +393,8 @@ def cmd_replay(args) -> int:
                                vision_shape=args.vision_shape)
     names = [n.strip() for n in args.candidates.split(",") if n.strip()] if args.candidates else None
     recs = read_records(args.timing_dir)
+    options = dataclasses.replace(options, features=_replay_features(args, recs))
     if args.ranks_per_node:              # nodes from the global ranks, as the runtime places them
-        import dataclasses
         options = dataclasses.replace(options, ranks=tuple(sorted({int(r["rank"]) for r in recs})))
     result = rp.replay(recs, options, skip_iterations=args.skip_iterations, candidates=names)
     if args.json:
@@ -402,11 +404,77 @@ def cmd_replay(args) -> int:
     return 0
 
 
+def _replay_features(args, records):
+    """What the records are to the cost models: Qwen-VL frames when they carry ``grids``
+    (``--features auto``), with the FLOP-derived model of ``--vision-config``, else the one
+    the run wrote beside its records; tiles otherwise."""
+    import os
+
+    from .cost import features as ft
+    from .cost.replay import FLOPS_MODEL_FILE
+    if args.features == "tiles":
+        if args.vision_config is not None:
+            raise CliError("--vision-config is for Qwen-VL records (--features frames); tiles take --vision-shape")
+        return ft.TileFeatures()
+    saved = os.path.join(args.timing_dir, FLOPS_MODEL_FILE)
+    model, note = None, (f"no --vision-config JSON|PRESET given and no {FLOPS_MODEL_FILE} in "
+                         f"{args.timing_dir}")
+    if args.vision_config is not None:
+        model, note = _flops_model_of(args.vision_config, args.flops_per_ms), ""
+    elif os.path.isfile(saved):
+        from .cost.model import load_cost_file
+        try:
+            model, note = load_cost_file(saved), ""
+        except ValueError as exc:
+            raise CliError(str(exc)) from None
+    if args.features == "frames":
+        return ft.QwenVLFeatures(flops_model=model, flops_note=note)
+    try:
+        found = ft.features_for_records(records, flops_model=model, flops_note=note)
+    except ValueError as exc:
+        raise CliError(f"{args.timing_dir}: {exc}") from None
+    if args.vision_config is not None and isinstance(found, ft.TileFeatures):
+        raise CliError(f"{args.timing_dir}: the records have no grids (tiled images): --vision-config is "
+                       "for Qwen-VL records; tiles take --vision-shape")
+    return found
+
+
+def _flops_model_of(text: str, flops_per_ms):
+    """The FLOP-derived model of a vision config given as a preset name, a JSON file or JSON
+    text (Hugging Face field names); every part trained, no language terms."""
+    import os
+
+    from .cost import flops
+    if text in flops.VISION_PRESETS:
+        config = flops.VISION_PRESETS[text]
+        default = flops.CPU_FLOPS_PER_MS if text in flops.CPU_PRESETS else flops.DEFAULT_FLOPS_PER_MS
+    else:
+        try:
+            if os.path.isfile(text):
+                with open(text, encoding="utf-8") as f:
+                    config = json.load(f)
+            else:
+                config = json.loads(text)
+        except (OSError, json.JSONDecodeError) as exc:
+            raise CliError(f"--vision-config: not a preset ({', '.join(flops.VISION_PRESETS)}), a JSON file "
+                           f"or JSON text: {text!r} ({exc})") from None
+        if isinstance(config, dict) and isinstance(config.get("vision_config"), dict):
+            config = config["vision_config"]              # a whole Hugging Face model config
+        default = flops.DEFAULT_FLOPS_PER_MS
+    if not isinstance(config, dict):
+        raise CliError(f"--vision-config: expected a JSON object, got {type(config).__name__}")
+    try:
+        return flops.vision_cost_model(config, flops_per_ms=default if flops_per_ms is None else flops_per_ms,
+                                        where="--vision-config")
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+
+
 def _replay_arguments(rp_parser) -> None:
     from .cost import replay as rp
     rp_parser.add_argument("timing_dir", metavar="TIMING_DIR",
-                           help="a run's --mm-balance-timing-dir (timing-rank*.jsonl of every rank; "
-                                "the ranks are taken as its data-parallel ranks: TP = PP = 1)")
+                           help="a run's --mm-balance-timing-dir or mm_balance.timing_dir (timing-rank*.jsonl "
+                                "of every rank; the ranks are taken as its data-parallel ranks: TP = PP = 1)")
     rp_parser.add_argument("--sync", choices=placement.SYNC_MODES, default="microstep",
                            help="the run's sync mode (microstep: two-phase costs, judged per micro-step; "
                                 "step: one cost, judged by rank totals)")
@@ -426,9 +494,22 @@ def _replay_arguments(rp_parser) -> None:
                            help="lowest vision R^2 a fitted candidate may have (default %(default)s)")
     rp_parser.add_argument("--vision-shape", type=_vision_shape, default=None,
                            metavar="LAYERS,HIDDEN,HEADS,FFN",
-                           help="the vision encoder's shape, for the vit-flops candidate")
+                           help="the tiled vision encoder's shape, for the vit-flops candidate")
+    rp_parser.add_argument("--features", choices=("auto", "tiles", "frames"), default="auto",
+                           help="what a record is to the cost models: tiles (per-image tokens, the "
+                                "Megatron-LM path) or frames (Qwen-VL grids, Megatron-Bridge); auto: frames "
+                                "when the records have grids (default)")
+    rp_parser.add_argument("--vision-config", default=None, metavar="JSON|PRESET",
+                           help="a Qwen-VL vision config (Hugging Face names; a JSON file, JSON text or "
+                                "one of qwen3-vl-30b-a3b, qwen2.5-vl-7b, qwen3-vl-tiny-cpu) for the flops "
+                                "candidate; default: the flops_cost_model.json the run wrote beside its records")
+    rp_parser.add_argument("--flops-per-ms", type=float, default=None,
+                           help="the throughput that turns --vision-config's FLOPs into milliseconds "
+                                "(default 4e11; 5e7 for qwen3-vl-tiny-cpu): only the costs' rounding "
+                                "depends on it")
     rp_parser.add_argument("--candidates", default=None,
-                           help=f"comma-separated candidates (default: all of {', '.join(rp.CANDIDATES)})")
+                           help="comma-separated candidates (default: the features' own; known: "
+                                f"{', '.join(rp.CANDIDATES)})")
     rp_parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 

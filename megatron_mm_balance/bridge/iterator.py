@@ -22,14 +22,18 @@ What Bridge relies on, and how it is kept:
 * ``mm_balance.timing`` / ``timing_dir`` (balancing on or off) and ``cost=auto``: the
   patch also passes the model, and the core package's timing hooks go on it
   (:mod:`.timing`); ``cost=auto`` fits them with the core package's calibration on each
-  exchange group, from the Qwen-VL grids
-  (:class:`~megatron_mm_balance.cost.calibration.QwenVLFeatures`), its fit beside
-  ``checkpoint.save`` and restored from ``checkpoint.load`` on resume.
+  exchange group, from the Qwen-VL grids' frames
+  (:class:`~megatron_mm_balance.cost.features.QwenVLFeatures`), its fit beside
+  ``checkpoint.save`` and restored from ``checkpoint.load`` on resume; with
+  ``timing_dir``, the provider's FLOP-derived model is written beside the records
+  (:func:`save_flops_model`) for ``mm-balance replay``.
 * every rank of a data-parallel group reads data in Bridge's VLM steps (each tensor-,
   pipeline- and context-parallel rank draws from its own loader): one exchange group
   per data-parallel group (``pg_collection.dp``), created collectively over the world.
 """
 from __future__ import annotations
+
+from typing import Optional
 
 from ..megatron.iterator import ExchangeCoordinator
 
@@ -55,9 +59,9 @@ def cost_fn_for(core_cfg, model_cfg):
     """The Qwen-VL cost the checked config asks for (merge size from the model config):
     patch count by default; ``cost=model`` a cost file's model, or without one the FLOP
     count of the provider's vision tower and language model under its training regime
-    (:func:`~megatron_mm_balance.cost.flops.vision_cost_model`). Under ``microstep`` sync a
-    model gives (vision, language) for the two-phase solver. None for ``auto``: each
-    exchange group fits its own (:func:`auto_features_for`)."""
+    (:func:`flops_cost_model`). Under ``microstep`` sync a model gives (vision, language)
+    for the two-phase solver. None for ``auto``: each exchange group fits its own
+    (:func:`auto_features_for`)."""
     from ..cost.pack import QwenVLCost
     from .timing import spatial_merge_size
     merge = spatial_merge_size(model_cfg)
@@ -68,18 +72,51 @@ def cost_fn_for(core_cfg, model_cfg):
     phases = core_cfg.sync == "microstep"
     if core_cfg.cost_file:
         return QwenVLCost.from_file(core_cfg.cost_file, merge, phases=phases)
-    import torch
-
-    from ..cost.flops import CPU_FLOPS_PER_MS, DEFAULT_FLOPS_PER_MS, vision_cost_model
     from ..megatron.checks import MMBalanceConfigError
-    vision = getattr(model_cfg, "vision_config", None)
     try:
-        model = vision_cost_model(vision, training_regime(model_cfg), language_config=model_cfg,
-                                  flops_per_ms=DEFAULT_FLOPS_PER_MS if torch.cuda.is_available() else CPU_FLOPS_PER_MS,
-                                  where="model.vision_config")
+        model = flops_cost_model(model_cfg)
     except ValueError as exc:
         raise MMBalanceConfigError(f"mm_balance.cost=model: {exc}") from None
     return QwenVLCost(merge, model=model, phases=phases, source="flops")
+
+
+def flops_cost_model(model_cfg):
+    """The provider's FLOP-derived :class:`~megatron_mm_balance.cost.model.CostModel`
+    (:func:`~megatron_mm_balance.cost.flops.vision_cost_model` of its vision tower and
+    language model under its :func:`training_regime`, at a GPU's nominal throughput, or the
+    CPU harness's); a one-line ``ValueError`` when the config cannot give one."""
+    import torch
+
+    from ..cost.flops import CPU_FLOPS_PER_MS, DEFAULT_FLOPS_PER_MS, vision_cost_model
+    return vision_cost_model(getattr(model_cfg, "vision_config", None), training_regime(model_cfg),
+                             language_config=model_cfg,
+                             flops_per_ms=DEFAULT_FLOPS_PER_MS if torch.cuda.is_available() else CPU_FLOPS_PER_MS,
+                             where="model.vision_config")
+
+
+def save_flops_model(timing_dir: str, model_cfg) -> Optional[str]:
+    """Write the provider's FLOP-derived cost model (what ``cost=model`` balances with,
+    :func:`flops_cost_model`) beside the timing records, as
+    ``TIMING_DIR/flops_cost_model.json`` (a cost file), so that ``mm-balance replay
+    TIMING_DIR`` replays it as its ``flops`` candidate; on global rank 0 only. The path, or
+    None (another rank, or a config that gives no model: the replay then says why not)."""
+    import os
+
+    import torch.distributed as dist
+
+    from ..cost.replay import FLOPS_MODEL_FILE
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return None
+    try:
+        model = flops_cost_model(model_cfg)
+    except (ValueError, TypeError):
+        return None
+    os.makedirs(timing_dir, exist_ok=True)
+    path = os.path.join(timing_dir, FLOPS_MODEL_FILE)
+    tmp = f"{path}.tmp{os.getpid()}"
+    model.save(tmp)
+    os.replace(tmp, path)
+    return path
 
 
 def training_regime(model_cfg):
@@ -100,11 +137,17 @@ def training_regime(model_cfg):
 
 
 def auto_features_for(model_cfg):
-    """What ``cost=auto`` fits and costs on Qwen-VL: the grids' per-image encoder tokens and
-    the per-sample lengths (:class:`~megatron_mm_balance.cost.calibration.QwenVLFeatures`)."""
-    from ..cost.calibration import QwenVLFeatures
+    """What ``cost=auto`` fits, replays and costs on Qwen-VL: one unit per frame of the
+    grids, and the per-sample lengths
+    (:class:`~megatron_mm_balance.cost.features.QwenVLFeatures`), with the provider's
+    FLOP-derived model (:func:`flops_cost_model`) for the replay's ``flops`` candidate."""
+    from ..cost.features import QwenVLFeatures
     from .timing import spatial_merge_size
-    return QwenVLFeatures(spatial_merge_size(model_cfg))
+    try:
+        model, note = flops_cost_model(model_cfg), ""
+    except (ValueError, TypeError) as exc:          # a config the FLOP count cannot read
+        model, note = None, str(exc)
+    return QwenVLFeatures(spatial_merge_size(model_cfg), flops_model=model, flops_note=note)
 
 
 def _layout(pg_collection):
@@ -142,6 +185,8 @@ def wrap_train_data_iterator(train_data_iterator, cfg, pg_collection, *, state=N
     args = as_args(mm, cfg, train_state=getattr(state, "train_state", None))
     core_cfg = checked_config(args)
     timing = install_bridge_timing(model, core_cfg, args, state)
+    if timing is not None and core_cfg.timing_dir:
+        save_flops_model(core_cfg.timing_dir, cfg.model)
     if not core_cfg.enabled:
         return train_data_iterator
     install_cp_split(cfg)

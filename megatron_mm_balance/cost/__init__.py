@@ -7,8 +7,11 @@
 * :mod:`.frames` — Qwen-VL grids as per-frame features (pure functions of ``(t, h, w)`` lists);
 * :mod:`.flops` — a cost model from a vision tower's (and language model's) config by FLOP
   count, under the training regime (frozen parts, recompute);
+* :mod:`.features` — what a cost model sees of a timing record and of a micro-batch (tiles,
+  or Qwen-VL frames): the extension point of the calibration and the replay;
+* :mod:`.replay` — cost models judged by replaying a run's per-pack timings;
 * :mod:`.calibration` — timing a vision encoder to fit a cost model (imports torch
-  inside its functions).
+  inside its functions), and ``cost=auto``'s choice by replay.
 
 Nothing here imports torch at module level.
 """

@@ -36,9 +36,9 @@ from typing import Callable, List, Optional, Sequence
 
 import numpy as np
 
-from .model import CostModel, FeatureArrays, PackFeatures, nonnegative_lstsq
-from .pack import (DEFAULT_TOKENS_PER_TILE, ImageTokenCost, QwenVLGridFeatures, check_tokens_per_tile,
-                   pack_features)
+from .features import QwenVLFeatures, TileFeatures  # noqa: F401  (QwenVLFeatures: re-exported)
+from .model import CostModel, FeatureArrays, nonnegative_lstsq
+from .pack import DEFAULT_TOKENS_PER_TILE, check_tokens_per_tile
 from .replay import (DEFAULT_HOLDOUT, DEFAULT_MARGIN, IMAGE_TOKENS, ReplayError, ReplayOptions,
                      replay)
 from .timing_records import MIN_RECORDS, R2_FLOOR, language_compute_records
@@ -186,7 +186,8 @@ class FitResult:
     ``ok``: the balancer uses ``model`` (the ``choice`` the replay made) from global batch
     ``effective_iteration`` on; otherwise image tokens stay the cost and ``reason`` says
     why. ``replay``: the replay's table (:meth:`~.replay.ReplayResult.to_json`, without the
-    models), None for fits made without one (``mm-balance-cost-fit/v1`` files)."""
+    models), None for fits made without one (``mm-balance-cost-fit/v1`` files).
+    ``features``: the identity of the features the model prices (a resumed job checks it)."""
 
     ok: bool
     model: Optional[CostModel]
@@ -199,6 +200,8 @@ class FitResult:
     reason: str = ""
     choice: str = IMAGE_TOKENS
     replay: Optional[dict] = None
+    #: what the model's features are (:mod:`.features` ``identity``; "" in older files)
+    features: str = ""
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -232,7 +235,8 @@ class FitResult:
         return (f"[mm-balance] cost auto: {how}fitted from {span} (R^2 vision {self.r2_vision:.3f}, "
                 f"language {self.r2_language:.3f}): vision {m.vision_ms_per_token:.4g} ms/token + "
                 f"{m.vision_ms_per_token_sq:.3g} ms/token^2 + {m.vision_ms_per_pack:.3g} ms/pack + "
-                f"{m.vision_ms_per_image:.3g} ms/image, "
+                f"{m.vision_ms_per_image:.3g} ms/image"
+                + (f" + {m.vision_ms_per_unit:.3g} ms/unit" if m.vision_ms_per_unit else "") + ", "
                 f"backward x{m.vision_backward_ratio:.3f}; language {m.llm_ms_per_token:.4g} ms/token + "
                 f"{m.llm_ms_per_len_sq:.3g} ms/len^2 + {m.const_ms:.4g} ms, backward "
                 f"x{m.llm_backward_ratio:.3f}; balancing with it from iteration {self.effective_iteration}")
@@ -246,13 +250,13 @@ class FitResult:
 def choose_by_replay(records: Sequence[dict], options: ReplayOptions, *, first_iteration: int = 0,
                      last_iteration: int = 0, effective_iteration: int = 0) -> FitResult:
     """``--mm-balance-cost auto``'s decision: replay the calibration iterations' records
-    (:func:`~.replay.replay`: fit on the first part, score on the held-out rest) and take
-    its choice: a fitted or derived cost model only where it beat image tokens on the
-    held-out iterations by the margin; image tokens otherwise, or when the records
-    cannot be replayed (the reason says which)."""
+    (:func:`~.replay.replay`: fit on the first part, score on the held-out rest, on
+    ``options.features``' units and candidates) and take its choice: a fitted or derived
+    cost model only where it beat image tokens on the held-out iterations by the margin;
+    image tokens otherwise, or when the records cannot be replayed (the reason says which)."""
     recs = list(records)
     span = dict(first_iteration=first_iteration, last_iteration=last_iteration,
-                effective_iteration=effective_iteration)
+                effective_iteration=effective_iteration, features=options.feature_reader.identity)
     try:
         result = replay(recs, options)
     except ReplayError as exc:
@@ -270,72 +274,6 @@ def _r2(y: np.ndarray, pred: np.ndarray) -> float:
     if ss_tot <= 0:
         return float("nan")
     return 1.0 - float(((y - pred) ** 2).sum()) / ss_tot
-
-
-class TileFeatures:
-    """The cost model's features of a timing record and of a micro-batch, for the tiled
-    encoders of ``examples/multimodal``: the record's ``images`` (per-image tokens) and
-    ``lengths``; a pack's :func:`~.pack.pack_features`. Before the fit a pack costs its
-    image tokens (:class:`~.pack.ImageTokenCost`).
-
-    This is :class:`AutoCost`'s and :func:`fit_phases`'s extension point: another encoder's
-    features are an object with the same four members (``identity``, ``of_record``,
-    ``of_pack``, ``tokens``), the record's and the pack's meaning the same thing."""
-
-    def __init__(self, tokens_per_tile: int = DEFAULT_TOKENS_PER_TILE):
-        self.tokens_per_tile = check_tokens_per_tile(tokens_per_tile)
-        self._tokens = ImageTokenCost(self.tokens_per_tile)
-
-    @property
-    def identity(self) -> str:
-        return f"tiles(tokens_per_tile={self.tokens_per_tile})"
-
-    @staticmethod
-    def of_record(record: dict) -> PackFeatures:
-        return PackFeatures(tuple(record["images"]), tuple(record["lengths"]))
-
-    def of_pack(self, pack) -> PackFeatures:
-        return pack_features(pack, self.tokens_per_tile)
-
-    def tokens(self, pack) -> int:
-        return self._tokens(pack)
-
-
-class QwenVLFeatures:
-    """The features of Qwen-VL timing records and micro-batches: from the ``(t, h, w)``
-    grids (a record's ``grids``; a batch's ``image_grid_thw``/``video_grid_thw``, also
-    inside ``visual_inputs``) and the per-sample lengths (a record's ``lengths``; a
-    batch's :meth:`~.pack.QwenVLGridFeatures.lengths`).
-
-    :meth:`per_image` turns grids into the model's per-image token counts: here the
-    encoder's tokens ``t*h*w`` per image/video (its quadratic term is attention within
-    each). A per-frame variant (``h*w`` once per frame) is a subclass overriding it.
-    Before the fit a pack costs its encoder tokens, as ``QwenVLCost`` without a model."""
-
-    name = "per-image"
-
-    def __init__(self, spatial_merge_size: int = 2):
-        self.grid_features = QwenVLGridFeatures(spatial_merge_size)
-
-    @property
-    def identity(self) -> str:
-        return f"qwen_vl_{self.name}(merge={self.grid_features.merge})"
-
-    @staticmethod
-    def per_image(grids) -> tuple:
-        return tuple(int(t) * int(h) * int(w) for t, h, w in grids)
-
-    def of_record(self, record: dict) -> PackFeatures:
-        if "grids" not in record:
-            raise ValueError("a Qwen-VL cost fit needs timing records with \"grids\" "
-                             f"(iteration {record.get('iteration')}, rank {record.get('rank')} has none)")
-        return PackFeatures(self.per_image(record["grids"]), tuple(record["lengths"]))
-
-    def of_pack(self, pack) -> PackFeatures:
-        return PackFeatures(self.per_image(self.grid_features.grids(pack)), self.grid_features.lengths(pack))
-
-    def tokens(self, pack) -> int:
-        return int(sum(self.grid_features.encoder_tokens(pack)))
 
 
 def fit_phases(records: Sequence[dict], *, first_iteration: int = 0, last_iteration: int = 0,
@@ -417,9 +355,10 @@ class CalibrationConfig:
         if not (self.margin >= 0 and math.isfinite(self.margin)):
             raise ValueError(f"calibration margin must be a number >= 0, got {self.margin!r}")
 
-    def replay_options(self) -> ReplayOptions:
-        """The replay the calibration runs: the balancer's sync mode and planner settings."""
-        return ReplayOptions(sync="microstep" if self.phases else "step",
+    def replay_options(self, features=None) -> ReplayOptions:
+        """The replay the calibration runs: the balancer's sync mode and planner settings, on
+        ``features`` (:mod:`.features`; None: the tiles')."""
+        return ReplayOptions(sync="microstep" if self.phases else "step", features=features,
                              balance_tolerance=self.balance_tolerance, ranks_per_node=self.ranks_per_node,
                              ranks=None if self.group_ranks is None else tuple(sorted(self.group_ranks)),
                              holdout=self.holdout, margin=self.margin, min_records=self.min_records,
@@ -443,9 +382,11 @@ class AutoCost:
       that batch on the chosen model's integer costs are used, or image tokens if the
       replay kept them.
     * A ``saved`` fit (restored beside the checkpoint) is used as is from its
-      ``effective_iteration``: a resumed job balances exactly as the job that saved it.
-    * ``features`` (default :class:`TileFeatures` of ``config.tokens_per_tile``): what the
-      fit reads from a record and the cost from a pack (:class:`QwenVLFeatures` on Qwen-VL),
+      ``effective_iteration``: a resumed job balances exactly as the job that saved it. A
+      saved model made on other features (units) than this job's is refused in one line.
+    * ``features`` (:mod:`.features`; default :class:`TileFeatures` of ``config.tokens_per_tile``):
+      what the replay reads from a record and which candidates it weighs, the cost of a pack
+      (:class:`QwenVLFeatures` on Qwen-VL: one unit per frame, its FLOP-derived model a candidate),
       and the cost before the fit.
     """
 
@@ -459,6 +400,9 @@ class AutoCost:
         self.fit: Optional[FitResult] = saved
         self.components = 2 if config.phases else 1
         self.features = features if features is not None else TileFeatures(config.tokens_per_tile)
+        if saved is not None and saved.ok and saved.features and saved.features != self.features.identity:
+            raise ValueError(f"the saved cost fit ({FIT_FILE}) prices {saved.features}, this job's costs are "
+                             f"{self.features.identity}: remove the file to calibrate again")
         self.switch_iteration = (saved.effective_iteration if saved is not None
                                  else self.start_iteration + config.iterations + 2)
 
@@ -489,7 +433,7 @@ class AutoCost:
         c = self.config
 
         def fit(records):
-            return choose_by_replay(records, c.replay_options(), first_iteration=first,
+            return choose_by_replay(records, c.replay_options(self.features), first_iteration=first,
                                     last_iteration=last, effective_iteration=it)
 
         self.fit = self.agree(local, fit)

@@ -47,6 +47,23 @@ DEFAULT_FLOPS_PER_MS = 4.0e11
 CPU_FLOPS_PER_MS = 5.0e7
 
 
+#: Vision configs by name (Hugging Face field names), for ``mm-balance replay --vision-config``:
+#: Qwen3-VL-30B-A3B's and Qwen2.5-VL-7B's towers, and the CPU toy of
+#: ``configs/bridge/qwen3_vl_moe_tiny_cpu.py`` (with the throughput its costs use there).
+VISION_PRESETS = {
+    "qwen3-vl-30b-a3b": dict(depth=27, hidden_size=1152, intermediate_size=4304, patch_size=16,
+                             temporal_patch_size=2, in_channels=3, spatial_merge_size=2, out_hidden_size=2048,
+                             deepstack_visual_indexes=[8, 16, 24]),
+    "qwen2.5-vl-7b": dict(depth=32, hidden_size=1280, intermediate_size=3420, patch_size=14, temporal_patch_size=2,
+                          in_channels=3, spatial_merge_size=2, out_hidden_size=3584, window_size=112,
+                          fullatt_block_indexes=[7, 15, 23, 31]),
+    "qwen3-vl-tiny-cpu": dict(depth=2, hidden_size=64, intermediate_size=128, patch_size=16, temporal_patch_size=2,
+                              in_channels=3, spatial_merge_size=2, out_hidden_size=128, deepstack_visual_indexes=[0]),
+}
+#: presets whose costs are taken at the CPU harness's throughput (:data:`CPU_FLOPS_PER_MS`)
+CPU_PRESETS = ("qwen3-vl-tiny-cpu",)
+
+
 def _field(config, name, default=None):
     value = config.get(name, default) if isinstance(config, Mapping) else getattr(config, name, default)
     return default if value is None else value

@@ -30,11 +30,18 @@ unless that candidate is lower by at least ``margin`` (:data:`DEFAULT_MARGIN`,
 absolute). Everything is deterministic: the same records give the same table and
 choice on every rank and every run.
 
+What a record is to a cost model comes from the features object of the options
+(:mod:`.features`, the extension point :class:`~.calibration.AutoCost` takes too):
+:class:`~.features.TileFeatures` on the Megatron-LM path (a record's per-image tokens),
+:class:`~.features.QwenVLFeatures` on Megatron-Bridge's Qwen-VL models (one unit per frame
+of the record's ``grids``). Its ``candidates`` are the ones replayed by default.
+
 Candidates are a registry: :func:`register_candidate` adds one (a name, a line saying
 what it is, and a builder from the fit part's batches to a :class:`PricedCost` or a
 :class:`CandidateRefused`), which both ``mm-balance replay`` and ``--mm-balance-cost
-auto`` then consider. Only candidates with a :class:`~.model.CostModel` (or image
-tokens) can be chosen by ``auto``, which saves the model beside the checkpoint.
+auto`` then consider (a features object lists it). Only candidates with a
+:class:`~.model.CostModel` (or image tokens) can be chosen by ``auto``, which saves the
+model beside the checkpoint.
 
 Imports no torch and nothing of a training framework.
 """
@@ -42,16 +49,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from .timing_records import MIN_RECORDS, R2_FLOOR, language_compute_records
 from ..solver.placement import DEFAULT_BALANCE_TOLERANCE, Placement, SolverOptions, plan_placement
+from .features import IMAGE_TOKENS, TileFeatures
 from .model import CostModel, FeatureArrays, PackFeatures, nonnegative_lstsq
 
-#: The default: a pack costs its image tokens.
-IMAGE_TOKENS = "image-tokens"
 #: Share of the complete iterations held out for scoring (the last ones).
 DEFAULT_HOLDOUT = 0.5
 #: How much lower (absolute, in max/mean) a candidate's held-out figure must be than
@@ -59,9 +65,13 @@ DEFAULT_HOLDOUT = 0.5
 #: timings between its fit and held-out halves; below it a "better" model is noise.
 DEFAULT_MARGIN = 0.005
 REPLAY_FORMAT = "mm-balance-replay/v1"
-#: Record fields the replay needs (the timing hooks' record format).
-NEEDED = ("iteration", "microbatch", "rank", "images", "lengths", "vision_forward_ms",
-          "vision_backward_ms", "lm_forward_ms", "lm_backward_ms")
+#: The FLOP-derived cost model a run writes beside its timing records (Megatron-Bridge's
+#: Qwen-VL glue: what ``cost=model`` balances with); ``mm-balance replay`` replays it as ``flops``.
+FLOPS_MODEL_FILE = "flops_cost_model.json"
+#: Record fields the replay needs (the timing hooks' record format), besides the features'
+#: own (``features.needed``: ``images`` and ``lengths`` of tiles, ``grids`` of Qwen-VL).
+NEEDED = ("iteration", "microbatch", "rank", "vision_forward_ms", "vision_backward_ms", "lm_forward_ms",
+          "lm_backward_ms")
 
 
 class ReplayError(ValueError):
@@ -84,6 +94,9 @@ class ReplayBatch:
     vision_ms: np.ndarray                  # [D, G] forward + backward
     language_ms: np.ndarray                # [D, G] forward + backward (compute)
     records: Tuple[dict, ...]              # D * G, the same order (for the fits)
+    #: every pack's language features alike (all padded to one length): the language time's
+    #: variation is the machine's, not the packs', and it stays with the slot it was measured in
+    language_per_slot: bool = False
 
     @property
     def shape(self) -> Tuple[int, int]:
@@ -93,27 +106,35 @@ class ReplayBatch:
     def time_ms(self) -> np.ndarray:
         return self.vision_ms + self.language_ms
 
+    def placed_ms(self, placement: Placement) -> np.ndarray:
+        """``[D, G]`` measured milliseconds of each slot after ``placement``: the packs' vision
+        times move with them; their language times too, unless :attr:`language_per_slot`."""
+        language = self.language_ms if self.language_per_slot else placement.apply(self.language_ms)
+        return placement.apply(self.vision_ms) + language
+
     def arrays(self) -> FeatureArrays:
         return FeatureArrays.of(list(self.features))
 
 
-def _check(rec, i) -> None:
+def _check(rec, i, features) -> None:
     if not isinstance(rec, dict):
         raise ReplayError(f"timing record {i}: expected a JSON object, got {type(rec).__name__}")
-    missing = [k for k in NEEDED if k not in rec]
+    missing = [k for k in NEEDED + tuple(features.needed) if k not in rec]
     if missing:
         raise ReplayError(f"timing record {i} (rank {rec.get('rank')}, iteration {rec.get('iteration')}): "
                           f"missing {missing}")
 
 
-def global_batches(records: Sequence[dict], *, sync: str = "microstep",
-                   skip_iterations: int = 0) -> Tuple[List[ReplayBatch], List[int]]:
+def global_batches(records: Sequence[dict], *, sync: str = "microstep", skip_iterations: int = 0,
+                   features=None) -> Tuple[List[ReplayBatch], List[int]]:
     """The complete global batches of ``records`` (every rank with micro-batches
     ``0..G-1``, the same ``G``), after the first ``skip_iterations`` iterations; and the
     iterations left out as incomplete. ``sync``: where the language time comes from
-    (``microstep``: the micro-step's last-arriving rank; ``step``: the pack's own)."""
+    (``microstep``: the micro-step's last-arriving rank; ``step``: the pack's own).
+    ``features``: what a record is to the cost model (default :class:`~.features.TileFeatures`)."""
+    features = TileFeatures() if features is None else features
     for i, r in enumerate(records):
-        _check(r, i)
+        _check(r, i, features)
     if not records:
         raise ReplayError("no timing records")
     ranks = sorted({int(r["rank"]) for r in records})
@@ -145,10 +166,18 @@ def global_batches(records: Sequence[dict], *, sync: str = "microstep",
         else:
             lang = np.array([[float(r["lm_forward_ms"]) + float(r["lm_backward_ms"]) for r in row]
                              for row in rows])
-        feats = tuple(PackFeatures(tuple(int(n) for n in r["images"]), tuple(int(n) for n in r["lengths"]))
-                      for r in flat)
-        batches.append(ReplayBatch(it, feats, vision, lang, tuple(flat)))
+        feats = tuple(_of_record(features, r) for r in flat)
+        alike = len({(f.tokens, tuple(sorted(f.lengths))) for f in feats}) == 1
+        batches.append(ReplayBatch(it, feats, vision, lang, tuple(flat), language_per_slot=alike))
     return batches, incomplete
+
+
+def _of_record(features, record: dict) -> PackFeatures:
+    try:
+        return features.of_record(record)
+    except (ValueError, TypeError) as exc:
+        raise ReplayError(f"timing record of iteration {record.get('iteration')}, rank {record.get('rank')}, "
+                          f"micro-batch {record.get('microbatch')}: {exc}") from None
 
 
 def split_iterations(batches: Sequence[ReplayBatch], holdout: float = DEFAULT_HOLDOUT
@@ -178,15 +207,23 @@ class ReplayOptions:
     margin: float = DEFAULT_MARGIN
     min_records: int = MIN_RECORDS
     r2_floor: float = R2_FLOOR
-    #: the vision encoder's (layers, hidden, heads, ffn), for the FLOP-derived candidate
+    #: the vision encoder's (layers, hidden, heads, ffn), for the tiles' ``vit-flops`` candidate
     vision_shape: Optional[Tuple[int, int, int, int]] = None
     #: global ranks of the D data-parallel ranks (nodes for ``ranks_per_node``)
     ranks: Optional[Tuple[int, ...]] = None
+    #: what a record is to the cost model (:mod:`.features`; None: :class:`~.features.TileFeatures`);
+    #: a Qwen-VL features object carries the tower's FLOP-derived model for ``flops``
+    features: Any = None
 
     @property
     def kind(self) -> str:
         """The integer cost kind the run balances with: two phases under ``microstep``."""
         return "two-phase" if self.sync == "microstep" else "time"
+
+    @property
+    def feature_reader(self):
+        """The features object (the default: tiles)."""
+        return TileFeatures() if self.features is None else self.features
 
 
 @dataclass(frozen=True)
@@ -198,6 +235,8 @@ class PricedCost:
     detail: str = ""
     r2_vision: float = float("nan")
     r2_language: float = float("nan")
+    #: False: scored and shown, never chosen (a model the measured times do not support)
+    selectable: bool = True
 
     def costs(self, batch: ReplayBatch, kind: str) -> np.ndarray:
         """``[D, G]`` (``time``) or ``[D, G, 2]`` (``two-phase``) integer costs."""
@@ -227,7 +266,8 @@ CANDIDATES: Dict[str, Candidate] = {}
 
 def register_candidate(candidate: Candidate) -> Candidate:
     """Add a candidate to :data:`CANDIDATES` (the extension point: a new cost model is
-    one call here, and both the replay and ``--mm-balance-cost auto`` consider it)."""
+    one call here and its name in a features object's ``candidates``; both the replay and
+    ``--mm-balance-cost auto`` then consider it)."""
     if candidate.name in CANDIDATES or candidate.name in ("unbalanced", "perfect"):
         raise ValueError(f"replay candidate {candidate.name!r} is already registered")
     CANDIDATES[candidate.name] = candidate
@@ -239,31 +279,37 @@ def _r2(y: np.ndarray, pred: np.ndarray) -> float:
     return float("nan") if ss <= 0 else 1.0 - float(((y - pred) ** 2).sum()) / ss
 
 
-#: Vision-forward terms a fit may use: the column of each over many packs.
+#: Vision-forward terms a fit may use: the column of each over many packs (a unit is an
+#: image of a tiled encoder, a frame of a Qwen-VL grid).
 VISION_TERMS = {
     "token": lambda f: f.image_tokens,
     "token_sq": lambda f: f.image_sq,
     "pack": lambda f: f.has_images.astype(np.float64),
     "image": lambda f: f.num_images,
+    "unit": lambda f: f.units,
 }
 _TERM_FIELD = {"token": "vision_ms_per_token", "token_sq": "vision_ms_per_token_sq",
-               "pack": "vision_ms_per_pack", "image": "vision_ms_per_image"}
+               "pack": "vision_ms_per_pack", "image": "vision_ms_per_image", "unit": "vision_ms_per_unit"}
 
 
 def _fit_records(batches: Sequence[ReplayBatch]) -> List[dict]:
     return [r for b in batches for r in b.records]
 
 
-def fit_vision(records: Sequence[dict], terms: Sequence[str], *, min_records: int = MIN_RECORDS,
-               r2_floor: float = R2_FLOOR) -> Tuple[dict, float, float]:
+def _features_of(records: Sequence[dict], of_record) -> FeatureArrays:
+    return FeatureArrays.of([of_record(r) for r in records])
+
+
+def fit_vision(records: Sequence[dict], terms: Sequence[str], *, of_record=TileFeatures.of_record,
+               min_records: int = MIN_RECORDS, r2_floor: float = R2_FLOOR) -> Tuple[dict, float, float]:
     """Non-negative least squares of ``vision_forward_ms`` on ``terms``
-    (:data:`VISION_TERMS`): ``(CostModel fields, backward ratio, R^2)``. Refused (the
-    reason) with fewer than ``min_records`` records with images, no variation in vision
-    time, or an R^2 below ``r2_floor``."""
-    with_images = sum(1 for r in records if r["images"])
+    (:data:`VISION_TERMS` of each record's features, ``of_record``): ``(CostModel fields,
+    backward ratio, R^2)``. Refused (the reason) with fewer than ``min_records`` records
+    with images, no variation in vision time, or an R^2 below ``r2_floor``."""
+    f = _features_of(records, of_record)
+    with_images = int(f.has_images.sum())
     if with_images < min_records:
         raise CandidateRefused(f"{with_images} records with images, fewer than {min_records}")
-    f = FeatureArrays.of([PackFeatures(tuple(r["images"]), tuple(r["lengths"])) for r in records])
     X = np.stack([VISION_TERMS[t](f) for t in terms], axis=1)
     y = np.array([float(r["vision_forward_ms"]) for r in records])
     coef = nonnegative_lstsq(X, y)
@@ -277,7 +323,8 @@ def fit_vision(records: Sequence[dict], terms: Sequence[str], *, min_records: in
     return {_TERM_FIELD[t]: float(c) for t, c in zip(terms, coef)}, float(ratio), r2
 
 
-def fit_language(records: Sequence[dict], *, r2_floor: float = R2_FLOOR) -> Tuple[dict, float, str]:
+def fit_language(records: Sequence[dict], *, of_record=TileFeatures.of_record,
+                 r2_floor: float = R2_FLOOR) -> Tuple[dict, float, str]:
     """The language phase from each micro-step's compute
     (:func:`~.timing_records.language_compute_records`): ``t*positions + c*sum(len^2) +
     const`` where those features vary and explain the time (R^2 at least ``r2_floor``);
@@ -288,7 +335,7 @@ def fit_language(records: Sequence[dict], *, r2_floor: float = R2_FLOOR) -> Tupl
     lang = language_compute_records(records)
     if not lang:
         return {"llm_backward_ratio": 2.0}, float("nan"), "no language records"
-    f = FeatureArrays.of([PackFeatures(tuple(r["images"]), tuple(r["lengths"])) for r in lang])
+    f = _features_of(lang, of_record)
     y = np.array([float(r["lm_forward_ms"]) for r in lang])
     yb = sum(float(r["lm_backward_ms"]) for r in lang)
     ratio = float(yb / y.sum()) if y.sum() > 0 else 2.0
@@ -311,9 +358,10 @@ def fitted_candidate(terms: Sequence[str]) -> Callable:
     """The builder of a fitted two-phase model with these vision terms."""
     def build(batches: Sequence[ReplayBatch], options: ReplayOptions) -> PricedCost:
         recs = _fit_records(batches)
-        vision, ratio, r2v = fit_vision(recs, terms, min_records=options.min_records,
+        of_record = options.feature_reader.of_record
+        vision, ratio, r2v = fit_vision(recs, terms, of_record=of_record, min_records=options.min_records,
                                         r2_floor=options.r2_floor)
-        lang, r2l, note = fit_language(recs, r2_floor=options.r2_floor)
+        lang, r2l, note = fit_language(recs, of_record=of_record, r2_floor=options.r2_floor)
         model = CostModel(**{**{f: 0.0 for f in _TERM_FIELD.values()}, **vision},
                           vision_backward_ratio=ratio, **lang)
         coef = ", ".join(f"{t} {vision[_TERM_FIELD[t]]:.4g}" for t in terms)
@@ -335,26 +383,56 @@ def _flops_build(batches: Sequence[ReplayBatch], options: ReplayOptions) -> Pric
         raise CandidateRefused("no vision encoder shape given (--vision-shape LAYERS,HIDDEN,HEADS,FFN)")
     per_token, per_sq = vit_flops_per_image(options.vision_shape)
     recs = _fit_records(batches)
-    f = FeatureArrays.of([PackFeatures(tuple(r["images"]), tuple(r["lengths"])) for r in recs])
+    of_record = options.feature_reader.of_record
+    f = _features_of(recs, of_record)
     flops = per_token * f.image_tokens + per_sq * f.image_sq
     y = np.array([float(r["vision_forward_ms"]) for r in recs])
     if not np.any(flops > 0):
         raise CandidateRefused("no images in the fit part")
     scale = float(flops @ y / (flops @ flops))
     vb = sum(float(r["vision_backward_ms"]) for r in recs)
-    lang, r2l, note = fit_language(recs, r2_floor=options.r2_floor)
+    lang, r2l, note = fit_language(recs, of_record=of_record, r2_floor=options.r2_floor)
     model = CostModel(vision_ms_per_token=scale * per_token, vision_ms_per_token_sq=scale * per_sq,
                       vision_backward_ratio=vb / float(y.sum()) if y.sum() > 0 else 2.0, **lang)
     r2v = _r2(y, scale * flops)
     return PricedCost(model, f"vision R^2 {r2v:.3f} ({scale * 1e9:.4g} ms/GFLOP); {note}", r2v, r2l)
 
 
-register_candidate(Candidate(IMAGE_TOKENS, "the pack's image tokens (the default)",
-                             lambda batches, options: PricedCost(None, "sum of per-image tokens")))
+def _derived_build(batches: Sequence[ReplayBatch], options: ReplayOptions) -> PricedCost:
+    """The features' FLOP-derived model as it is (no timing: what ``cost=model`` balances
+    with). Its vision shape is checked against the fit part's measured vision time (R^2 at
+    one fitted scale): below the floor the row is scored and shown but never chosen, as a
+    fit below it is refused (on times that are noise, a model's "gain" would be noise too)."""
+    features = options.feature_reader
+    model = getattr(features, "flops_model", None)
+    if model is None:
+        raise CandidateRefused(f"no FLOP-derived model ({getattr(features, 'flops_note', 'none given')})")
+    recs = _fit_records(batches)
+    ph = model.phase_ms(_features_of(recs, features.of_record))
+    pred = ph.vision_forward + ph.vision_backward
+    y = np.array([float(r["vision_forward_ms"]) + float(r["vision_backward_ms"]) for r in recs])
+    scale = float(pred @ y / (pred @ pred)) if np.any(pred > 0) else 0.0
+    r2v = _r2(y, scale * pred)
+    ratio = (f"{model.vision_ms_per_token / model.vision_ms_per_token_sq:.0f}"
+             if model.vision_ms_per_token_sq else "inf")
+    lang = "language from its config" if (model.llm_ms_per_token or model.llm_ms_per_len_sq) else "no language terms"
+    detail = f"no timing: b/a {ratio} patches, {lang}; vision R^2 {r2v:.3f} at one scale"
+    able = r2v >= options.r2_floor
+    if not able:
+        detail += f" (below the floor {options.r2_floor}: not chosen)"
+    return PricedCost(model, detail, r2v, selectable=able)
+
+
+register_candidate(Candidate(IMAGE_TOKENS, "the pack's image tokens (the default; Qwen-VL: the patch count)",
+                             lambda batches, options: PricedCost(None, "sum of per-unit tokens")))
 register_candidate(Candidate("vit-flops", "the vision encoder's FLOPs (its shape given), one fitted scale",
                              _flops_build))
-register_candidate(Candidate("fit", "fitted a*tokens + b*sum(tokens^2), no per-unit constant",
+register_candidate(Candidate("flops", "the FLOP-derived model of the tower's config, as cost=model uses it",
+                             _derived_build))
+register_candidate(Candidate("fit", "fitted a*tokens + b*sum(unit tokens^2), no per-unit constant",
                              fitted_candidate(("token", "token_sq"))))
+register_candidate(Candidate("fit+frame", "fitted, with a per-frame (per-unit) constant",
+                             fitted_candidate(("token", "token_sq", "unit"))))
 register_candidate(Candidate("fit+pack", "fitted, with a per-pack constant (the original auto model)",
                              fitted_candidate(("token", "token_sq", "pack"))))
 register_candidate(Candidate("fit+image", "fitted, with a per-image constant",
@@ -407,7 +485,7 @@ def score(held: Sequence[ReplayBatch], cost_of: Optional[Callable[[ReplayBatch],
     for b in held:
         D, G = b.shape
         pl = Placement.identity(D, G) if cost_of is None else _plan(cost_of(b), options)
-        t = pl.apply(b.time_ms)
+        t = b.placed_ms(pl)
         mean = t.mean(axis=0)
         steps.extend(float(x) for x in t.max(axis=0)[mean > 0] / mean[mean > 0])
         tot = t.sum(axis=1)
@@ -418,9 +496,12 @@ def score(held: Sequence[ReplayBatch], cost_of: Optional[Callable[[ReplayBatch],
 
 
 def measured_costs(batch: ReplayBatch, kind: str) -> np.ndarray:
-    """The packs' own measured times as integer microseconds (the ``perfect`` row)."""
+    """The packs' own measured times as integer microseconds (the ``perfect`` row; a language
+    time that is the slot's, :attr:`ReplayBatch.language_per_slot`, is the same for every pack)."""
     v = np.rint(batch.vision_ms * 1000.0).astype(np.int64)
-    lang = np.rint(batch.language_ms * 1000.0).astype(np.int64)
+    language = np.full_like(batch.language_ms, batch.language_ms.mean()) if batch.language_per_slot \
+        else batch.language_ms
+    lang = np.rint(language * 1000.0).astype(np.int64)
     return np.stack([v, lang], axis=2) if kind == "two-phase" else v + lang
 
 
@@ -437,6 +518,8 @@ class ReplayResult:
     held_iterations: Tuple[int, ...]
     records: int
     models: Dict[str, Optional[CostModel]] = field(default_factory=dict, compare=False)
+    #: what the costs were computed on (the features' ``identity``)
+    features: str = ""
 
     def row(self, name: str) -> ReplayRow:
         return next(r for r in self.rows if r.name == name)
@@ -446,11 +529,20 @@ class ReplayResult:
         """The chosen candidate's cost model (None: image tokens)."""
         return self.models.get(self.choice)
 
+    def excess_share(self, name: str) -> float:
+        """``name``'s held-out figure of the sync mode, its excess over 1.0 as a share of
+        image tokens' (NaN when refused, or image tokens' is 0): below 1, better than them."""
+        row, base = self.row(name), self.row(IMAGE_TOKENS)
+        if row.refused or base.refused or not base.figure(self.sync) > 1.0:
+            return float("nan")
+        return (row.figure(self.sync) - 1.0) / (base.figure(self.sync) - 1.0)
+
     def to_json(self) -> dict:
         return {"format": REPLAY_FORMAT, "choice": self.choice, "reason": self.reason, "sync": self.sync,
-                "margin": self.margin, "fit_iterations": list(self.fit_iterations),
+                "features": self.features, "margin": self.margin, "fit_iterations": list(self.fit_iterations),
                 "held_iterations": list(self.held_iterations), "records": self.records,
                 "rows": [r.to_json() for r in self.rows],
+                "excess_vs_image_tokens": {r.name: _or_none(self.excess_share(r.name)) for r in self.rows},
                 "models": {k: (None if m is None else m.to_json()) for k, m in self.models.items()}}
 
     def table(self) -> List[str]:
@@ -459,18 +551,28 @@ class ReplayResult:
         held = _span(self.held_iterations)
         def its(n):
             return "iteration" if len(n) == 1 else "iterations"
+        on = f", features {self.features}" if self.features else ""
         out = [f"replay of {self.records} records: fit on {its(self.fit_iterations)} {fit}, scored on "
-               f"held-out {its(self.held_iterations)} {held} (sync {self.sync})",
-               f"{'cost':<16} {'micro-step max/mean':>19} {'rank-total max/mean':>19} {'moved':>6}  fit"]
+               f"held-out {its(self.held_iterations)} {held} (sync {self.sync}{on})",
+               f"{'cost':<16} {'micro-step max/mean':>19} {'rank-total max/mean':>19} {'excess':>7} "
+               f"{'moved':>6}  fit"]
         for r in self.rows:
             if r.refused:
-                out.append(f"{r.name:<16} {'-':>19} {'-':>19} {'-':>6}  refused: {r.refused}")
+                out.append(f"{r.name:<16} {'-':>19} {'-':>19} {'-':>7} {'-':>6}  refused: {r.refused}")
                 continue
             mark = "  <- chosen" if r.name == self.choice else ""
-            out.append(f"{r.name:<16} {r.microstep_max_mean:>19.4f} {r.rank_total_max_mean:>19.4f} "
+            share = self.excess_share(r.name)
+            excess = "-" if math.isnan(share) else f"{100 * share:.0f}%"
+            out.append(f"{r.name:<16} {r.microstep_max_mean:>19.4f} {r.rank_total_max_mean:>19.4f} {excess:>7} "
                        f"{100 * r.moved_fraction:>5.1f}%  {r.detail}{mark}")
+        out.append(f"excess: the {'micro-step' if self.sync == 'microstep' else 'rank-total'} max/mean's "
+                   f"excess over 1.0 as a share of image tokens'")
         out.append(f"choice: {self.choice} ({self.reason})")
         return out
+
+
+def _or_none(x: float) -> Optional[float]:
+    return None if math.isnan(x) else x
 
 
 def _span(its: Sequence[int]) -> str:
@@ -503,13 +605,16 @@ def replay(records: Sequence[dict], options: ReplayOptions = ReplayOptions(), *,
            skip_iterations: int = 0, candidates: Optional[Sequence[str]] = None,
            batches: Optional[Sequence[ReplayBatch]] = None) -> ReplayResult:
     """Replay ``records`` (every rank's): split, build every candidate on the fit part,
-    score it on the held-out part, and choose (module docstring)."""
+    score it on the held-out part, and choose (module docstring). ``candidates``: default
+    the features' own (``options.features.candidates``)."""
     if options.margin < 0 or not math.isfinite(options.margin):
         raise ReplayError(f"the margin must be a number >= 0, got {options.margin!r}")
+    features = options.feature_reader
     if batches is None:
-        batches, _ = global_batches(records, sync=options.sync, skip_iterations=skip_iterations)
+        batches, _ = global_batches(records, sync=options.sync, skip_iterations=skip_iterations,
+                                    features=features)
     fit, held = split_iterations(batches, options.holdout)
-    names = list(CANDIDATES) if candidates is None else list(candidates)
+    names = list(features.candidates) if candidates is None else list(candidates)
     unknown = [n for n in names if n not in CANDIDATES]
     if unknown:
         raise ReplayError(f"unknown replay candidate(s) {unknown} (known: {', '.join(CANDIDATES)})")
@@ -526,11 +631,11 @@ def replay(records: Sequence[dict], options: ReplayOptions = ReplayOptions(), *,
             continue
         models[name] = priced.model
         rows.append(ReplayRow(name, *score(held, lambda b, p=priced: p.costs(b, kind), options),
-                              detail=priced.detail, r2_vision=priced.r2_vision,
+                              detail=priced.detail, selectable=priced.selectable, r2_vision=priced.r2_vision,
                               r2_language=priced.r2_language))
     rows.append(ReplayRow("perfect", *score(held, lambda b: measured_costs(b, kind), options),
                           detail="the held-out packs' own measured times", selectable=False))
     choice, reason = choose(rows, options.sync, options.margin)
     return ReplayResult(choice, reason, tuple(rows), options.sync, options.margin,
                         tuple(b.iteration for b in fit), tuple(b.iteration for b in held),
-                        sum(len(b.records) for b in batches), models)
+                        sum(len(b.records) for b in batches), models, features=features.identity)

@@ -453,8 +453,9 @@ def auto_cost_fn(cfg, recorder: Optional[TimingRecorder], group, *, features=Non
     loaded a checkpoint (``args.iteration > 0``) restores it from ``--load``. ``cfg``: the
     run's :class:`~.config.MMBalanceConfig` (its tokens per tile, sync, timeout, and
     Megatron's start iteration, ``--load`` and ``--save``). ``features``: what the fit and
-    the costs read (:class:`~megatron_mm_balance.cost.calibration.TileFeatures` by default,
-    ``QwenVLFeatures`` on Bridge's Qwen-VL models).
+    the costs read, and the candidates the replay weighs
+    (:class:`~megatron_mm_balance.cost.features.TileFeatures` by default, ``QwenVLFeatures``,
+    one unit per frame, on Bridge's Qwen-VL models).
     """
     import torch.distributed as dist
     from ..cost.calibration import FIT_FILE, AutoCost, CalibrationConfig, read_fit, write_fit

@@ -226,11 +226,33 @@ def test_cost_auto_trains_as_off_and_writes_the_fit(runner, bridge_runs_dir):
             assert r["grids"] and r["images"] == [t * h * w for t, h, w in r["grids"]], r
             assert r["lengths"] and r["lm_forward_ms"] > 0 and r["lm_backward_ms"] > 0, r
             assert r["vision_forward_ms"] > 0 and r["vision_backward_ms"] > 0, r
+    # mm-balance replay on the run's own timing directory: frames, the FLOP model the run wrote
+    from megatron_mm_balance import cli
+    from megatron_mm_balance.cost.replay import FLOPS_MODEL_FILE
+    assert (timing_dir / FLOPS_MODEL_FILE).is_file(), sorted(p.name for p in timing_dir.iterdir())
+    replayed = cli_json(cli, ["replay", str(timing_dir), "--skip-iterations", "1", "--json"])
+    assert replayed["features"] == "qwen_vl_frames(merge=2)" and replayed["fit_iterations"] == [2, 3]
+    rows = {r["name"]: r for r in replayed["rows"]}
+    assert list(rows) == ["unbalanced", "image-tokens", "flops", "fit", "fit+frame", "fit+image", "perfect"]
+    assert not rows["flops"]["refused"] and rows["flops"]["microstep_max_mean"] is not None, rows["flops"]
+    print("\n".join(f"{r['name']:<13} {r['microstep_max_mean'] or float('nan'):.4f} "
+                    f"{r['rank_total_max_mean'] or float('nan'):.4f} {r['refused'] or r['detail']}" for r in rows.values()))
     if not fit.ok:                   # image tokens kept: the image-token balanced run's placements
         as_on = compare_checkpoints(ckpt(f"{AUTO_LAYOUT}-on"), ckpt("auto"))
         assert as_on.identical, as_on.summary()
     print(f"\ncost=auto ({AUTO_LAYOUT}): {fit.line()}\nfinal checkpoint vs off: {same.summary()}; wall off "
           f"{off.wall_s:.0f}s auto {auto.wall_s:.0f}s\n{table}")
+
+
+def cli_json(cli, argv) -> dict:
+    """``mm-balance ARGV --json`` in this process, its one JSON object."""
+    import contextlib
+    import io
+    import json
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert cli.main(argv) == 0, argv
+    return json.loads(out.getvalue())
 
 
 def test_cost_auto_resume_restores_the_fit(runner, bridge_runs_dir):
@@ -264,3 +286,33 @@ def test_cost_auto_resume_restores_the_fit(runner, bridge_runs_dir):
         assert same.norm_relative_difference <= 1e-6, same.summary()
     print(f"\ncost=auto resume: restored {saved.line()}\nfinal checkpoint vs the uninterrupted run's: "
           f"{same.summary()}; wall first {first.wall_s:.0f}s resumed {second.wall_s:.0f}s\n{table}")
+
+
+def test_cost_model_from_flops_trains_within_the_control_band(runner, bridge_runs_dir):
+    """``mm_balance.cost=model`` without a cost file: the FLOP-derived model of the provider's
+    tower and language model (cost/flops.py) is the cost. Printed losses equal off's; the final
+    checkpoint is bit for bit the image-token balanced run's where it placed the same, else
+    within the fp32 control's band of off (the layout test's off, on and control runs)."""
+    from megatron_mm_balance.megatron.band import DEFAULT_K
+    from megatron_mm_balance.megatron.checkpoints import compare_checkpoints
+    off = runner(f"{AUTO_LAYOUT}-off", AUTO_LAYOUT, False)
+    on = runner(f"{AUTO_LAYOUT}-on", AUTO_LAYOUT, True)
+    ctl = runner(f"{AUTO_LAYOUT}-control", AUTO_LAYOUT, True, extra=["mm_balance.mode=control"])
+    model = runner("model", AUTO_LAYOUT, True, extra=["mm_balance.cost=model"])
+    table = bu.loss_table({"off": off, "cost=model": model})
+    assert off.rc == 0 and on.rc == 0 and ctl.rc == 0 and model.rc == 0, f"exit {model.rc}\n{model.tail()}"
+    assert sorted(model.losses) == list(range(1, ITERS + 1)) and model.losses == off.losses, table
+    # costs in the model's microseconds, not patches: the FLOP model was the cost
+    assert model.stat("cost_step_mean") and model.stat("cost_step_mean") != on.stat("cost_step_mean"), model.tail()
+    assert sum(model.stat("packs_moved").values()) > 0, model.tail()
+    ckpt = lambda name: str(bridge_runs_dir / name / "checkpoints")  # noqa: E731
+    as_on = compare_checkpoints(ckpt(f"{AUTO_LAYOUT}-on"), ckpt("model"))
+    same = compare_checkpoints(ckpt(f"{AUTO_LAYOUT}-off"), ckpt("model"))
+    band = compare_checkpoints(ckpt(f"{AUTO_LAYOUT}-off"), ckpt(f"{AUTO_LAYOUT}-control"))
+    assert same.same and not (same.only_a or same.only_b), same.summary()
+    if not as_on.identical:
+        assert same.norm_relative_difference <= DEFAULT_K * max(band.norm_relative_difference, FP32_CHECKPOINT_FLOOR), \
+            (same.summary(), band.summary())
+    print(f"\ncost=model (FLOPs, {AUTO_LAYOUT}): packs moved {model.stat('packs_moved')} (image tokens "
+          f"{on.stat('packs_moved')}); final checkpoint vs image tokens' {as_on.summary()}, vs off "
+          f"{same.summary()}, control vs off {band.summary()}; wall {model.wall_s:.0f}s\n{table}")

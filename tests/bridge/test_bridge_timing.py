@@ -9,10 +9,12 @@
   on a Qwen3-VL-shaped model (``vision_model(hidden_states=, grid_thw=)`` returning embeddings
   and deepstack features, ``language_model(decoder_input=...)``, called with keyword arguments
   as ``qwen3_vl_step`` calls it, inside two ``.module`` wrappers) record every micro-batch with
-  its grids and change no loss and no gradient bitwise; the ranks' records give one agreed fit.
+  its grids and change no loss and no gradient bitwise; the ranks' records give one agreed fit,
+  and on records whose time is quadratic per frame one agreed per-frame choice.
 
 The launcher runs (the real model, DP=2 x EP=2) are in test_bridge_realpath.py. About 10 s.
 """
+import dataclasses
 import json
 import types
 
@@ -83,62 +85,54 @@ def qwen_batch(grids, text=10):
 
 
 def test_record_and_batch_features_agree():
+    """One unit per frame: a video of t temporal patches is t frames of h*w."""
     from megatron_mm_balance.bridge.timing import qwen_vl_features
     f = QwenVLFeatures(2)
-    for grids in ([[1, 4, 6]], [[1, 2, 2], [2, 4, 4]], []):
+    for grids in ([[1, 4, 6]], [[1, 2, 2], [3, 4, 4]], []):
         batch, call = qwen_batch(grids)
         images, lengths, got = qwen_vl_features(None, (), call)
         assert got == grids and images == [t * h * w for t, h, w in grids]
         record = {"images": images, "lengths": lengths, "grids": got}
         assert f.of_record(record) == f.of_pack(batch)
+        assert f.of_record(record).images == tuple(h * w for t, h, w in grids for _ in range(t))
+        assert f.of_record(record).image_count == len(grids)
         assert f.tokens(batch) == sum(images)
     with pytest.raises(ValueError, match="grids"):
         f.of_record({"images": [4], "lengths": [8], "iteration": 2, "rank": 0})
 
 
-def grid_records(iterations=range(2, 5), ranks=2, seed=0):
-    """Records with grids whose vision time follows a known per-image quadratic."""
-    import numpy as np
-    rng = np.random.default_rng(seed)
-    out = []
-    for it in iterations:
-        for m in range(G):
-            for r in range(ranks):
-                grids = [[1, 2 * int(rng.integers(1, 9)), 2 * int(rng.integers(1, 9))]
-                         for _ in range(int(rng.integers(1, 3)))]
-                n = [t * h * w for t, h, w in grids]
-                vf = 0.2 * sum(n) + 1e-3 * sum(x * x for x in n) + 5.0
-                out.append(dict(iteration=it, microbatch=m, rank=r, images=n, lengths=[512], grids=grids,
-                                vision_forward_ms=vf, vision_backward_ms=2 * vf, lm_forward_ms=50.0,
-                                lm_backward_ms=60.0, start_s=0.0, end_s=0.0))
-    return out
-
-
 def test_cost_auto_costs_bridge_batches_with_the_fit():
-    """Records of 4 ranks whose vision time is quadratic per image: the replay of the
-    calibration iterations (fit on the first, scored on the held-out rest) chooses a fitted
-    model over image tokens, and Bridge batches are costed with it from iteration K + 2."""
+    """Records of 4 ranks whose vision time is quadratic per frame (large images, many small
+    ones, videos): the replay of the calibration iterations (fit on the first, scored on the
+    held-out rest) chooses a fitted per-frame model over the patch count, and Bridge batches
+    are costed with it from iteration K + 2, a video per frame."""
+    from megatron_mm_balance.testing import frame_records as fr
     K = 5
-    recs = grid_records(iterations=range(2, K + 1), ranks=4)
+    recs = fr.frame_records(iterations=range(2, K + 1), ranks=4, G=G)
     auto = AutoCost(CalibrationConfig(iterations=K), collect=lambda a, b: [r for r in recs if a <= r["iteration"] <= b],
                     agree=lambda local, fit: fit(local), features=QwenVLFeatures(2))
-    assert "qwen_vl_per-image" in auto.identity
+    assert "qwen_vl_frames" in auto.identity
     small, large = qwen_batch([[1, 4, 4]])[0], qwen_batch([[1, 16, 16]])[0]
-    assert auto.for_batch(0)(small) == (16, 0) and auto.for_batch(0)(large) == (256, 0)   # image tokens
+    video = qwen_batch([[4, 16, 16]])[0]
+    assert auto.for_batch(0)(small) == (16, 0) and auto.for_batch(0)(large) == (256, 0)   # patch count
+    assert auto.for_batch(0)(video) == (1024, 0)
     cost = auto.for_batch(K + 1)               # iteration K + 2: the choice from iterations 2..K
     assert auto.fit.ok and auto.fit.choice.startswith("fit"), auto.fit
+    assert auto.fit.features == "qwen_vl_frames(merge=2)"
     m = auto.fit.model
-    assert m.vision_ms_per_token_sq > 0        # the quadratic term: attention within each image
-    v_small, v_large = cost(small)[0], cost(large)[0]
-    assert v_large > 16 * v_small              # quadratic per image, not the 16x of image tokens
+    assert m.vision_ms_per_token_sq > 0        # the quadratic term: attention within each frame
     # vision forward + backward (x2) in microseconds, from the chosen model's own terms
-    for batch, n in ((small, 16), (large, 256)):
-        want = (m.vision_ms_per_token * n + m.vision_ms_per_token_sq * n * n + m.vision_ms_per_pack
-                + m.vision_ms_per_image) * (1 + m.vision_backward_ratio)
+    for batch, frames in ((small, [16]), (large, [256]), (video, [256] * 4)):
+        want = (sum(m.vision_ms_per_token * p + m.vision_ms_per_token_sq * p * p + m.vision_ms_per_unit
+                    for p in frames) + m.vision_ms_per_pack + m.vision_ms_per_image) * (1 + m.vision_backward_ratio)
         assert cost(batch)[0] == round(want * 1000)
     # the records' features through the extension point: the full fit recovers the quadratic
     direct = fit_phases(recs, features=QwenVLFeatures(2).of_record)
-    assert direct.ok and direct.model.vision_ms_per_token_sq == pytest.approx(1e-3, rel=1e-6)
+    assert direct.ok and direct.model.vision_ms_per_token_sq == pytest.approx(fr.PER_PATCH_SQ_MS, rel=1e-6)
+    # a saved model of other units (the per-image features of before) is not applied to frames
+    with pytest.raises(ValueError, match="prices qwen_vl_per-image"):
+        AutoCost(CalibrationConfig(iterations=K), collect=None, agree=None, features=QwenVLFeatures(2),
+                 saved=dataclasses.replace(auto.fit, features="qwen_vl_per-image(merge=2)"))
 
 
 # -- the hooks on a Qwen3-VL-shaped model, 2 gloo ranks --------------------------------------
@@ -278,9 +272,44 @@ def hooks_worker(rank, world, out_dir):
                         features=auto_features_for(bridge_cfg(None).model))
     cost.for_batch(3)
     probes = [cost(qwen_batch(g)[0]) for g in ([[1, 2, 2]], [[1, 8, 8]], [[1, 4, 4], [2, 4, 4]], [])]
+    frames = per_frame_choice(rank, cfg)
     return {"losses_equal": bool(torch.equal(base[0], hooked[0])),
             "grads_equal": bool(torch.equal(base[1], hooked[1])), "records": records, "want": want,
-            "fit": json.dumps(cost.fit.to_json(), sort_keys=True), "probes": probes}
+            "fit": json.dumps(cost.fit.to_json(), sort_keys=True), "probes": probes, **frames}
+
+
+class FrameRecords:
+    """This rank's share of synthetic per-frame records, as the timing recorder hands them over."""
+
+    def __init__(self, records):
+        self._records = records
+
+    def wait_until_done(self, last, wait_s):
+        return True
+
+    def records(self, first, last):
+        return [r for r in self._records if first <= r["iteration"] <= last]
+
+
+def per_frame_choice(rank, cfg):
+    """cost=auto's agreement on records whose time is quadratic per frame: each rank holds its
+    own records, the group's first rank replays every rank's (the toy tower's FLOP model among
+    the candidates), both balance with the one choice broadcast."""
+    import dataclasses as dc
+
+    import torch.distributed as dist
+    from megatron_mm_balance.cost.flops import CPU_FLOPS_PER_MS, VISION_PRESETS, vision_cost_model
+    from megatron_mm_balance.megatron.timing import auto_cost_fn
+    from megatron_mm_balance.testing import frame_records as fr
+    K = 5
+    mine = [r for r in fr.frame_records(iterations=range(2, K + 1), ranks=2, G=8, noise=0.02) if r["rank"] == rank]
+    toy = vision_cost_model(VISION_PRESETS["qwen3-vl-tiny-cpu"], flops_per_ms=CPU_FLOPS_PER_MS)
+    cost = auto_cost_fn(dc.replace(cfg, calibration_iters=K), FrameRecords(mine),
+                        dist.new_group([0, 1], backend="gloo"),
+                        features=QwenVLFeatures(2, flops_model=toy))
+    cost.for_batch(K + 1)
+    probes = [cost(qwen_batch(g)[0]) for g in ([[1, 8, 8]] * 4, [[1, 16, 16]], [[4, 8, 8]], [[1, 4, 4], [2, 6, 6]])]
+    return {"frames_fit": json.dumps(cost.fit.to_json(), sort_keys=True), "frames_probes": probes}
 
 
 def test_hooks_on_qwen3_vl_record_every_microbatch_and_change_nothing(tmp_path):
@@ -300,3 +329,13 @@ def test_hooks_on_qwen3_vl_record_every_microbatch_and_change_nothing(tmp_path):
     fit = json.loads(results[0]["fit"])
     assert (fit["first_iteration"], fit["last_iteration"], fit["records"]) == (2, 2, 2 * G)
     assert results[0]["probes"] == results[1]["probes"], "the ranks compute different costs"
+    # per-frame records: one choice on both ranks, a per-frame model, the same integer costs
+    assert results[0]["frames_fit"] == results[1]["frames_fit"], "the ranks decided different per-frame fits"
+    frames = json.loads(results[0]["frames_fit"])
+    assert frames["ok"] and frames["features"] == "qwen_vl_frames(merge=2)", frames["reason"]
+    assert frames["choice"] in ("flops", "fit", "fit+frame", "fit+image"), frames["replay"]["table"]
+    assert [r["name"] for r in frames["replay"]["rows"]][1:-1] == ["image-tokens", "flops", "fit", "fit+frame",
+                                                                 "fit+image"]
+    assert results[0]["frames_probes"] == results[1]["frames_probes"]
+    four_small, one_large = results[0]["frames_probes"][:2]
+    assert one_large[0] > four_small[0], "a 256-patch frame costs more than four 64-patch frames"

@@ -396,7 +396,7 @@ def test_wgrad_accumulation_stand_in_accumulates_in_fp32():
     print(f"\nmain_grad error vs fp64, relative to its largest entry: {err}")
 
 
-def test_cost_model_without_a_file_is_the_flop_count_of_the_provider():
+def test_cost_model_without_a_file_is_the_flop_count_of_the_provider(tmp_path):
     from megatron_mm_balance.bridge.iterator import cost_fn_for, training_regime
     from megatron_mm_balance.cost.flops import (CPU_FLOPS_PER_MS, DEFAULT_FLOPS_PER_MS, TrainingRegime,
                                                 vision_cost_model)
@@ -419,9 +419,17 @@ def test_cost_model_without_a_file_is_the_flop_count_of_the_provider():
     big, small = cost(_batch(images=[(1, 32, 32)]))[0], cost(_batch(images=[(1, 8, 8)] * 16))[0]
     assert big > small > 0                        # equal patches; the large frame costs more
     assert "flops" in cost.identity
+    # cost=auto replays the same model as its flops candidate; a timing directory gets it too
+    from megatron_mm_balance.bridge.iterator import auto_features_for, save_flops_model
+    from megatron_mm_balance.cost.model import load_cost_file
+    assert auto_features_for(cfg.model).flops_model == cost.model
+    assert load_cost_file(save_flops_model(str(tmp_path / "timing"), cfg.model)) == cost.model
     cfg.model.vision_cuda_graph_impl = "transformer_engine"
     with pytest.raises(MMBalanceConfigError, match="vision CUDA graphs"):
         cost_fn_for(core, cfg.model)
+    features = auto_features_for(cfg.model)            # auto: the candidate refused, with the reason
+    assert features.flops_model is None and "vision CUDA graphs" in features.flops_note
+    assert save_flops_model(str(tmp_path / "graphs"), cfg.model) is None
 
 
 # --------------------------------------------------------------------------- context-parallel frame split

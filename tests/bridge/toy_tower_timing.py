@@ -1,15 +1,14 @@
 """Time forward + backward of the CPU toy Qwen3-VL vision tower (configs/bridge/qwen3_vl_moe_tiny_cpu.py,
-built by Bridge's own provider under the CPU harness) on micro-batches of mixed frame sizes, and
-print, as one JSON line, each micro-batch's grids, its measured milliseconds (best of REPS) and the
-costs predicted by the FLOP-derived model and by the patch count.
+built by Bridge's own provider under the CPU harness, whose packed attention computes each frame on
+its own as GPU varlen kernels do) on micro-batches of mixed frame sizes, and print, as one JSON line,
+each micro-batch's grids, its measured milliseconds (best of ``--reps``, the batches timed in turn),
+the costs predicted by the FLOP-derived model and by the patch count, and whether the
+``qwen3-vl-tiny-cpu`` preset of ``mm-balance replay --vision-config`` is this tower.
 
-The CPU harness's packed attention (``cpu_pretrain._packed_attention``) is one dense masked
-attention over the whole pack: exact, but quadratic in the pack's total patches, which no GPU
-kernel is. Timed with it, a 4,096-patch micro-batch takes the same time as one frame or as 64
-frames. ``--attention per-frame`` (the default) computes each frame's attention on its own, as
-FlashAttention's variable-length kernels do; ``--attention harness`` keeps the harness's.
+    PYTHONPATH=REPO:BRIDGE/src:MEGATRON_LM python tests/bridge/toy_tower_timing.py [--reps N] [--all]
 
-    PYTHONPATH=REPO:BRIDGE/src:MEGATRON_LM python tests/bridge/toy_tower_timing.py [--attention per-frame|harness]
+``test_toy_tower_ranking.py`` runs it on :data:`BATCHES`; ``--all`` adds :data:`MORE` (the
+table of docs/bridge.md section 3).
 """
 from __future__ import annotations
 
@@ -22,42 +21,21 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "configs", "bridge"))
 
-#: equal patch totals split into few large or many small frames, a video, and other totals
+#: micro-batches of 1,536-2,304 patches: one large frame, many small ones, a video, a few
+#: medium ones; the patch count ties most of them, the frames' sizes do not
 BATCHES = [
-    [(1, 64, 64)], [(1, 32, 32)] * 4, [(1, 16, 16)] * 16, [(1, 8, 8)] * 64, [(4, 32, 32)],
-    [(1, 48, 48)], [(1, 16, 16)] * 9, [(1, 32, 64)], [(1, 8, 8)] * 32, [(1, 24, 24), (1, 32, 32)],
-    [(2, 40, 40)], [(1, 16, 32)] * 6,
+    [(1, 48, 48)], [(1, 16, 16)] * 9, [(1, 32, 32)] * 2, [(1, 32, 64)], [(1, 24, 24)] * 4, [(2, 32, 32)],
+    [(1, 40, 40)], [(1, 16, 16)] * 6, [(1, 12, 12)] * 16,
 ]
-REPS = 3
-
-
-def install_per_frame_attention() -> None:
-    """Packed (THD) attention computed segment by segment (each frame of the pack alone)."""
-    import torch
-    from megatron.core.transformer import dot_product_attention as dpa
-    harness_forward = dpa.DotProductAttention.forward
-
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                packed_seq_params=None):
-        if packed_seq_params is None:
-            return harness_forward(self, query, key, value, attention_mask, attn_mask_type=attn_mask_type,
-                                   attention_bias=attention_bias, packed_seq_params=None)
-        cu = packed_seq_params.cu_seqlens_q.to(torch.long).tolist()
-        outs = []
-        for a, b in zip(cu, cu[1:]):
-            q, k, v = (x[a:b].float().transpose(0, 1) for x in (query, key, value))      # [h, p, d]
-            probs = torch.softmax(torch.matmul(q, k.transpose(1, 2)) * self.softmax_scale, dim=-1)
-            outs.append(torch.matmul(probs, v).to(query.dtype).transpose(0, 1))
-        return torch.cat(outs).reshape(query.shape[0], 1, -1)
-
-    dpa.DotProductAttention.forward = forward
+#: the larger micro-batches of 4,096 patches (one 64 x 64 frame takes seconds on a CPU)
+MORE = [[(1, 64, 64)], [(1, 32, 32)] * 4, [(1, 16, 16)] * 16, [(1, 8, 8)] * 64, [(4, 32, 32)]]
 
 
 def main() -> None:
+    reps = int(sys.argv[sys.argv.index("--reps") + 1]) if "--reps" in sys.argv else 2
+    batches = BATCHES + (MORE if "--all" in sys.argv else [])
     from megatron_mm_balance.testing import cpu_bridge
     cpu_bridge.install()
-    if "--attention" not in sys.argv or sys.argv[sys.argv.index("--attention") + 1] == "per-frame":
-        install_per_frame_attention()
     import torch
     import torch.distributed as dist
 
@@ -72,7 +50,7 @@ def main() -> None:
     import qwen3_vl_moe_tiny_cpu as toy
 
     from megatron_mm_balance.bridge.iterator import training_regime
-    from megatron_mm_balance.cost.flops import vision_cost_model
+    from megatron_mm_balance.cost.flops import VISION_PRESETS, VisionTower, vision_cost_model
     from megatron_mm_balance.cost.frames import grid_feature_arrays
     provider = toy.model_provider()
     provider.expert_model_parallel_size = 1
@@ -90,12 +68,17 @@ def main() -> None:
         (out.float().sum() + sum(d.float().sum() for d in deepstack)).backward()
         return (time.perf_counter() - t0) * 1e3
 
-    step(BATCHES[0])                                            # warm-up
-    measured = [min(step(g) for _ in range(REPS)) for g in BATCHES]
+    step(batches[0])                                            # warm-up
+    times = [[] for _ in batches]
+    for _ in range(reps):                                       # in turn: a slow spell hits every batch
+        for i, g in enumerate(batches):
+            times[i].append(step(g))
     model = vision_cost_model(vc, training_regime(provider), flops_per_ms=1.0)
-    predicted = model.phase_ms(grid_feature_arrays(BATCHES)).vision.tolist()
-    patches = [sum(t * h * w for t, h, w in g) for g in BATCHES]
-    print(json.dumps({"grids": BATCHES, "measured_ms": measured, "flops": predicted, "patches": patches}))
+    predicted = model.phase_ms(grid_feature_arrays(batches)).vision.tolist()
+    patches = [sum(t * h * w for t, h, w in g) for g in batches]
+    preset = VisionTower.from_config(VISION_PRESETS["qwen3-vl-tiny-cpu"]) == VisionTower.from_config(vc)
+    print(json.dumps({"grids": batches, "measured_ms": [min(t) for t in times], "flops": predicted,
+                      "patches": patches, "preset_is_this_tower": preset}))
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@ where the node-aware plan crosses fewer, as many and more packs between nodes
 (``topology.traffic``), and those with a better and a worse balance (micro-step
 objective, then the heaviest rank's excess over the limit). The node-aware plan never
 has a worse balance, and at an equal balance never more packs across
-(solver/node_choice.py); "more" is only ever a better balance.
+(solver/node_choice.py): "more, no better" (more packs across at a balance no better
+than flat's) is 0.
 
     python benchmarks/bench_node_crossings.py            # the docs/megatron.md table
 """
@@ -38,7 +39,7 @@ def balance(c: np.ndarray, pl, sync: str, tolerance: float) -> tuple[int, int]:
 def compare(ids, G: int, sync: str, two_phase: bool, batches: int, seed: int, tolerance: float) -> dict:
     rng = np.random.default_rng(seed)
     D = len(ids)
-    out = dict(fewer=0, same=0, more=0, better=0, worse=0, flat=0, aware=0)
+    out = dict(fewer=0, same=0, more=0, better=0, worse=0, more_no_better=0, flat=0, aware=0)
     for _ in range(batches):
         c = rng.integers(0, 8, size=(D, G, 2) if two_phase else (D, G)) * 256
         flat = plan_placement(c, sync=sync, balance_tolerance=tolerance)
@@ -49,6 +50,7 @@ def compare(ids, G: int, sync: str, two_phase: bool, batches: int, seed: int, to
         out["fewer" if xa < xf else "same" if xa == xf else "more"] += 1
         out["better"] += ba < bf
         out["worse"] += ba > bf
+        out["more_no_better"] += xa > xf and not ba < bf
         out["flat"] += xf
         out["aware"] += xa
     return out
@@ -63,7 +65,8 @@ def main(argv=None) -> None:
     print(f"{args.batches} batches per row, rng seed {args.seed}, costs integers(0, 8) * 256, "
           f"tolerance {args.tolerance}")
     head = (f"{'layout':>24} {'sync':>9} {'costs':>9} | {'fewer':>6} {'same':>6} {'more':>5} | "
-            f"{'balance better':>14} {'worse':>5} | {'inter-node packs flat':>21} {'aware':>6}")
+            f"{'balance better':>14} {'worse':>5} | {'more, no better':>15} | {'inter-node packs flat':>21} "
+            f"{'aware':>6}")
     print(head)
     print("-" * len(head))
     for name, ids, G in LAYOUTS:
@@ -72,7 +75,7 @@ def main(argv=None) -> None:
                 r = compare(ids, G, sync, two, args.batches, args.seed, args.tolerance)
                 print(f"{name:>24} {sync:>9} {'two-phase' if two else 'scalar':>9} | {r['fewer']:>6} "
                       f"{r['same']:>6} {r['more']:>5} | {r['better']:>14} {r['worse']:>5} | "
-                      f"{r['flat']:>21} {r['aware']:>6}", flush=True)
+                      f"{r['more_no_better']:>15} | {r['flat']:>21} {r['aware']:>6}", flush=True)
 
 
 if __name__ == "__main__":

@@ -254,14 +254,12 @@ def _swap_descent(v: np.ndarray, l: np.ndarray, group: np.ndarray, G: int,
 @dataclass(frozen=True)
 class TwoPhaseGroups:
     """Step 1 of the module docstring, which does not depend on the nodes: ``weights``
-    ``[D, G]`` (vision + language, the rank totals evened), ``step[r, i]`` the
-    micro-step of rank r's i-th pack, ``boxes[m]`` micro-step m's (vision, language)
-    maxima (micro-steps in decreasing order of their sum), and ``order`` with
+    ``[D, G]`` (vision + language, the rank totals evened), ``boxes[m]`` micro-step m's
+    (vision, language) maxima (micro-steps in decreasing order of their sum), and ``order`` with
     ``bounds``: the packs (flat indices) of micro-step m, heaviest first (ties by
     origin then index), are ``order[bounds[m]:bounds[m + 1]]``."""
 
     weights: np.ndarray
-    step: np.ndarray
     boxes: np.ndarray
     order: np.ndarray
     bounds: np.ndarray
@@ -291,7 +289,7 @@ def two_phase_groups(c: np.ndarray) -> TwoPhaseGroups:
     top = int(wf.max()) + 1
     order = lex_argsort((top - 1 - wf, sf))
     bounds = np.searchsorted(sf[order], np.arange(G + 1))
-    return TwoPhaseGroups(w, step, boxes, order, bounds)
+    return TwoPhaseGroups(w, boxes, order, bounds)
 
 
 def two_phase_slots(c: np.ndarray, groups: TwoPhaseGroups, tolerance: float,

@@ -191,11 +191,12 @@ def balance_rank_totals(rules: SwapRules, src_rank: np.ndarray, src_index: np.nd
         added = add_h[:, :, None] + add_l[:, jj] + 2 * (1 + INTER_NODE_WEIGHT)
         spread = np.abs(2 * delta - gap)
         big = np.iinfo(np.int64).max
-        # window first (by added moves, then spread), else best spread then moves.
-        key_w = np.where(window, added * (1 << 40) + spread, big)
-        key_v = np.where(valid, (1 << 50) + spread * 8 + added, big)
+        # window first (by added moves, then spread), else best spread then moves: a window
+        # key (added <= 4 * (1 + INTER_NODE_WEIGHT) < 1000, spread < 2^40) is below any other.
+        key = np.where(valid, (1 << 50) + spread * 8 + added, big)
+        np.copyto(key, added * (1 << 40) + spread, where=window)
         K = jj.shape[1]
-        key = np.minimum(key_w, key_v).reshape(len(h), G * K)
+        key = key.reshape(len(h), G * K)
         best = np.argmin(key, axis=1)
         ok = key[np.arange(len(h)), best] < big
         attempt[h[~ok]] += 1

@@ -6,6 +6,8 @@
 * :mod:`.two_phase` — the two-phase (vision, language) micro-step objective;
 * :mod:`.rank_balance` — evening rank (and node) totals with level-preserving swaps;
 * :mod:`.topology` — node-aware moves (ranks per node, inter-node traffic);
+* :mod:`.node_choice` — a node-aware plan never worse than the flat one (balance, then
+  packs crossing nodes);
 * :mod:`.sorting` — fast stable integer sorts the solver relies on for determinism;
 * :mod:`.images` — which rank encodes which image (image-level vision balancing on the
   Megatron-LM path, equal tiles);

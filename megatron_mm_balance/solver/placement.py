@@ -41,6 +41,12 @@ to the integer floor of tile-quantised costs), preferring swaps that re-route
 packs already moving; then move chains are shortened (a pack away from home
 swaps with a foreign pack on its home rank) without breaking that limit.
 
+With nodes (``ranks_per_node``), moves prefer node-mates (:mod:`.topology`) and
+the result is never worse than the flat placement of the same batch: the grouping is
+computed once, the slots, stage 3 and chain shortening run with and without the
+nodes, and the node-aware plan is kept unless its balance is worse or, at an equal
+balance, more packs cross nodes (:mod:`.node_choice`).
+
 The result is deterministic (integer arithmetic, stable sorts, explicit tie
 breaks), total (every pack in exactly one slot) and, in ``microstep`` mode,
 exactly optimal for the micro-step objective.
@@ -51,14 +57,15 @@ Complexity: O(G * D * G) element operations vectorised over the D x G matrix
 from __future__ import annotations
 
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
+from .node_choice import no_worse_than_flat
 from .rank_balance import SwapRules, balance_node_totals, balance_rank_totals, send_home
 from .sorting import lex_argsort, stable_argsort
 from .topology import check_ranks_per_node, node_ids, pair_within_nodes
-from .two_phase import _two_phase_placement, as_cost_pairs
+from .two_phase import as_cost_pairs, two_phase_groups, two_phase_slots
 
 __all__ = ["DEFAULT_BALANCE_TOLERANCE", "SYNC_MODES", "Placement", "PlanStats", "SolverOptions",
            "as_cost_matrix", "check_placement", "control_placement", "evaluate", "microstep_objective", "order_steps",
@@ -77,6 +84,8 @@ STAGE2_BAND_FACTOR = 5.0
 STAGE2_MIN_BAND = 0.03
 # step mode: stage-3 swaps between packs at most this many micro-steps apart.
 STEP_MODE_WINDOW = 2
+# step mode: rounds of chain shortening (per level: nodes, then ranks).
+STEP_MODE_SHORTEN_ROUNDS = 4
 # Share of the later micro-steps' correcting power the band may count on.
 DEFAULT_FUTURE_SLACK = 0.5
 
@@ -217,28 +226,56 @@ def sorted_grouping_optimum(costs) -> int:
 
 
 def _solve(costs, opts: SolverOptions) -> Placement:
-    """Dispatch one global batch to its strategy (before :func:`order_steps`)."""
+    """Dispatch one global batch to its strategy (before :func:`order_steps`).
+
+    Each strategy is split into what does not depend on the nodes (the grouping of
+    packs into micro-steps) and the slots, rank balance and chain shortening that
+    do. With nodes, both completions run on the same grouping and
+    :func:`~.node_choice.no_worse_than_flat` keeps the node-aware one unless it is
+    worse than the flat one (balance first, then packs crossing nodes)."""
+    tol = opts.balance_tolerance
     if np.ndim(costs) == 3:
         pairs = as_cost_pairs(costs)
         both = bool(pairs[:, :, 0].any() and pairs[:, :, 1].any())
         if opts.sync == "microstep" and both:
             D, G, _ = pairs.shape
-            node = opts.nodes(D)
             if D == 1 or G == 1:
                 return Placement.identity(D, G)
-            return Placement(*_two_phase_placement(pairs, opts.balance_tolerance, node))
+            groups = two_phase_groups(pairs)
+            return _node_aware_or_flat(
+                lambda node: Placement(*two_phase_slots(pairs, groups, tol, node)),
+                opts.nodes(D), SwapRules(pairs, weights=groups.weights, levels=groups.boxes), tol)
         # step mode counts only rank totals; one phase alone: the scalar optimum
         costs = pairs.sum(axis=2)
     c = as_cost_matrix(costs)
     D, G = c.shape
-    node = opts.nodes(D)
     if D == 1 or G == 1:
         # One rank: nothing to exchange. One micro-step: the slowest pack sets both
         # objectives whoever computes it, so moving anything only costs bandwidth.
         return Placement.identity(D, G)
     if opts.sync == "step":
-        return _step_placement(c, opts.balance_tolerance, node)
-    return _microstep_placement(c, opts, node)
+        return _node_aware_or_flat(lambda node: _step_placement(c, tol, node), opts.nodes(D),
+                                   SwapRules(c), tol, shorten_rounds=STEP_MODE_SHORTEN_ROUNDS)
+    groups = _microstep_grouping(c)
+    return _node_aware_or_flat(lambda node: _microstep_slots(c, groups, opts, node), opts.nodes(D),
+                               SwapRules(c, levels=groups.levels), tol)
+
+
+def _node_aware_or_flat(complete, node: np.ndarray | None, rules: SwapRules, tolerance: float,
+                        shorten_rounds: int = 2) -> Placement:
+    """``complete(node)``: the strategy's placement for the ranks' nodes (None: flat).
+    Without nodes, the flat placement; with nodes, the node-aware one unless it is worse
+    than the flat one, then the flat one shortened across nodes
+    (:func:`~.node_choice.no_worse_than_flat`, whose guarantee this is)."""
+    flat = complete(None)
+    if node is None:
+        return flat
+    aware = complete(node)
+    node_rules = replace(rules, node=node)
+    src_rank, src_index = no_worse_than_flat(
+        node_rules, (aware.src_rank, aware.src_index), (flat.src_rank, flat.src_index),
+        limit=node_rules.limit(tolerance), shorten_rounds=shorten_rounds)
+    return Placement(src_rank, src_index)
 
 
 def _step_placement(c: np.ndarray, tolerance: float, node: np.ndarray | None) -> Placement:
@@ -257,34 +294,60 @@ def _step_placement(c: np.ndarray, tolerance: float, node: np.ndarray | None) ->
     balance_rank_totals(rules, pl.src_rank, pl.src_index, tolerance=tolerance,
                         partners="mates-first", step_window=STEP_MODE_WINDOW)
     if node is not None:
-        send_home(rules, pl.src_rank, pl.src_index, limit=limit, max_rounds=4)
+        send_home(rules, pl.src_rank, pl.src_index, limit=limit, max_rounds=STEP_MODE_SHORTEN_ROUNDS)
     return pl
 
 
-def _microstep_placement(c: np.ndarray, opts: SolverOptions, node: np.ndarray | None) -> Placement:
-    """Stages 1-3 of the module docstring for scalar costs, ``sync="microstep"``."""
+@dataclass(frozen=True)
+class _Grouping:
+    """Stage 1 and stage 2's choice of which packs share each micro-step, for scalar
+    costs in ``microstep`` mode; it does not depend on the nodes. ``order[r]``: rank
+    r's own pack indices, heaviest first; ``cs``: their costs in that order;
+    ``levels``: ``L_k``; ``steps[k]``: the packs of micro-step ``k`` as flat indices
+    into ``cs`` (row-major: in origin order)."""
+
+    order: np.ndarray
+    cs: np.ndarray
+    levels: np.ndarray
+    steps: tuple
+
+
+def _microstep_grouping(c: np.ndarray) -> _Grouping:
+    """Stage 1 (levels) and the grouping half of stage 2 (:class:`_Stage2`)."""
     D, G = c.shape
     # own packs, heaviest first (ties by position): one stable sort of (rank, -cost)
     order = (lex_argsort((-c.ravel(), np.repeat(np.arange(D), G))) % G).reshape(D, G)
     cs = np.take_along_axis(c, order, axis=1)             # [D, G] sorted costs
     levels = np.sort(c.ravel())[::-1][::D]                 # L_k, non-increasing
     fill = _Stage2(cs, levels)
+    placed = np.zeros((D, G), dtype=bool)
+    steps = []
+    for k in range(G):
+        chosen = fill.choose(~placed, k)
+        fl = np.flatnonzero(chosen)                          # row-major: origin order
+        steps.append(fl)
+        placed |= chosen
+        fill.placed(fl)
+    return _Grouping(order, cs, levels, tuple(steps))
+
+
+def _microstep_slots(c: np.ndarray, groups: _Grouping, opts: SolverOptions,
+                     node: np.ndarray | None) -> Placement:
+    """The slots half of stage 2 (which chosen packs stay home, where the others go),
+    then stage 3, for scalar costs, ``sync="microstep"``."""
+    D, G = c.shape
+    cs, levels = groups.cs, groups.levels
     floor = int(levels[-1])
     future = np.append(levels[1:], floor).astype(np.float64) - floor   # correcting power left
     band0 = _stage2_band(opts.balance_tolerance) * float(c.sum()) / D
 
     rows = np.arange(D)
-    placed = np.zeros((D, G), dtype=bool)
     dst_rank = np.zeros((D, G), dtype=np.int64)            # in sorted coordinates
     dst_step = np.zeros((D, G), dtype=np.int64)
     totals = np.zeros(D, dtype=np.int64)
 
-    for k in range(G):
-        unplaced = ~placed
-        chosen = fill.choose(unplaced, k)
-
-        # Phase B: which chosen packs stay at home, and where the others go.
-        fl = np.flatnonzero(chosen)                          # row-major: origin order
+    for k, fl in enumerate(groups.steps):
+        # Which chosen packs stay at home, and where the others go.
         r_idx = fl // G
         cost = cs.ravel()[fl]
         mean_after = (totals.sum() + cost.sum()) / D
@@ -313,13 +376,11 @@ def _microstep_placement(c: np.ndarray, opts: SolverOptions, node: np.ndarray | 
         dst_rank.ravel()[fl] = dest
         dst_step.ravel()[fl] = k
         totals[dest] += cost                                 # dest: every rank once
-        placed |= chosen
-        fill.placed(fl)
 
     src_rank = np.empty((D, G), dtype=np.int64)
     src_index = np.empty((D, G), dtype=np.int64)
     src_rank[dst_rank, dst_step] = np.repeat(rows, G).reshape(D, G)
-    src_index[dst_rank, dst_step] = order
+    src_index[dst_rank, dst_step] = groups.order
     rules = SwapRules(c, levels=levels, node=node)
     balance_rank_totals(rules, src_rank, src_index, tolerance=opts.balance_tolerance)
     send_home(rules, src_rank, src_index, limit=rules.limit(opts.balance_tolerance))

@@ -191,11 +191,12 @@ def balance_rank_totals(rules: SwapRules, src_rank: np.ndarray, src_index: np.nd
         added = add_h[:, :, None] + add_l[:, jj] + 2 * (1 + INTER_NODE_WEIGHT)
         spread = np.abs(2 * delta - gap)
         big = np.iinfo(np.int64).max
-        # window first (by added moves, then spread), else best spread then moves.
-        key_w = np.where(window, added * (1 << 40) + spread, big)
-        key_v = np.where(valid, (1 << 50) + spread * 8 + added, big)
+        # window first (by added moves, then spread), else best spread then moves: a window
+        # key (added <= 4 * (1 + INTER_NODE_WEIGHT) < 1000, spread < 2^40) is below any other.
+        key = np.where(valid, (1 << 50) + spread * 8 + added, big)
+        np.copyto(key, added * (1 << 40) + spread, where=window)
         K = jj.shape[1]
-        key = np.minimum(key_w, key_v).reshape(len(h), G * K)
+        key = key.reshape(len(h), G * K)
         best = np.argmin(key, axis=1)
         ok = key[np.arange(len(h)), best] < big
         attempt[h[~ok]] += 1
@@ -356,7 +357,9 @@ def _shorten(rules: SwapRules, src_rank, src_index, *, limit: int, group: np.nda
     Candidates are generated sparsely: the packs away from home are bucketed by
     (unit they sit on, micro-step), and each ``x`` meets only the buckets of its
     home unit within the window, so a round costs O(away packs x (2W + 1) x away
-    packs per bucket) rather than O(away packs x ranks per unit x (2W + 1)). Each
+    packs per bucket) rather than O(away packs x ranks per unit x (2W + 1)); when every
+    rank is its own unit and the window is 0, x's one candidate is read directly from
+    the slot (home rank, micro-step), without buckets. Each
     ``x`` takes its best partner: largest gain, then smallest total change, then
     the lowest (rank position in its unit, micro-step offset), as a dense scan of
     the unit's ranks in order would."""
@@ -391,23 +394,36 @@ def _shorten(rules: SwapRules, src_rank, src_index, *, limit: int, group: np.nda
             break
         xr, xi = fx // G, fx % G
         xo = sr_fl[fx]
-        # Buckets of away packs by (unit they sit on, micro-step); row-major order
-        # keeps each bucket in rank order.
-        bkey = group[xr] * G + xi
-        border = stable_argsort(bkey)
-        bcount = np.bincount(bkey, minlength=num_units * G)
-        bstart = np.concatenate([[0], np.cumsum(bcount)])[:-1]
-        ys = xi[:, None] + off[None, :]                     # [F, K]
-        inside = (ys >= 0) & (ys < G)
-        b = group[xo][:, None] * G + np.clip(ys, 0, G - 1)
-        cnt = np.where(inside, bcount[b], 0).ravel()
-        n = int(cnt.sum())
-        if n == 0:
-            break
-        first = np.cumsum(cnt) - cnt
-        pos = np.repeat(bstart[b].ravel() - first, cnt) + np.arange(n)
-        py = border[pos]                                    # y as an index into fx
-        px = np.repeat(np.arange(F), cnt.reshape(F, K).sum(axis=1))
+        single = num_units == D and W == 0
+        if single:
+            # Every rank its own unit, the same micro-step: x's one candidate is the slot
+            # (x's home rank, x's micro-step), if the pack there is away from home too.
+            where = np.full(D * G, -1, dtype=np.int64)
+            where[fx] = np.arange(F)
+            at_home_slot = where[xo * G + xi]
+            cnt = (at_home_slot >= 0).astype(np.int64)
+            px = np.flatnonzero(cnt)
+            py = at_home_slot[px]                           # y as an index into fx
+            if len(px) == 0:
+                break
+        else:
+            # Buckets of away packs by (unit they sit on, micro-step); row-major order
+            # keeps each bucket in rank order.
+            bkey = group[xr] * G + xi
+            border = stable_argsort(bkey)
+            bcount = np.bincount(bkey, minlength=num_units * G)
+            bstart = np.concatenate([[0], np.cumsum(bcount)])[:-1]
+            ys = xi[:, None] + off[None, :]                 # [F, K]
+            inside = (ys >= 0) & (ys < G)
+            b = group[xo][:, None] * G + np.clip(ys, 0, G - 1)
+            cnt = np.where(inside, bcount[b], 0).ravel()
+            n = int(cnt.sum())
+            if n == 0:
+                break
+            first = np.cumsum(cnt) - cnt
+            pos = np.repeat(bstart[b].ravel() - first, cnt) + np.arange(n)
+            py = border[pos]                                # y as an index into fx
+            px = np.repeat(np.arange(F), cnt.reshape(F, K).sum(axis=1))
         x_fl, y_fl = fx[px], fx[py]
         pxr, pyr, pxi, pyi = xr[px], xr[py], xi[px], xi[py]
         pxo, pyo = xo[px], xo[py]
@@ -425,17 +441,21 @@ def _shorten(rules: SwapRules, src_rank, src_index, *, limit: int, group: np.nda
         if not valid.any():
             break
         key = np.where(valid, -gain * (1 << 40) + np.abs(d), big)
-        col = mpos[pyr] * K + (pyi - pxi + W)               # the dense scan's column
-        has = np.flatnonzero(cnt.reshape(F, K).sum(axis=1))
-        seg = (np.cumsum(cnt) - cnt).reshape(F, K)[has, 0]
-        kmin = np.full(F, big, dtype=np.int64)
-        kmin[has] = np.minimum.reduceat(key, seg)
-        tie = key == kmin[px]
-        cmin = np.full(F, big, dtype=np.int64)
-        cmin[has] = np.minimum.reduceat(np.where(tie, col, big), seg)
-        pick = np.flatnonzero(tie & (col == cmin[px]) & valid)   # one pair per x, x order
-        cand = px[pick]
-        kb = kmin[cand]
+        if single:                                          # one candidate per x: its own
+            pick = np.flatnonzero(valid)
+            cand, kb = px[pick], key[pick]
+        else:
+            col = mpos[pyr] * K + (pyi - pxi + W)           # the dense scan's column
+            has = np.flatnonzero(cnt.reshape(F, K).sum(axis=1))
+            seg = (np.cumsum(cnt) - cnt).reshape(F, K)[has, 0]
+            kmin = np.full(F, big, dtype=np.int64)
+            kmin[has] = np.minimum.reduceat(key, seg)
+            tie = key == kmin[px]
+            cmin = np.full(F, big, dtype=np.int64)
+            cmin[has] = np.minimum.reduceat(np.where(tie, col, big), seg)
+            pick = np.flatnonzero(tie & (col == cmin[px]) & valid)   # one pair per x, x order
+            cand = px[pick]
+            kb = kmin[cand]
         o = lex_argsort((cand, kb))
         pick, cand = pick[o], cand[o]
         x, y = x_fl[pick], y_fl[pick]

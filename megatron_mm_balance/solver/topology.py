@@ -12,7 +12,9 @@ The placement uses this to prefer intra-node moves wherever the balance does not
 care (:func:`pair_within_nodes`, the move weights of :mod:`.rank_balance`, and in
 ``step`` mode node totals evened before rank totals:
 :func:`~megatron_mm_balance.solver.rank_balance.balance_node_totals`), and reports
-inter-node packs and bytes (:func:`traffic`).
+inter-node packs and bytes (:func:`traffic`). Those preferences are greedy; the
+plan they give is kept only where it is no worse than the flat plan
+(:mod:`.node_choice`).
 """
 from __future__ import annotations
 

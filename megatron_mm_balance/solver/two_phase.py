@@ -41,6 +41,8 @@ Deterministic: integer costs, stable sorts, explicit tie breaks.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from .sorting import lex_argsort, stable_argsort
@@ -249,10 +251,23 @@ def _swap_descent(v: np.ndarray, l: np.ndarray, group: np.ndarray, G: int,
     return saved
 
 
-def _two_phase_placement(c: np.ndarray, tolerance: float, node: np.ndarray | None):
-    """The two-phase strategy of :func:`~megatron_mm_balance.solver.placement.plan_placement`
-    (``microstep`` mode, both phases present, D and G above 1): validated ``[D, G, 2]``
-    costs in, ``(src_rank, src_index)`` out, each ``[D, G]``."""
+@dataclass(frozen=True)
+class TwoPhaseGroups:
+    """Step 1 of the module docstring, which does not depend on the nodes: ``weights``
+    ``[D, G]`` (vision + language, the rank totals evened), ``boxes[m]`` micro-step m's
+    (vision, language) maxima (micro-steps in decreasing order of their sum), and ``order`` with
+    ``bounds``: the packs (flat indices) of micro-step m, heaviest first (ties by
+    origin then index), are ``order[bounds[m]:bounds[m + 1]]``."""
+
+    weights: np.ndarray
+    boxes: np.ndarray
+    order: np.ndarray
+    bounds: np.ndarray
+
+
+def two_phase_groups(c: np.ndarray) -> TwoPhaseGroups:
+    """Group validated ``[D, G, 2]`` costs into micro-steps (``microstep`` mode, both
+    phases present, D and G above 1): :func:`group_two_phase`, then the boxes."""
     D, G, _ = c.shape
     v, l = c[:, :, 0].ravel(), c[:, :, 1].ravel()
     w = (v + l).reshape(D, G)                                # rank totals: vision + language
@@ -269,17 +284,25 @@ def _two_phase_placement(c: np.ndarray, tolerance: float, node: np.ndarray | Non
     boxes = np.empty((G, 2), dtype=np.int64)
     boxes[step_of_group, 0] = vm
     boxes[step_of_group, 1] = lm
-
-    src_rank = np.full((D, G), -1, dtype=np.int64)
-    src_index = np.full((D, G), -1, dtype=np.int64)
-    totals = np.zeros(D, dtype=np.int64)
-    rows = np.repeat(np.arange(D), G)
-    cols = np.tile(np.arange(G), D)
     wf, sf = w.ravel(), step.ravel()
     # Packs of each step, heaviest first, ties by origin then index (row-major).
     top = int(wf.max()) + 1
     order = lex_argsort((top - 1 - wf, sf))
     bounds = np.searchsorted(sf[order], np.arange(G + 1))
+    return TwoPhaseGroups(w, boxes, order, bounds)
+
+
+def two_phase_slots(c: np.ndarray, groups: TwoPhaseGroups, tolerance: float,
+                    node: np.ndarray | None):
+    """Steps 2 and 3 of the module docstring on ``groups``: ``(src_rank, src_index)``,
+    each ``[D, G]``, for the ranks' nodes (None: flat)."""
+    D, G, _ = c.shape
+    w, order, bounds = groups.weights, groups.order, groups.bounds
+    src_rank = np.full((D, G), -1, dtype=np.int64)
+    src_index = np.full((D, G), -1, dtype=np.int64)
+    totals = np.zeros(D, dtype=np.int64)
+    rows = np.repeat(np.arange(D), G)
+    cols = np.tile(np.arange(G), D)
     for m in range(G):
         sel = order[bounds[m]:bounds[m + 1]]
         r, i = rows[sel], cols[sel]
@@ -297,9 +320,9 @@ def _two_phase_placement(c: np.ndarray, tolerance: float, node: np.ndarray | Non
         dest = pair_within_nodes(r[movers], free, node)
         src_rank[dest, m] = r[movers]
         src_index[dest, m] = i[movers]
-        np.add.at(totals, np.arange(D), w[src_rank[:, m], src_index[:, m]])
+        totals += w[src_rank[:, m], src_index[:, m]]             # every rank once
 
-    rules = SwapRules(c, weights=w, levels=boxes, node=node)
+    rules = SwapRules(c, weights=w, levels=groups.boxes, node=node)
     balance_rank_totals(rules, src_rank, src_index, tolerance=tolerance)
     send_home(rules, src_rank, src_index, limit=rules.limit(tolerance))
     return src_rank, src_index

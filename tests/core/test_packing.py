@@ -38,6 +38,47 @@ def test_budget_packer_respects_budget_except_a_lone_first_sample(samples, seq_l
     assert sum(len(p.samples) for p in res.packs) == len(samples) - len(res.dropped)
 
 
+def budget_reference(samples, seq_len, budget, buffer_size):
+    """The budget packer as first written: each pick scans the sorted buffer down from the
+    longest sample that fits the tokens to the first that also fits the image budget.
+    (samples, tokens) of each pack, and the dropped indices."""
+    keys, packs, dropped = [], [], []
+
+    def emit():
+        first = keys.pop()
+        chosen, room = [-first[1]], seq_len - first[0]
+        img_room = budget - samples[-first[1]].image_tokens
+        while room > 0 and keys:
+            pos = max((i for i, k in enumerate(keys) if k[0] <= room
+                       and samples[-k[1]].image_tokens <= img_room), default=-1)
+            if pos < 0:
+                break
+            k = keys.pop(pos)
+            chosen.append(-k[1])
+            room -= k[0]
+            img_room -= samples[-k[1]].image_tokens
+        packs.append((tuple(chosen), seq_len - room))
+
+    for idx, s in enumerate(samples):
+        if s.tokens > seq_len:
+            dropped.append(idx)
+            continue
+        keys.append((s.tokens, -idx))
+        keys.sort()
+        if len(keys) >= buffer_size:
+            emit()
+    while keys:
+        emit()
+    return packs, dropped
+
+
+@given(samples_st, st.integers(200, 1500), st.integers(0, 700), st.integers(1, 40))
+def test_budget_packer_picks_what_a_scan_of_the_buffer_picks(samples, seq_len, budget, buf):
+    res = pack_budget(samples, seq_len, budget, buffer_size=buf)
+    assert ([(p.samples, p.tokens) for p in res.packs], res.dropped) == \
+        budget_reference(samples, seq_len, budget, buf)
+
+
 def test_overlong_drop_is_counted_and_error_names_the_index():
     samples = [Sample(10), Sample(9000, (100,)), Sample(20)]
     res = pack_greedy(samples, 8192)

@@ -8,7 +8,8 @@ Three jobs on the session's patched tree and dataset: off, on (node-aware: the n
 on flat (``--mm-balance-ranks-per-node 1``: placement as if every rank were its own node,
 traffic still counted against the nodes found). Losses equal off vs on, the telemetry shows
 2 nodes, and node-aware placement sends fewer packs across the nodes than flat on the same
-data. Slow: ``python -m pytest tests/realpath/test_real_path_nodes.py -m realpath``.
+data, and in no global batch more at a balance no better. Slow:
+``python -m pytest tests/realpath/test_real_path_nodes.py -m realpath``.
 """
 from __future__ import annotations
 
@@ -49,9 +50,12 @@ def test_two_nodes_off_on_equal_node_aware_crosses_less_than_flat(jobs):
     nodes = {name: rp.telemetry_field(jobs[name].log, "nodes") for name in ("on", "flat")}
     inter = {name: rp.telemetry_field(jobs[name].log, "inter_node_packs") for name in ("on", "flat")}
     print(f"\ntwo nodes x 2 ranks: max relative lm-loss difference {diff:.2e}\n{table}")
+    balance = {name: (rp.telemetry_field(jobs[name].log, "imbalance_after"),
+                      rp.telemetry_field(jobs[name].log, "rank_imbalance_after")) for name in ("on", "flat")}
     for name in ("on", "flat"):
         print(f"{name}: packs moved {jobs[name].moved}, inter-node packs {inter[name]}, "
-              f"nodes {nodes[name]}, wall {jobs[name].wall_s:.0f} s")
+              f"nodes {nodes[name]}, imbalance after {balance[name][0]}, rank imbalance after "
+              f"{balance[name][1]}, wall {jobs[name].wall_s:.0f} s")
     print(f"off: wall {off.wall_s:.0f} s")
     for name in ("on", "flat"):
         assert nodes[name] and set(nodes[name].values()) == {2.0}, f"{name}: nodes not found: {nodes[name]}"
@@ -59,3 +63,10 @@ def test_two_nodes_off_on_equal_node_aware_crosses_less_than_flat(jobs):
     assert sum(flat.moved.values()) > 0 and sum(on.moved.values()) > 0
     assert sum(inter["on"].values()) < sum(inter["flat"].values()), (
         f"node-aware sent {inter['on']} packs across nodes, flat {inter['flat']}")
+    # global batch by global batch: never more packs across than flat unless the balance is
+    # better (solver/node_choice.py)
+    for it in inter["on"]:
+        better = [balance["on"][k][it] < balance["flat"][k][it] for k in (0, 1)]
+        assert inter["on"][it] <= inter["flat"][it] or any(better), (
+            f"iteration {it}: node-aware sent {inter['on'][it]:g} packs across nodes, flat "
+            f"{inter['flat'][it]:g}, at no better balance ({balance})")

@@ -1,4 +1,5 @@
-"""How a balanced job's ranks say where they stood when it stops (megatron/stops.py)."""
+"""The Megatron glue's side of faults: the pack check it builds (megatron/iterator.py) and how a
+balanced job's ranks say where they stood when it stops (megatron/stops.py)."""
 import os
 import signal
 import subprocess
@@ -71,3 +72,33 @@ def test_sigterm_prints_where_each_iterator_stood_then_ends_the_process_as_befor
     assert first == ("[mm-balance] rank 3: stopped by RuntimeError: gloo: connection closed by peer at "
                      "iteration 4: global batch 1 (iteration 4), 1 of 2 micro-steps delivered; exchange: receiving")
     assert rest.startswith("Traceback") and "connection closed by peer" in rest
+
+
+def test_the_pack_check_takes_the_sequence_length_and_the_models_image_token_index():
+    """``--decoder-seq-length`` (else ``--seq-length``) bounds a packed sample; the placeholder id
+    is the one LLaVA splits images by, found on the model chunks (not counted without a model)."""
+    import types
+
+    import torch
+
+    from megatron_mm_balance.megatron.config import MegatronArgs
+    from megatron_mm_balance.megatron.iterator import make_pack_check
+
+    class Llava(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.image_token_index = 151665
+            self.proj = torch.nn.Linear(2, 2)
+
+    class Wrapped(torch.nn.Module):                  # DDP(Float16Module(LLaVAModel)) in Megatron
+        def __init__(self):
+            super().__init__()
+            self.module = Llava()
+
+    cfg = types.SimpleNamespace(megatron=MegatronArgs.read(types.SimpleNamespace(seq_length=576,
+                                                                                 decoder_seq_length=1024)))
+    check = make_pack_check(cfg, [Wrapped()])
+    assert (check.max_length, check.image_token_id) == (1024, 151665)
+    cfg = types.SimpleNamespace(megatron=MegatronArgs.read(types.SimpleNamespace(seq_length=2048)))
+    check = make_pack_check(cfg, None)
+    assert (check.max_length, check.image_token_id) == (2048, None)

@@ -23,11 +23,15 @@ def misc():
 
 
 def test_peer_source_raises(misc):
-    assert misc[1]["raise"] == {"type": "ValueError", "msg": "boom in the data source of rank 1"}
+    """The rank whose source raised gets its own error, unchanged, with where it happened
+    attached (``mm_balance_context``); its peers a PeerFailure naming it and the micro-step."""
+    assert misc[1]["raise"] == {"type": "ValueError", "msg": "boom in the data source of rank 1",
+                                "context": "rank 1, global batch 2, micro-step 1: the data source raised"}
     for r in (0, 2):
         out = misc[r]["raise"]
         assert out["type"] == "PeerFailure"
-        assert "global batch 2" in out["msg"] and "rank 1" in out["msg"] and "boom" in out["msg"]
+        assert "global batch 2" in out["msg"] and "rank 1's data source raised: micro-step 1: " in out["msg"]
+        assert "boom" in out["msg"]
     for r in range(3):                               # the iterator stays failed
         assert misc[r]["raise_again"]["type"] == "BalancerError"
 
@@ -76,7 +80,8 @@ def test_rampup_callable(misc):
 
 
 def test_background_thread_error_surfaces(misc):
-    assert misc[0]["thread_error"] == {"type": "KeyError", "msg": "'cost of r0-p3'"}
+    assert misc[0]["thread_error"] == {"type": "KeyError", "msg": "'cost of r0-p3'",
+                                       "context": "rank 0, global batch 1, micro-step 1: the cost_fn raised"}
     for r in (1, 2):
         out = misc[r]["thread_error"]
         assert out["type"] == "PeerFailure" and "rank 0" in out["msg"] and "global batch 1" in out["msg"]

@@ -35,7 +35,7 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import pytest
 
@@ -117,7 +117,7 @@ def _latest_checkpoint(out: Path) -> int:
     return int(f.read_text().strip()) if f.is_file() else 0
 
 
-def _run_job(env, extra, log_path: Path, samples: Path) -> (rp.Run, Optional[float]):
+def _run_job(env, extra, log_path: Path, samples: Path) -> Tuple[rp.Run, Optional[float]]:
     """Run the launcher to its end, noting when the first stop line appeared in its log."""
     t0 = time.monotonic()
     proc = rp.launch(env, extra, log_path=log_path)
@@ -152,7 +152,6 @@ def chain(megatron_lm, dataset, runs_dir) -> List[Job]:
     samples = out / "samples"
     jobs: List[Job] = []
     for case in [*CASES, None]:
-        before = _latest_checkpoint(out)
         seen = {name: len(lines) for name, lines in _record_lines(samples).items()}
         env = rp.launcher_env(megatron_lm, dataset, mm_balance=True, output_dir=out, train_iters=ITERS)
         env.pop("MM_BALANCE_FAULT", None)
@@ -162,7 +161,7 @@ def chain(megatron_lm, dataset, runs_dir) -> List[Job]:
         name = case.name if case else "finish"
         run, stop_s = _run_job(env, extra, runs_dir / f"faults-{name}.log", samples)
         loaded = [int(x) for x in LOADED.findall(run.log)]
-        new = [r for name, lines in _record_lines(samples).items() for r in lines[seen.get(name, 0):]]
+        new = [r for fname, lines in _record_lines(samples).items() for r in lines[seen.get(fname, 0):]]
         jobs.append(Job(case, run, loaded[0] if loaded else 0, _latest_checkpoint(out), stop_s, new))
         print(f"\n{name}: exit {run.rc} after {run.wall_s:.0f} s; resumed from {jobs[-1].resumed_from}, "
               f"last checkpoint {jobs[-1].last_checkpoint}; first stop line -> exit "

@@ -578,7 +578,8 @@ def scenario_bad_input(rank, world, G=2):
     """Bad input at global batch 1, micro-step 1 (iteration 6: ``first_iteration=5``), one
     case per iterator: a pack whose num_tiles contradicts imgs (rank 1), one with a surplus
     image placeholder (rank 2), one longer than the sequence (rank 0), a NaN cost (rank 1), a
-    negative cost (rank 2). Each must stop every rank before anything of batch 1 is delivered."""
+    negative cost (rank 2). Each must stop every rank before anything of batch 1 is delivered.
+    Then, in the same launch, :func:`scenario_faults`' injected faults."""
     import math
     import torch
     from megatron_mm_balance.cost.pack import ImageTokenCost
@@ -610,6 +611,7 @@ def scenario_bad_input(rank, world, G=2):
                                   check_fn=PackCheck(max_length=1024, image_token_id=7), first_iteration=5)
         with it:
             out[name] = _failure(lambda: [got.append(next(it)) for _ in range(10 * G)], got)
+    out.update(scenario_faults(rank, world, G))
     return out
 
 

@@ -171,14 +171,13 @@ def test_bad_input_stops_every_rank_before_anything_moves(bad_input, case):
                 assert part in out["msg"], (part, out)
 
 
-def test_injected_faults_name_the_rank_the_iteration_and_the_micro_step():
+def test_injected_faults_name_the_rank_the_iteration_and_the_micro_step(bad_input):
     """MM_BALANCE_FAULT (the test hook): rank 1's source raising, ending, or giving a pack with
     contradicting metadata at iteration 6, micro-step 1 stops every rank at that global batch
     (batch 0 delivered, nothing of batch 1), each error naming rank 1, the iteration and the
-    micro-step; the ended source is an exhaustion (StopIteration) naming how much was read."""
-    res = harness.launch(3, "faults", hard_timeout=120)
-    for r, x in enumerate(res):
-        assert not x.get("killed") and "error" not in x, f"rank {r}: {x}"
+    micro-step; the ended source is an exhaustion (StopIteration) naming how much was read.
+    (Run in the bad-input launch.)"""
+    for r, x in enumerate(bad_input):
         for kind in ("raise", "end", "corrupt"):
             assert x[kind]["delivered"] == 2, (r, kind, x[kind])
         end = x["end"]

@@ -176,8 +176,10 @@ def wrap_train_data_iterator(train_data_iterator, cfg, pg_collection, *, state=N
     if mm is None or not (getattr(mm, "enabled", False) or getattr(mm, "wraps_train_iterator", False)):
         return train_data_iterator
     from ..megatron.checks import checked_config
+    from ..megatron.config import live_iteration
     from ..megatron.groups import init_exchange_groups
     from ..megatron.iterator import _unwrap
+    from ..megatron.stops import StopReporter
     from .config import as_args
     from .cp_split import install_cp_split
     from .timing import install_bridge_timing
@@ -199,7 +201,8 @@ def wrap_train_data_iterator(train_data_iterator, cfg, pg_collection, *, state=N
     coordinator = BridgeCoordinator(core_cfg, cost_fn=cost_fn_for(core_cfg, cfg.model),
                                     tb_writer=tb, wandb_writer=wandb, timing=timing,
                                     auto_features=auto_features_for(cfg.model))
+    reporter = StopReporter(live_iteration(args))       # one line per rank when training stops
     wrapped = [it if it is None or group is None
-               else coordinator.wrap(_unwrap(it), group, chunk, node_ids=groups.node_ids)
+               else coordinator.wrap(_unwrap(it), group, chunk, node_ids=groups.node_ids, reporter=reporter)
                for chunk, (it, group) in enumerate(zip(iterators, groups))]
     return wrapped if is_list else wrapped[0]

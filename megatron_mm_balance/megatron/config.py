@@ -149,6 +149,9 @@ class MegatronArgs:
     save: Optional[str] = None
     #: the iteration training starts from (``args.iteration``: a resumed run's checkpoint)
     start_iteration: int = 0
+    #: the language model's sequence length (``--decoder-seq-length``, else ``--seq-length``):
+    #: the longest packed sample the pack check lets through
+    decoder_seq_length: Optional[int] = None
     schedule: BatchSchedule = field(default_factory=BatchSchedule)
     #: the framework derives a cost model from its model config when
     #: ``--mm-balance-cost model`` has no cost file (Megatron-Bridge: ``mm_balance_model_cost_from_config``)
@@ -181,6 +184,7 @@ class MegatronArgs:
             load=get("load"),
             save=get("save"),
             start_iteration=int(get("iteration", 0)),
+            decoder_seq_length=get("decoder_seq_length", get("seq_length")),
             schedule=BatchSchedule(
                 global_batch_size=get("global_batch_size"), micro_batch_size=mbs,
                 data_parallel_size=int(get("data_parallel_size", 1)),

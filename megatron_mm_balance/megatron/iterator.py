@@ -22,7 +22,7 @@ Only ranks that read data are wrapped: first/last pipeline stage, tensor rank 0
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from .checks import checked_config
 from .config import MMBalanceConfig, live_iteration
@@ -47,21 +47,29 @@ class BalancedTrainIterable:
     """
 
     def __init__(self, items, source, *, global_batch_of: Callable[[], int], stats, telemetry=None,
-                 recorder=None):
+                 recorder=None, reporter=None):
         self.items = items
         self.source = source
         self._global_batch_of = global_batch_of
         self._stats = stats
         self._telemetry = telemetry
         self._recorder = recorder          # --mm-balance-record-samples
+        self._reporter = reporter          # a .stops.StopReporter: one line when training stops
         self._batch = -1
         self.delivered = 0
+        if reporter is not None:
+            reporter.watch(self)
 
     def __iter__(self):
         return self
 
     def __next__(self):
-        item = next(self.items)
+        try:
+            item = next(self.items)
+        except Exception as exc:           # a peer lost, bad input, the data ran out, ...
+            if self._reporter is not None:
+                self._reporter.error(exc)
+            raise
         self.delivered += 1
         gb = self._global_batch_of()
         if gb != self._batch:
@@ -81,6 +89,12 @@ class BalancedTrainIterable:
         if not callable(fn):
             raise AttributeError(f"{type(self.source).__name__} has no save_state")
         return fn
+
+    def position(self) -> str:
+        """Where delivery stands (for the SIGTERM report of :mod:`.stops`)."""
+        if self.balancer is not None:
+            return self.balancer.position()
+        return f"sampler mode, {self.delivered} micro-batches delivered"
 
     @property
     def balancer(self):
@@ -108,6 +122,27 @@ def make_cost_fn(cfg: MMBalanceConfig):
     if cfg.cost == "model":
         return ModelCost(cfg.cost_file, cfg.tokens_per_tile, phases=cfg.sync == "microstep")
     return ImageTokenCost(cfg.tokens_per_tile)
+
+
+def make_pack_check(cfg: MMBalanceConfig, model=None):
+    """The pack check every pulled pack passes before it is costed (bad input is refused
+    before anything moves, :mod:`megatron_mm_balance.cost.pack_check`): packed samples no
+    longer than the language model's sequence length and, for examples/multimodal models,
+    image metadata that agrees with the tensors, placeholders counted with the model's own
+    ``image_token_index`` (found on the model chunks; not counted without a model)."""
+    from ..cost.pack_check import PackCheck
+    return PackCheck(max_length=cfg.megatron.decoder_seq_length, image_token_id=_image_token_index(model))
+
+
+def _image_token_index(model) -> Optional[int]:
+    """The image placeholder's token id the model splits images by (LLaVA's
+    ``image_token_index``), from the first module of the chunks that has one; None if none."""
+    for chunk in (model if isinstance(model, (list, tuple)) else [model]) if model is not None else []:
+        for module in getattr(chunk, "modules", lambda: [])():
+            index = getattr(module, "image_token_index", None)
+            if isinstance(index, int) and not isinstance(index, bool) and index >= 0:
+                return index
+    return None
 
 
 def _unwrap(iterator):
@@ -168,9 +203,10 @@ class Coordinator:
     def __init__(self, cfg: MMBalanceConfig):
         self.cfg = cfg
 
-    def wrap(self, source, group, chunk: int, recorder=None, node_ids=None):
+    def wrap(self, source, group, chunk: int, recorder=None, node_ids=None, reporter=None):
         """``recorder``: the chunk's :class:`~.samples.SampleRecorder` (``--mm-balance-record-samples``);
-        ``node_ids``: every global rank's node id (:attr:`~.groups.ExchangeGroups.node_ids`)."""
+        ``node_ids``: every global rank's node id (:attr:`~.groups.ExchangeGroups.node_ids`);
+        ``reporter``: the rank's :class:`~.stops.StopReporter`."""
         raise NotImplementedError
 
     def _telemetry(self, stats_source, group, chunk):
@@ -184,8 +220,9 @@ class ExchangeCoordinator(Coordinator):
     control: every rank its own packs, reordered across micro-steps)."""
 
     def __init__(self, cfg: MMBalanceConfig, *, cost_fn=None, num_microbatches=None, timing=None,
-                 auto_features=None):
+                 auto_features=None, check_fn=None):
         super().__init__(cfg)
+        self.check_fn = check_fn        # every pulled pack, before it is costed (make_pack_check)
         self.mode = cfg.mode if cfg.mode in ("shadow", "control") else "exchange"
         self.timing = timing            # the per-pack timings (``--mm-balance-cost auto`` fits them)
         self.auto_features = auto_features   # what the auto fit reads (None: the tiles' features)
@@ -194,7 +231,7 @@ class ExchangeCoordinator(Coordinator):
         self.cost_fn = cost_fn          # None: auto, one per exchange group (it agrees on the group)
         self.num_microbatches = num_microbatches
 
-    def wrap(self, source, group, chunk: int, recorder=None, node_ids=None):
+    def wrap(self, source, group, chunk: int, recorder=None, node_ids=None, reporter=None):
         from megatron.core.rerun_state_machine import RerunDataIterator
         from ..runtime import BalancedDataIterator
 
@@ -209,10 +246,11 @@ class ExchangeCoordinator(Coordinator):
                                         config=self.cfg.runtime(),
                                         state_fn=state_fn if callable(state_fn) else None,
                                         predict_microbatches=_predictor_for(self.cfg, self.num_microbatches),
-                                        name=f"chunk{chunk}", node_ids=node_ids)
+                                        name=f"chunk{chunk}", node_ids=node_ids, check_fn=self.check_fn,
+                                        first_iteration=self.cfg.megatron.start_iteration + 1)
         return RerunDataIterator(BalancedTrainIterable(
             balanced, source, global_batch_of=lambda: balanced.global_batch, stats=balanced,
-            telemetry=self._telemetry(balanced, group, chunk), recorder=recorder))
+            telemetry=self._telemetry(balanced, group, chunk), recorder=recorder, reporter=reporter))
 
 
 class SamplerCoordinator(Coordinator):
@@ -230,23 +268,25 @@ class SamplerCoordinator(Coordinator):
             raise ValueError("sampler mode needs at least one installed balanced sampler")
         self.samplers = list(samplers)
 
-    def wrap(self, source, group, chunk: int, recorder=None, node_ids=None):
+    def wrap(self, source, group, chunk: int, recorder=None, node_ids=None, reporter=None):
         from megatron.core.rerun_state_machine import RerunDataIterator
         sampler = self.samplers[min(chunk, len(self.samplers) - 1)]
         position = sampler.consumer_position()
         return RerunDataIterator(BalancedTrainIterable(
             source, source, global_batch_of=position.advance, stats=sampler,
-            telemetry=self._telemetry(sampler, group, chunk), recorder=recorder))
+            telemetry=self._telemetry(sampler, group, chunk), recorder=recorder, reporter=reporter))
 
 
 def coordinator_for(cfg: MMBalanceConfig, samplers=(), *, cost_fn=None,
-                    num_microbatches=None, timing=None) -> Coordinator:
+                    num_microbatches=None, timing=None, check_fn=None) -> Coordinator:
     """Sampler mode when :func:`~.sampler.maybe_balanced_sampler` installed balanced
     ``samplers`` for this run (it runs first, when the loaders are built), else the exchange
-    (``timing``: the per-pack timings that ``--mm-balance-cost auto`` fits)."""
+    (``timing``: the per-pack timings that ``--mm-balance-cost auto`` fits; ``check_fn``: the
+    pack check, :func:`make_pack_check`)."""
     if samplers:
         return SamplerCoordinator(cfg, samplers)
-    return ExchangeCoordinator(cfg, cost_fn=cost_fn, num_microbatches=num_microbatches, timing=timing)
+    return ExchangeCoordinator(cfg, cost_fn=cost_fn, num_microbatches=num_microbatches, timing=timing,
+                               check_fn=check_fn)
 
 
 def _install_timing(model, cfg: MMBalanceConfig, args):
@@ -312,11 +352,14 @@ def wrap_train_data_iterator(train_data_iterator, args=None, *, exchange_groups=
         raise ValueError(f"exchange_groups has {len(exchange_groups)} model chunks, the train "
                          f"iterators {len(iterators)}")
     coordinator = coordinator_for(cfg, installed_train_samplers(args), cost_fn=cost_fn,
-                                  num_microbatches=num_microbatches, timing=timing)
+                                  num_microbatches=num_microbatches, timing=timing,
+                                  check_fn=make_pack_check(cfg, model))
     _install_vision_balance(model, cfg)
+    from .stops import StopReporter
+    reporter = StopReporter(live_iteration(args))
     wrapped = [it if it is None or group is None
                else coordinator.wrap(_unwrap(it), group, chunk, _recorder(cfg, args, chunk),
-                                     node_ids=getattr(exchange_groups, "node_ids", None))
+                                     node_ids=getattr(exchange_groups, "node_ids", None), reporter=reporter)
                for chunk, (it, group) in enumerate(zip(iterators, exchange_groups))]
     return wrapped if is_list else wrapped[0]
 

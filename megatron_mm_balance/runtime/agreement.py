@@ -35,6 +35,12 @@ class BatchStatus(enum.IntEnum):
     OK = 0
     SOURCE_ERROR = 1                   #: the data source (or its save_state) raised
     COST_ERROR = 2                     #: the cost function raised
+    PACK_REFUSED = 3                   #: the pack check refused a pack (bad input, never balanced)
+
+
+#: what each failed status says about the rank, in its peers' errors
+STATUS_WHAT = {BatchStatus.SOURCE_ERROR: "data source raised", BatchStatus.COST_ERROR: "cost_fn raised",
+               BatchStatus.PACK_REFUSED: "pack check refused a pack"}
 
 
 def settings_string(sync: str, tolerance, cost_identity: str, ranks_per_node=None,
@@ -93,29 +99,32 @@ class BatchRecord:
 def check_agreement(records: Sequence[BatchRecord], *, ranks: Sequence[int], me: int,
                     global_batch: int, num_microbatches: int, settings: str,
                     own_error: Optional[BaseException] = None,
-                    peer_message: Callable[[int], str] = lambda rank: "") -> None:
+                    peer_message: Callable[[int], str] = lambda rank: "",
+                    where: Optional[str] = None) -> None:
     """Raise, the same way on every rank, unless every record agrees with this rank's.
 
     ``records[i]`` is group rank ``i``'s (global rank ``ranks[i]``); ``me`` is this rank's
     global rank. A rank whose source or cost function failed re-raises its own error
     (``own_error``); its peers raise :class:`PeerFailure` naming it (with what
     ``peer_message(rank)`` can tell, e.g. the error it posted). Different global
-    batches, micro-batch counts or settings raise :class:`InconsistentConfig`.
+    batches, micro-batch counts or settings raise :class:`InconsistentConfig`. ``where``
+    names the batch in the messages (default ``global batch N``).
     """
     gb, G = global_batch, num_microbatches
+    where = where or f"global batch {gb}"
     bad = [ranks[i] for i, r in enumerate(records) if r.magic != MAGIC]
     if bad:
-        raise InconsistentConfig(f"rank {me}: ranks {bad} sent a malformed record at global batch "
-                                 f"{gb} (different runtime version?)", global_batch=gb, peers=bad)
+        raise InconsistentConfig(f"rank {me}: ranks {bad} sent a malformed record at {where} "
+                                 f"(different runtime version?)", global_batch=gb, peers=bad)
     failed = [i for i, r in enumerate(records) if r.status != BatchStatus.OK]
     if failed:
         if own_error is not None:
             raise own_error                            # this rank's own error, unchanged
         msgs = []
         for i in failed:
-            what = "data source" if records[i].status == BatchStatus.SOURCE_ERROR else "cost_fn"
-            msgs.append(f"rank {ranks[i]}'s {what} raised" + peer_message(ranks[i]))
-        raise PeerFailure(f"rank {me}: global batch {gb} aborted: " + "; ".join(msgs),
+            what = STATUS_WHAT.get(records[i].status, f"status {records[i].status}")
+            msgs.append(f"rank {ranks[i]}'s {what}" + peer_message(ranks[i]))
+        raise PeerFailure(f"rank {me}: {where} aborted before anything moved: " + "; ".join(msgs),
                           global_batch=gb, peers=[ranks[i] for i in failed])
     if any(r.global_batch != gb for r in records):
         at = {ranks[i]: r.global_batch for i, r in enumerate(records)}
@@ -124,11 +133,11 @@ def check_agreement(records: Sequence[BatchRecord], *, ranks: Sequence[int], me:
     odd = [i for i, r in enumerate(records) if r.num_microbatches != G]
     if odd:
         counts = {ranks[i]: r.num_microbatches for i, r in enumerate(records)}
-        raise InconsistentConfig(f"rank {me}: num_microbatches differs across ranks at global batch "
-                                 f"{gb}: {counts}", global_batch=gb, peers=[ranks[i] for i in odd])
+        raise InconsistentConfig(f"rank {me}: num_microbatches differs across ranks at {where}: "
+                                 f"{counts}", global_batch=gb, peers=[ranks[i] for i in odd])
     mine = settings_hash(settings)
     odd = [ranks[i] for i, r in enumerate(records) if r.settings_hash != mine]
     if odd:
-        raise InconsistentConfig(f"rank {me}: solver settings differ across ranks at global batch {gb}: "
+        raise InconsistentConfig(f"rank {me}: solver settings differ across ranks at {where}: "
                                  f"ranks {odd} disagree with this rank's [{settings}]",
                                  global_batch=gb, peers=odd)

@@ -8,6 +8,7 @@ either synchronously from ``next()`` (``overlap=False``) or from the background
 thread (``overlap=True``):
 
 * :meth:`Engine.start_batch` pulls ``num_microbatches`` packs from the source,
+  checks each (``check_fn``: bad input is refused here, before anything moves) and costs it,
   all-gathers a fixed-size :class:`~.agreement.BatchRecord` (with the integer
   costs when there are at most 64 of them; more take a second all-gather),
   checks that every rank agrees, and plans the placement (identical on every
@@ -24,16 +25,20 @@ from __future__ import annotations
 import datetime
 import time
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 import torch
 
 from ..cost.pack import to_int_costs
+from ..cost.pack_check import sample_keys
 from ..solver.placement import Placement, PlanStats, control_placement, reordered_packs
 from ..solver.topology import traffic
-from .agreement import (INLINE_COSTS, BatchRecord, BatchStatus, check_agreement,
+from . import faults
+from .agreement import (INLINE_COSTS, STATUS_WHAT, BatchRecord, BatchStatus, check_agreement,
                         settings_hash, settings_string)
 from .config import BalancerConfig
+from .errors import add_context, batch_name
 from .planner import node_of_ranks, plan_batch
 from .stats import BatchStats
 from .transport import Item, PackTransport
@@ -42,12 +47,18 @@ from .transport import Item, PackTransport
 class SourceExhausted(StopIteration):
     """Some rank's source could not fill the global batch (all ranks stop here).
 
-    ``pulled[i]``: packs group rank ``i`` had drawn for this batch; none of them
-    is delivered."""
+    ``pulled[i]``: packs group rank ``i`` (global rank ``ranks[i]``) had drawn for this
+    batch of ``num_microbatches``; none of them is delivered. The message names the ranks
+    whose source ended, and how many packs were read for the batch and not trained on."""
 
-    def __init__(self, global_batch: int, pulled: list[int]):
-        super().__init__(f"data source exhausted at global batch {global_batch}: packs pulled per "
-                         f"rank {pulled}, {sum(pulled)} pulled but not delivered")
+    def __init__(self, global_batch: int, pulled: list[int], *, num_microbatches: int | None = None,
+                 ranks: list[int] | None = None, where: str | None = None):
+        ranks = list(range(len(pulled))) if ranks is None else list(ranks)
+        G = max(pulled) if num_microbatches is None else num_microbatches
+        short = [f"rank {r} after {n} of {G}" for r, n in zip(ranks, pulled) if n < G]
+        super().__init__(f"data source exhausted at {where or f'global batch {global_batch}'}: the source "
+                         f"of {', '.join(short)} packs ended; {sum(pulled)} packs pulled for this global "
+                         f"batch (per rank {pulled}) are not delivered, and training stops before it")
         self.global_batch = global_batch
         self.pulled = pulled
 
@@ -118,8 +129,14 @@ class Engine:
     thread (the consumer or the background thread) drives it."""
 
     def __init__(self, source, *, ranks, rank_index, exchange_group, cost_fn, cost_identity,
-                 config: BalancerConfig, device=None, board=None, state_fn=None, found_nodes=None):
+                 config: BalancerConfig, device=None, board=None, state_fn=None, found_nodes=None,
+                 check_fn=None, first_iteration: int | None = None):
         self.source = source
+        #: ``pack -> None``, raising for a pack that must not be balanced (None: no check)
+        self.check_fn = check_fn
+        #: the training iteration of global batch 0 (None: unknown; errors name the batch only)
+        self.first_iteration = first_iteration
+        self.name_batch = partial(batch_name, first_iteration=first_iteration)
         #: the source's ``save_state`` (or None): called right after each global batch is
         #: pulled, on the thread that pulls, so the state is exact for that position
         self.state_fn = state_fn
@@ -148,13 +165,22 @@ class Engine:
             raise ValueError(f"cost_fn.components must be 1 or 2, got {self.components}")
         self.board = board
         self.transport = PackTransport(exchange_group, self.ranks, rank_index,
-                                       timeout=config.timeout, device=device, board=board)
+                                       timeout=config.timeout, device=device, board=board,
+                                       name_batch=self.name_batch)
+        #: the test hook's fault for this rank (:mod:`.faults`; None whenever it is unset)
+        self.fault = faults.configured(self.ranks[rank_index])
         self.heartbeat = time.monotonic()
         self.phase = "idle"
+        #: where the last failed pull stopped (``micro-step K (samples ...)``), for the peers
+        self.failed_at = ""
 
     @property
     def cuda_mover(self):
         return self.transport.cuda_mover
+
+    def iteration_of(self, gb: int) -> int:
+        """The training iteration of global batch ``gb`` (a fresh job's, ``gb + 1``, when unknown)."""
+        return (gb + 1) if self.first_iteration is None else self.first_iteration + gb
 
     def _beat(self, phase: str) -> None:
         self.phase = phase
@@ -181,7 +207,8 @@ class Engine:
             if err is not None:
                 raise err
             if pulled < G:
-                raise SourceExhausted(gb, [pulled])
+                raise SourceExhausted(gb, [pulled], num_microbatches=G, ranks=self.ranks,
+                                      where=self.name_batch(gb))
             return self._plan(gb, G, packs, self._matrix(np.asarray([costs], dtype=np.int64), G),
                               0.0, state_after)
         self._post_to_board(gb, status, err)
@@ -193,38 +220,54 @@ class Engine:
 
     def _pull(self, gb: int, G: int):
         """This rank's packs of batch ``gb``, their integer costs, how it went (a
-        :class:`~.agreement.BatchStatus` and the error), and the source's state after."""
+        :class:`~.agreement.BatchStatus` and the error), and the source's state after.
+
+        Each pack is checked (``check_fn``) and costed as it is pulled: a pack the check
+        refuses, or whose cost is not a finite number >= 0, stops every rank at the
+        agreement, before anything of this batch moves. An error keeps its type and gains
+        where it happened (:func:`~.errors.add_context`: rank, batch, micro-step, the
+        pack's sample keys)."""
         cost_fn = self.cost_fn.for_batch(gb) if hasattr(self.cost_fn, "for_batch") else self.cost_fn
-        self._beat("pulling packs from the data source")
-        packs, costs, status, err, state_after = [], [], BatchStatus.OK, None, None
+        where = self.name_batch(gb)
+        self._beat(f"pulling packs of {where} from the data source")
+        packs, costs, err, state_after = [], [], None, None
+        stage, at = BatchStatus.SOURCE_ERROR, "micro-step 0"
         try:
-            for _ in range(G):
+            for k in range(G):
+                stage, at = BatchStatus.SOURCE_ERROR, f"micro-step {k}"
+                if self.fault is not None and self.fault.at_pull(self.iteration_of(gb), k, where):
+                    break                            # the injected end of the data
                 try:
-                    packs.append(next(self.source))
+                    pack = next(self.source)
                 except StopIteration:
                     break
+                if self.fault is not None:
+                    pack = self.fault.after_pull(self.iteration_of(gb), k, pack)
+                packs.append(pack)
                 self.heartbeat = time.monotonic()
+                stage, at = BatchStatus.PACK_REFUSED, f"micro-step {k}{pack_keys(pack)}"
+                if self.check_fn is not None:
+                    self.check_fn(pack)
+                stage = BatchStatus.COST_ERROR
+                costs.append(to_int_costs(cost_fn(pack), self.components,
+                                          f" for the pack of micro-step {k}{pack_keys(pack)} at {where}"))
             if self.state_fn is not None and len(packs) == G:
                 # Nothing else touches the source until the next pull: this is the state
                 # before global batch gb + 1. A failure is a source error, seen by all ranks.
+                stage, at = BatchStatus.SOURCE_ERROR, "save_state after the pull"
                 self._beat("saving the data source's state")
                 state_after = self.state_fn()
+            status = BatchStatus.OK
         except Exception as e:                       # reported to peers via the record
-            status, err = BatchStatus.SOURCE_ERROR, e
-        if status == BatchStatus.OK:
-            try:
-                costs = [to_int_costs(cost_fn(p), self.components,
-                                      f" for a pack at global batch {gb}") for p in packs]
-            except Exception as e:
-                status, err = BatchStatus.COST_ERROR, e
+            status, self.failed_at = stage, at
+            err = add_context(e, f"rank {self.ranks[self.me]}, {where}, {at}: the {STATUS_WHAT[stage]}")
         return packs, costs, status, err, state_after
 
     def _post_to_board(self, gb: int, status: BatchStatus, err) -> None:
         """Tell the peers (through the store) this rank reached ``gb``, and its error if any."""
         me = self.ranks[self.me]
-        if err is not None and self.board:
-            what = "data source" if status == BatchStatus.SOURCE_ERROR else "cost_fn"
-            self.board.post_error(me, f"{what} raised at global batch {gb}: {type(err).__name__}: {err}")
+        if err is not None and self.board:         # peers quote it after "rank R's data source raised"
+            self.board.post_error(me, f"{self.failed_at}: {type(err).__name__}: {err}")
         if self.board:
             self.board.post_progress(me, gb)
 
@@ -242,9 +285,10 @@ class Engine:
         records = [BatchRecord.decode(row, G * k if inline else 0) for row in rows]
         check_agreement(records, ranks=self.ranks, me=self.ranks[self.me], global_batch=gb,
                         num_microbatches=G, settings=self.settings, own_error=err,
-                        peer_message=self._peer_message)
+                        peer_message=self._peer_message, where=self.name_batch(gb))
         if any(r.packs_pulled < r.num_microbatches for r in records):
-            raise SourceExhausted(gb, [r.packs_pulled for r in records])
+            raise SourceExhausted(gb, [r.packs_pulled for r in records], num_microbatches=G,
+                                  ranks=self.ranks, where=self.name_batch(gb))
         if inline:                                   # every rank agrees on G by now
             all_costs = np.array([r.costs for r in records], dtype=np.int64)
         else:
@@ -301,8 +345,10 @@ class Engine:
         gb, P, me, t = plan.global_batch, plan.placement, self.me, plan.traffic
         src_r, src_i = int(P.src_rank[me, k]), int(P.src_index[me, k])
         sends = []
+        if self.fault is not None:
+            self.fault.at_exchange(self.iteration_of(gb), k, self.name_batch(gb))
         if self.world > 1:
-            self._beat(f"exchange of micro-step {k}")
+            self._beat(f"exchange of micro-step {k} of {self.name_batch(gb)}")
             for dst in range(self.world):
                 if dst != me and int(P.src_rank[dst, k]) == me:
                     idx = int(P.src_index[dst, k])
@@ -328,5 +374,15 @@ class Engine:
         item.num_microbatches = plan.num_microbatches
         if k == plan.num_microbatches - 1:
             item.batch = plan
-        self._beat("idle")
+        self._beat(f"micro-step {k} of {self.name_batch(gb)} exchanged")
         return item
+
+
+
+def pack_keys(pack) -> str:
+    """`` (samples a, b, ...)``: a pack's sample keys for messages (its ``__key__``,
+    :func:`~megatron_mm_balance.cost.pack_check.sample_keys`), or "" when it has none."""
+    names = sample_keys(pack)
+    if not names:
+        return ""
+    return " (samples " + ", ".join(names[:12]) + (f", ... {len(names)} in all" if len(names) > 12 else "") + ")"

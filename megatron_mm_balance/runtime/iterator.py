@@ -175,6 +175,17 @@ class BalancedDataIterator:
             (e.g. the model chunk), the same on every rank: the progress board's store keys
             are the group's name plus this, so every rank agrees on them whatever order
             iterators are built in.
+        check_fn: ``pack -> None``, called on each pack as it is pulled, before it is
+            costed; raising refuses the pack: every rank of the group stops at that global
+            batch's agreement, before anything of it moves, this rank with the check's own
+            error (which gains where: rank, batch, micro-step, the pack's sample keys) and
+            its peers with a :class:`~.errors.PeerFailure` quoting it. For input that must
+            never be balanced silently (metadata that contradicts the tensors, a pack longer
+            than the sequence).
+        first_iteration: the training iteration that consumes global batch 0 (a resumed
+            job's next iteration), so that errors name it beside the global batch and
+            ``MM_BALANCE_FAULT`` (:mod:`.faults`, a test hook) counts in it. None: errors
+            name the global batch only.
         predict_microbatches: with a callable ``num_microbatches`` and
             ``overlap=True``: zero-argument callable giving the counts of the
             global batches in order, ahead of time (Megatron's ramp-up schedule
@@ -187,13 +198,19 @@ class BalancedDataIterator:
 
     def __init__(self, source, *, num_microbatches, group=None, cost_fn=None, exchange_group=None,
                  config: BalancerConfig | None = None, state_fn=None, predict_microbatches=None,
-                 name: str = "", node_ids=None, **settings):
+                 name: str = "", node_ids=None, check_fn=None, first_iteration: int | None = None,
+                 **settings):
         if not (callable(num_microbatches) or _is_count(num_microbatches)):
             raise ValueError(f"num_microbatches must be a positive int or a callable, got {num_microbatches!r}")
         if predict_microbatches is not None and not (callable(predict_microbatches)
                                                      and callable(num_microbatches)):
             raise ValueError("predict_microbatches must be a callable, given with a callable "
                              "num_microbatches")
+        if check_fn is not None and not callable(check_fn):
+            raise TypeError(f"check_fn must be callable, got {check_fn!r}")
+        if first_iteration is not None and (isinstance(first_iteration, bool)
+                                            or not isinstance(first_iteration, int)):
+            raise TypeError(f"first_iteration must be an int, got {first_iteration!r}")
         if config is None:
             config = BalancerConfig(**settings)
         elif settings:
@@ -258,7 +275,8 @@ class BalancedDataIterator:
                               exchange_group=exchange_group, cost_fn=cost_fn,
                               cost_identity=cost_fn_identity(cost_fn), config=config,
                               device=self.device, board=board, state_fn=state_fn,
-                              found_nodes=_group_nodes(node_ids, ranks))
+                              found_nodes=_group_nodes(node_ids, ranks), check_fn=check_fn,
+                              first_iteration=first_iteration)
         if self.overlap:
             fixed = None if callable(self._num_mb) else int(self._num_mb)
             self._worker = _Worker(self._engine, fixed, predict_microbatches)
@@ -275,7 +293,7 @@ class BalancedDataIterator:
         if not self.enabled:
             return next(self._source)
         if self._error is not None:
-            raise BalancerError(f"the balanced iterator failed earlier (global batch {self._gb}): "
+            raise BalancerError(f"the balanced iterator failed earlier ({self._batch_name()}): "
                                 f"{self._error}", global_batch=self._gb) from self._error
         if self._exhausted is not None:
             raise StopIteration(*self._exhausted.args)
@@ -289,7 +307,7 @@ class BalancedDataIterator:
             self._wait_first_ms = waited
         if self._k == 0 and self._worker is not None and item.num_microbatches != self._G:
             self._fail(BalancerError(
-                f"num_microbatches() is {self._G} at global batch {self._gb} but the exchange thread "
+                f"num_microbatches() is {self._G} at {self._batch_name()} but the exchange thread "
                 f"prefetched it with {item.num_microbatches} micro-batches (predict_microbatches "
                 f"disagrees with the training loop's schedule)", global_batch=self._gb))
         if item.event is not None:
@@ -334,11 +352,11 @@ class BalancedDataIterator:
                 pass
             stalled = time.monotonic() - max(self._engine.heartbeat, started)
             if not w.thread.is_alive():
-                self._fail(ExchangeThreadError(f"exchange thread exited without a result at global batch "
-                                               f"{self._gb}", global_batch=self._gb))
+                self._fail(ExchangeThreadError(f"exchange thread exited without a result at "
+                                               f"{self._batch_name()}", global_batch=self._gb))
             if stalled > self.timeout + max(2.0, 0.5 * self.timeout):
                 self._fail(ExchangeThreadError(
-                    f"exchange thread made no progress for {stalled:.0f}s at global batch {self._gb} "
+                    f"exchange thread made no progress for {stalled:.0f}s at {self._batch_name()} "
                     f"while {self._engine.phase} (timeout={self.timeout:.0f}s)", global_batch=self._gb))
         if isinstance(got, _Failure):
             self._fail(got.exc)
@@ -352,7 +370,7 @@ class BalancedDataIterator:
                 log.warning("mm-balance: %s", exc)
             raise StopIteration(*exc.args)
         if isinstance(exc, StopIteration):          # never leak a bare StopIteration from a bug
-            exc = RuntimeError(f"unexpected StopIteration at global batch {self._gb}")
+            exc = RuntimeError(f"unexpected StopIteration at {self._batch_name()}")
         self._error = exc
         raise exc
 
@@ -386,7 +404,7 @@ class BalancedDataIterator:
             return self._state_fn()                  # the consumer reads the source directly
         if 0 < self._k < self._G:
             raise BalancerError(
-                f"save_state() inside global batch {self._gb}, after micro-step {self._k - 1} of "
+                f"save_state() inside {self._batch_name()}, after micro-step {self._k - 1} of "
                 f"0..{self._G - 1}: no source state matches a partly consumed global batch; "
                 f"save between global batches", global_batch=self._gb)
         return self._state
@@ -408,6 +426,22 @@ class BalancedDataIterator:
         """Index of the global batch being delivered (-1 before the first)."""
         return self._gb
 
+    def _batch_name(self) -> str:
+        """The current global batch as errors name it (with its iteration when known)."""
+        eng = self._engine
+        return eng.name_batch(self._gb) if eng is not None else f"global batch {self._gb}"
+
+    def position(self) -> str:
+        """Where delivery stands, in words, for a report when the process is stopped from
+        outside: the global batch, the micro-steps delivered of it, and what the exchange
+        (thread) was doing."""
+        if not self.enabled or self._engine is None:
+            return "balancing off" if not self.enabled else "closed"
+        if self._gb < 0:
+            return f"before the first global batch; exchange: {self._engine.phase}"
+        return (f"{self._engine.name_batch(self._gb)}, {self._k} of {self._G} micro-steps delivered; "
+                f"exchange: {self._engine.phase}")
+
     # -- shutdown -------------------------------------------------------------------
     def close(self, join_timeout: float | None = None, reason: str = "") -> None:
         """Stop and join the exchange thread, release the source and buffers.
@@ -422,7 +456,7 @@ class BalancedDataIterator:
         _LIVE.discard(self)
         if self._board is not None and self._engine is not None:
             me = self._engine.ranks[self._engine.me]
-            self._board.post_error(me, f"closed its iterator at global batch {self._gb}"
+            self._board.post_error(me, f"closed its iterator at {self._batch_name()}"
                                    + (f" after {reason}" if reason else ""), overwrite=False)
         w, self._worker = self._worker, None
         thread_done = True

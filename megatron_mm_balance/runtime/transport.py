@@ -18,14 +18,14 @@ from __future__ import annotations
 import datetime
 import time
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from . import wire
 from .device import CudaMover
-from .errors import PeerFailure
+from .errors import PeerFailure, batch_name
 
 #: bytes of the per-pack record (3 int64) that precedes every moved pack
 PACK_RECORD_BYTES = 24
@@ -64,10 +64,12 @@ class PackTransport:
     ``ranks``: the group's global ranks in group order; ``me``: this rank's index in
     them. ``device``: where delivered packs go (None: each tensor keeps its device
     type). ``board``: the progress board that names the peer behind a failure (or None).
+    ``name_batch``: how errors name a global batch (default :func:`~.errors.batch_name`).
     """
 
     def __init__(self, group, ranks: Sequence[int], me: int, *, timeout: float,
-                 device: Optional[torch.device] = None, board=None):
+                 device: Optional[torch.device] = None, board=None,
+                 name_batch: Callable[[int], str] = batch_name):
         self.group = group
         self.ranks = list(ranks)
         self.me = me
@@ -75,6 +77,7 @@ class PackTransport:
         self.timeout = float(timeout)
         self.device = device
         self.board = board
+        self.name_batch = name_batch
         self.cuda_mover = CudaMover(device) if device is not None and device.type == "cuda" else None
 
     @property
@@ -89,7 +92,7 @@ class PackTransport:
         try:
             work.wait(datetime.timedelta(seconds=self.timeout))
         except Exception as e:
-            where = f"global batch {gb}" + (f", micro-step {step}" if step is not None else "")
+            where = self.name_batch(gb) + (f", micro-step {step}" if step is not None else "")
             peer_txt = (" with rank " + ", ".join(str(p) for p in peers)) if peers else ""
             me = self.my_rank
             diag = self.board.diagnose(me, gb) if self.board else ""
@@ -138,7 +141,7 @@ class PackTransport:
         hlen, nbytes, nparts = (int(x) for x in meta)
         if hlen <= 0 or nbytes < 0:
             raise PeerFailure(f"rank {self.my_rank}: corrupt pack record {meta.tolist()} from "
-                              f"rank {src} at global batch {gb}, micro-step {step}",
+                              f"rank {src} at {self.name_batch(gb)}, micro-step {step}",
                               global_batch=gb, peers=(src,))
         raw = torch.empty(hlen, dtype=torch.uint8)
         recv(raw, "receiving a pack header")
@@ -146,7 +149,7 @@ class PackTransport:
         refs = [r for r in wire.refs_of(header) if r.nbytes]
         if len(refs) != nparts or (refs and refs[-1].offset + refs[-1].nbytes > nbytes):
             raise PeerFailure(f"rank {self.my_rank}: pack header from rank {src} does not match "
-                              f"its record at global batch {gb}, micro-step {step}",
+                              f"its record at {self.name_batch(gb)}, micro-step {step}",
                               global_batch=gb, peers=(src,))
         data = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.cuda_mover is not None)
         works = [dist.irecv(data[r.offset: r.offset + r.nbytes], src=src, group=self.group)

@@ -316,3 +316,46 @@ def test_cost_model_from_flops_trains_within_the_control_band(runner, bridge_run
     print(f"\ncost=model (FLOPs, {AUTO_LAYOUT}): packs moved {model.stat('packs_moved')} (image tokens "
           f"{on.stat('packs_moved')}); final checkpoint vs image tokens' {as_on.summary()}, vs off "
           f"{same.summary()}, control vs off {band.summary()}; wall {model.wall_s:.0f}s\n{table}")
+
+
+def test_killed_rank_then_resumed_equals_uninterrupted(runner, bridge_python, bridge_trees, bridge_dataset,
+                                                       bridge_runs_dir):
+    """A rank SIGKILLed during the exchange (``MM_BALANCE_FAULT=kill:rank=1:iteration=4:microstep=1``,
+    the test hook) on the DP=2 x EP=2 fp32 job with a checkpoint every iteration: the launcher
+    exits non-zero, rank 1's line names where it died, every other rank prints where it stood
+    (iteration and micro-step), the launcher's report names rank 1 (-9). The same command
+    without the fault resumes from the last checkpoint and equals the uninterrupted run from
+    there: every loss within 1e-5, and each resumed global batch's balancer figures (costs
+    before balancing, the moves they call for) are the uninterrupted run's."""
+    import re
+    layout = "dp2_ep2_fp32"
+    full = runner(f"{layout}-on", layout, True)
+    lay = dict(LAYOUTS[layout])
+    iters = lay.pop("iters")
+    out = bridge_runs_dir / "fault-kill"
+    env = bu.launcher_env(bridge_trees, bridge_dataset, bridge_python, mm_balance=True, output_dir=out,
+                          train_iters=iters, **lay)
+    extra = ["checkpoint.save_interval=1", "mm_balance.timeout=30"]
+    killed = bu.run(dict(env, MM_BALANCE_FAULT="kill:rank=1:iteration=4:microstep=1"), extra,
+                    log_path=bridge_runs_dir / "fault-kill.log")
+    assert killed.rc != 0, killed.tail()
+    assert re.search(r"\[mm-balance\] rank 1: MM_BALANCE_FAULT=kill:rank=1:iteration=4:microstep=1: SIGKILL during "
+                     r"the exchange of micro-step 1 at global batch \d+ \(iteration 4\)", killed.log), killed.tail(80)
+    for rank in (0, 2, 3):
+        assert re.search(rf"^\[mm-balance\] rank {rank}: (stopped by|training stops) .*iteration \d+.*micro-step",
+                         killed.log, re.M), f"rank {rank} printed no stop line\n{killed.tail(80)}"
+    assert re.search(r"rank\s*:\s*1 \(local_rank: 1\)\s*\n\s*exitcode\s*:\s*-9", killed.log), killed.tail(40)
+    last = int((out / "checkpoints" / "latest_checkpointed_iteration.txt").read_text())
+    resumed = bu.run(env, extra, log_path=bridge_runs_dir / "fault-kill-resumed.log")
+    table = bu.loss_table({"uninterrupted": full, "killed": killed, "resumed": resumed})
+    print(f"\nkilled rank 1 at iteration 4 (micro-step 1): exit {killed.rc} after {killed.wall_s:.0f} s, last "
+          f"checkpoint {last}; resumed: exit {resumed.rc} after {resumed.wall_s:.0f} s\n{table}")
+    assert resumed.rc == 0, resumed.tail()
+    assert 1 <= last < 4 and f"restoring dataloader state at iteration {last}" in resumed.log, resumed.tail()
+    after = list(range(last + 1, iters + 1))
+    assert sorted(resumed.losses) == after, table
+    assert bu.max_rel_diff(resumed.losses, full.losses, after) <= REL_TOL, table
+    for key in ("imbalance_before", "packs_moved"):
+        got = resumed.stat(key)
+        want = {i: v for i, v in full.stat(key).items() if i > last}
+        assert got and got == want, f"{key} of the resumed global batches: {got} vs {want}"

@@ -51,3 +51,26 @@ def fresh_venv(megatron_lm) -> rp.FreshVenv:
     (``MM_BALANCE_FRESH_VENV``, default ``.venv-fresh/`` at the repository root, gitignored;
     setup_env.sh then only checks it); created from nothing otherwise, once per CI run."""
     return rp.fresh_venv(megatron_lm)
+
+
+@pytest.fixture(scope="session")
+def runner(megatron_lm, dataset, runs_dir):
+    """``runner(name, mm_balance, iters, extra=(), output=None, data=None, **layout)`` ->
+    :class:`rp.Run`, cached. Every run records what each rank consumed
+    (``--mm-balance-record-samples OUTPUT_DIR/samples``); ``data`` defaults to the session's
+    256-sample dataset. Session-wide, so that test modules share runs (test_real_path.py's
+    DP=2 x EP=2 balanced run is test_real_path_faults.py's uninterrupted reference)."""
+    cache = {}
+
+    def go(name, mm_balance, iters, extra=(), output=None, data=None, **layout):
+        key = (name, mm_balance)
+        if key not in cache:
+            out = output or runs_dir / f"{name}-{'on' if mm_balance else 'off'}"
+            env = rp.launcher_env(megatron_lm, data or dataset, mm_balance=mm_balance, output_dir=out,
+                                  train_iters=iters, **layout)
+            cache[key] = rp.run(env, [*extra, "--mm-balance-record-samples", str(out / "samples")],
+                                log_path=runs_dir / f"{name}-{int(mm_balance)}.log", timeout=rp.RUN_TIMEOUT_S,
+                                samples_dir=out / "samples")
+        return cache[key]
+
+    return go

@@ -28,6 +28,8 @@ ARCHIVE = archive(TAG)
 #: Unpacked, patched trees (gitignored; .megatron-lm/ is the glue tests' git checkout).
 CACHE = megatron_tree.CACHE
 LAUNCHER = REPO / "scripts" / "pretrain_vlm_moe.sh"
+#: how long one launcher run of the real-path tests may take before it is killed
+RUN_TIMEOUT_S = 600
 CONFIG = REPO / "configs" / "megatron" / "tiny_cpu.sh"
 
 #: Our telemetry line: "[mm-balance] iteration 3 | ... | packs_moved: 7 | ...".

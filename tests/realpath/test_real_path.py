@@ -6,9 +6,9 @@ Each test launches the patched Megatron-LM ``examples/multimodal/train.py`` (its
 telemetry (``packs_moved``) and the samples every rank consumed per iteration
 (``--mm-balance-record-samples``); bf16 DP=2 x EP=2 off vs on is also judged against a
 control run (``--mm-balance-mode control``) by ``mm-balance compare-logs --control``, on the
-session's and a held-out data set. Runs are shared between tests through module-scoped
-fixtures (the 6-iteration DP=2 x EP=2 runs serve the layout test, the off/on sample test
-and one resume configuration). Slow: ``python -m pytest tests/realpath -m realpath``.
+session's and a held-out data set. Runs are shared between tests through the session's
+``runner`` (conftest.py: the 6-iteration DP=2 x EP=2 runs serve the layout test, the off/on
+sample test, one resume configuration and the fault matrix's reference). Slow: ``python -m pytest tests/realpath -m realpath``.
 """
 from __future__ import annotations
 
@@ -32,29 +32,7 @@ LAYOUTS = {
     "pp2_dp2": (3, {"EP": 1, "PP": 2}),       # vision encoder on the first stage
     "tp2_dp2": (3, {"EP": 1, "TP": 2, "NUM_EXPERTS": 0}),  # dense: MoE + TP needs sequence parallel
 }
-RUN_TIMEOUT_S = 600
-
-
-@pytest.fixture(scope="module")
-def runner(megatron_lm, dataset, runs_dir):
-    """``runner(name, mm_balance, iters, extra=(), output=None, data=None, **layout)`` ->
-    :class:`rp.Run`, cached. Every run records what each rank consumed
-    (``--mm-balance-record-samples OUTPUT_DIR/samples``); ``data`` defaults to the session's
-    256-sample dataset."""
-    cache = {}
-
-    def go(name, mm_balance, iters, extra=(), output=None, data=None, **layout):
-        key = (name, mm_balance)
-        if key not in cache:
-            out = output or runs_dir / f"{name}-{'on' if mm_balance else 'off'}"
-            env = rp.launcher_env(megatron_lm, data or dataset, mm_balance=mm_balance, output_dir=out,
-                                  train_iters=iters, **layout)
-            cache[key] = rp.run(env, [*extra, "--mm-balance-record-samples", str(out / "samples")],
-                                log_path=runs_dir / f"{name}-{int(mm_balance)}.log", timeout=RUN_TIMEOUT_S,
-                                samples_dir=out / "samples")
-        return cache[key]
-
-    return go
+RUN_TIMEOUT_S = rp.RUN_TIMEOUT_S
 
 
 def _check_pair(off: rp.Run, on: rp.Run, iters: int, label: str) -> None:

@@ -441,13 +441,14 @@ def scenario_control(rank, world, G=4, batches=3, overlap=True):
 
 
 def _outcome(fn):
-    """Run ``fn``; describe the exception it raised (or "ok")."""
+    """Run ``fn``; describe the exception it raised (or "ok"), with the context the runtime
+    attached to an error it re-raises unchanged."""
     try:
         return {"ok": fn()}
     except StopIteration as e:
         return {"type": "StopIteration", "msg": str(e)}
     except BaseException as e:
-        return {"type": type(e).__name__, "msg": str(e)}
+        return {"type": type(e).__name__, "msg": str(e), "context": getattr(e, "mm_balance_context", None)}
 
 
 def scenario_misc(rank, world, G=2):
@@ -555,6 +556,97 @@ def scenario_unreadable_qwen_vl(rank, world, G=2):
         res["delivered"] = len(got)
         out[f"overlap={overlap}"] = res
     return out
+
+
+def _mm_pack(rank: int, i: int, tiles=(2, 1), length: int = 100, placeholders=None):
+    """An examples/multimodal-form pack (image placeholder: token 7) of two keyed samples."""
+    import torch
+    n = len(tiles) if placeholders is None else placeholders
+    return {"__key__": [f"r{rank}-s{i}a,r{rank}-s{i}b"], "tokens": torch.tensor([[7] * n + [1] * 5]),
+            "imgs": torch.zeros(sum(tiles), 3, 4, 4), "num_tiles": torch.tensor(tiles, dtype=torch.int32),
+            "cu_lengths": torch.tensor([[0, length // 2, length]], dtype=torch.int32)}
+
+
+def _failure(fn, delivered: list) -> dict:
+    """What ``fn`` raised (type, message, the runtime's context) and how many packs came out."""
+    out = _outcome(fn)
+    out["delivered"] = len(delivered)
+    return out
+
+
+def scenario_bad_input(rank, world, G=2):
+    """Bad input at global batch 1, micro-step 1 (iteration 6: ``first_iteration=5``), one
+    case per iterator: a pack whose num_tiles contradicts imgs (rank 1), one with a surplus
+    image placeholder (rank 2), one longer than the sequence (rank 0), a NaN cost (rank 1), a
+    negative cost (rank 2). Each must stop every rank before anything of batch 1 is delivered.
+    Then, in the same launch, :func:`scenario_faults`' injected faults."""
+    import math
+    import torch
+    from megatron_mm_balance.cost.pack import ImageTokenCost
+    from megatron_mm_balance.cost.pack_check import PackCheck
+    from megatron_mm_balance.runtime import BalancedDataIterator
+
+    bad_at = G + 1
+
+    def with_tiles(i):
+        p = _mm_pack(rank, i)
+        p["num_tiles"] = torch.tensor([3, 1], dtype=torch.int32)
+        return p
+    cases = {"tiles": (1, with_tiles, None), "placeholders": (2, lambda i: _mm_pack(rank, i, placeholders=3), None),
+             "too_long": (0, lambda i: _mm_pack(rank, i, length=5000), None),
+             "nan_cost": (1, None, math.nan), "negative_cost": (2, None, -5.0)}
+    out = {}
+    for name, (victim, bad_pack, bad_cost) in cases.items():
+        bad_key = f"r{victim}-s{bad_at}a"
+        base = ImageTokenCost(4)
+
+        def cost(p, bad_cost=bad_cost, bad_key=bad_key):
+            return bad_cost if bad_cost is not None and bad_key in p["__key__"][0] else base(p)
+
+        def source(victim=victim, bad_pack=bad_pack):
+            for i in range(50):
+                yield bad_pack(i) if bad_pack and rank == victim and i == bad_at else _mm_pack(rank, i)
+        got = []
+        it = BalancedDataIterator(source(), num_microbatches=G, cost_fn=cost, timeout=20, name=name,
+                                  check_fn=PackCheck(max_length=1024, image_token_id=7), first_iteration=5)
+        with it:
+            out[name] = _failure(lambda: [got.append(next(it)) for _ in range(10 * G)], got)
+    out.update(scenario_faults(rank, world, G))
+    return out
+
+
+def scenario_faults(rank, world, G=2):
+    """``MM_BALANCE_FAULT`` raise / end / corrupt on rank 1 at iteration 6 (global batch 1 with
+    ``first_iteration=5``), micro-step 1: what every rank raises, and how much was delivered."""
+    from megatron_mm_balance.cost.pack import ImageTokenCost
+    from megatron_mm_balance.cost.pack_check import PackCheck
+    from megatron_mm_balance.runtime import BalancedDataIterator
+
+    out = {}
+    for kind in ("raise", "end", "corrupt"):
+        os.environ["MM_BALANCE_FAULT"] = f"{kind}:rank=1:iteration=6:microstep=1"
+        got = []
+        it = BalancedDataIterator((_mm_pack(rank, i) for i in range(50)), num_microbatches=G,
+                                  cost_fn=ImageTokenCost(4), timeout=20, name=kind,
+                                  check_fn=PackCheck(max_length=1024, image_token_id=7), first_iteration=5)
+        del os.environ["MM_BALANCE_FAULT"]
+        with it:
+            out[kind] = _failure(lambda: [got.append(next(it)) for _ in range(10 * G)], got)
+    return out
+
+
+def scenario_fault_kill(rank, world, G=2, timeout=5.0):
+    """``MM_BALANCE_FAULT=kill:rank=2:iteration=2:microstep=1``: rank 2 SIGKILLs itself when
+    its exchange of global batch 1's micro-step 1 starts; what its peers raise, how fast."""
+    from megatron_mm_balance.runtime import BalancedDataIterator
+    os.environ["MM_BALANCE_FAULT"] = f"kill:rank={world - 1}:iteration=2:microstep=1"
+    it = BalancedDataIterator(recording_source(rank, 1000, []), num_microbatches=G, timeout=timeout)
+    t0 = time.monotonic()
+    res = _outcome(lambda: [next(it) for _ in range(10 * G)])
+    res["elapsed"] = time.monotonic() - t0
+    it.close()
+    res["skip_teardown"] = True
+    return res
 
 
 def scenario_die(rank, world, G=4, timeout=5.0):

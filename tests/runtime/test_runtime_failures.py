@@ -23,11 +23,15 @@ def misc():
 
 
 def test_peer_source_raises(misc):
-    assert misc[1]["raise"] == {"type": "ValueError", "msg": "boom in the data source of rank 1"}
+    """The rank whose source raised gets its own error, unchanged, with where it happened
+    attached (``mm_balance_context``); its peers a PeerFailure naming it and the micro-step."""
+    assert misc[1]["raise"] == {"type": "ValueError", "msg": "boom in the data source of rank 1",
+                                "context": "rank 1, global batch 2, micro-step 1: the data source raised"}
     for r in (0, 2):
         out = misc[r]["raise"]
         assert out["type"] == "PeerFailure"
-        assert "global batch 2" in out["msg"] and "rank 1" in out["msg"] and "boom" in out["msg"]
+        assert "global batch 2" in out["msg"] and "rank 1's data source raised: micro-step 1: " in out["msg"]
+        assert "boom" in out["msg"]
     for r in range(3):                               # the iterator stays failed
         assert misc[r]["raise_again"]["type"] == "BalancerError"
 
@@ -76,7 +80,8 @@ def test_rampup_callable(misc):
 
 
 def test_background_thread_error_surfaces(misc):
-    assert misc[0]["thread_error"] == {"type": "KeyError", "msg": "'cost of r0-p3'"}
+    assert misc[0]["thread_error"] == {"type": "KeyError", "msg": "'cost of r0-p3'",
+                                       "context": "rank 0, global batch 1, micro-step 1: the cost_fn raised"}
     for r in (1, 2):
         out = misc[r]["thread_error"]
         assert out["type"] == "PeerFailure" and "rank 0" in out["msg"] and "global batch 1" in out["msg"]
@@ -128,3 +133,77 @@ def test_peer_stalls():
     res = harness.launch(3, "stall", hard_timeout=60, timeout=3.0, stall=6.0)
     _assert_named(res, 2, 3.0)
     assert "Operation timed out" in res[0]["msg"] or "behind" in res[0]["msg"]
+
+
+BAD_INPUT = {"tiles": (1, "num_tiles [3, 1] sums to 4 tiles but imgs holds 3"),
+             "placeholders": (2, "tokens hold 3 image placeholders (token 7) but num_tiles lists 2 images"),
+             "too_long": (0, "5000 positions long"),
+             "nan_cost": (1, "costs must be finite and >= 0"),
+             "negative_cost": (2, "costs must be finite and >= 0")}
+
+
+@pytest.fixture(scope="module")
+def bad_input():
+    res = harness.launch(3, "bad_input", hard_timeout=120)
+    for r, x in enumerate(res):
+        assert not x.get("killed") and "error" not in x, f"rank {r}: {x}"
+    return res
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUT))
+def test_bad_input_stops_every_rank_before_anything_moves(bad_input, case):
+    """A pack whose metadata contradicts its tensors, one longer than the sequence, a NaN or
+    negative cost, on one rank at global batch 1 (iteration 6), micro-step 1: every rank stops
+    there having delivered batch 0 only, the rank that read it with its own error naming the
+    sample, its peers with a PeerFailure naming that rank, the sample and the micro-step."""
+    victim, problem = BAD_INPUT[case]
+    key = f"r{victim}-s3a"
+    for r, x in enumerate(bad_input):
+        out = x[case]
+        assert out["delivered"] == 2, (r, out)                         # batch 0 only
+        if r == victim:
+            assert out["type"] in ("BadPack", "ValueError"), out
+            assert problem in out["msg"] and key in out["msg"], out
+            assert out["context"].startswith(f"rank {victim}, global batch 1 (iteration 6), micro-step 1 "), out
+        else:
+            assert out["type"] == "PeerFailure", out
+            for part in (f"rank {victim}'s", "global batch 1 (iteration 6)", "micro-step 1", key, problem):
+                assert part in out["msg"], (part, out)
+
+
+def test_injected_faults_name_the_rank_the_iteration_and_the_micro_step(bad_input):
+    """MM_BALANCE_FAULT (the test hook): rank 1's source raising, ending, or giving a pack with
+    contradicting metadata at iteration 6, micro-step 1 stops every rank at that global batch
+    (batch 0 delivered, nothing of batch 1), each error naming rank 1, the iteration and the
+    micro-step; the ended source is an exhaustion (StopIteration) naming how much was read.
+    (Run in the bad-input launch.)"""
+    for r, x in enumerate(bad_input):
+        for kind in ("raise", "end", "corrupt"):
+            assert x[kind]["delivered"] == 2, (r, kind, x[kind])
+        end = x["end"]
+        assert end["type"] == "StopIteration", end
+        assert ("data source exhausted at global batch 1 (iteration 6): the source of rank 1 after 1 of 2 "
+                "packs ended; 5 packs pulled for this global batch (per rank [2, 1, 2])") in end["msg"], end
+        if r == 1:
+            assert x["raise"]["type"] == "InjectedFault" and "micro-step 1" in x["raise"]["msg"], x["raise"]
+            assert x["raise"]["context"] == ("rank 1, global batch 1 (iteration 6), micro-step 1: the data "
+                                             "source raised"), x["raise"]
+            assert x["corrupt"]["type"] == "BadPack" and "num_tiles [3, 1] sums to 4" in x["corrupt"]["msg"]
+        else:
+            for kind in ("raise", "corrupt"):
+                out = x[kind]
+                assert out["type"] == "PeerFailure", out
+                for part in ("rank 1's", "global batch 1 (iteration 6)", "micro-step 1"):
+                    assert part in out["msg"], (kind, part, out)
+
+
+def test_injected_kill_during_the_exchange():
+    """MM_BALANCE_FAULT=kill:rank=2:iteration=2:microstep=1: rank 2 prints where it dies and
+    is SIGKILLed; its peers raise a PeerFailure naming it within the timeout."""
+    res = harness.launch(3, "fault_kill", hard_timeout=60, timeout=5.0)
+    assert res[2]["exitcode"] == -9, res[2]
+    assert ("rank 2: MM_BALANCE_FAULT=kill:rank=2:iteration=2:microstep=1: SIGKILL during the exchange "
+            "of micro-step 1 at global batch 1") in res[2]["log"], res[2]["log"]
+    _assert_named(res, 2, 5.0)
+    for r in (0, 1):
+        assert res[r]["elapsed"] < 5.0 + 10.0, res[r]

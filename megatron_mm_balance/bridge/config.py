@@ -69,7 +69,7 @@ class MMBalanceBridgeConfig:
     cp_split: str = "cost"
     #: ``packs``: the vision tower encodes the frames of the packs its rank holds; ``images``:
     #: also spread frames across the data-parallel group every micro-step (Qwen3-VL;
-    #: :mod:`.vision`, docs/bridge.md section 8)
+    #: :mod:`.vision`, docs/bridge.md section 9)
     vision: str = "packs"
     #: ``vision=images``: no rank receiving frames ends above this many patches (None: the
     #: most any rank held before balancing, per micro-step)

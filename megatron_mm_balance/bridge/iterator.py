@@ -25,6 +25,9 @@ What Bridge relies on, and how it is kept:
   exchange group, from the Qwen-VL grids
   (:class:`~megatron_mm_balance.cost.calibration.QwenVLFeatures`), its fit beside
   ``checkpoint.save`` and restored from ``checkpoint.load`` on resume.
+* ``mm_balance.vision=images``: after the packs, each training micro-step's frames are
+  spread across the data-parallel group by hooks on the Qwen3-VL model
+  (:func:`~.vision.install_frame_balance`; its groups are created here, collectively).
 * every rank of a data-parallel group reads data in Bridge's VLM steps (each tensor-,
   pipeline- and context-parallel rank draws from its own loader): one exchange group
   per data-parallel group (``pg_collection.dp``), created collectively over the world.

@@ -15,9 +15,10 @@ patch_cap=patch_cap).encoder``), which plans from where the frames are with the 
 the transfer time in the plan itself.
 
 :func:`frame_figures` are the micro-step's figures (moved frames, patches and cost, the
-least moved cost any plan needs, the largest and mean rank cost before and after),
-computed from the assignment alone, whatever planner made it; :class:`FrameWindow`
-sums them over a log interval. Pure numpy: knows nothing of torch or Megatron.
+least cost that bringing every rank down to the target moves, the largest and mean rank
+cost before and after), computed from the assignment alone, whatever planner made it (so
+they stay comparable when the planner changes); :class:`FrameWindow` sums them over a log
+interval. Pure numpy: knows nothing of torch or Megatron.
 """
 from __future__ import annotations
 
@@ -39,9 +40,9 @@ def default_patch_cap(owner, patches, num_ranks: int) -> int:
 def plan_frame_encoders(owner, cost, num_ranks: int, *, patches, patch_cap: Optional[int] = None) -> np.ndarray:
     """The encoder rank of every frame (see the module docstring). ``patch_cap``: no rank
     that receives frames ends above it (None: :func:`default_patch_cap`)."""
-    cap = default_patch_cap(owner, patches, num_ranks) if patch_cap is None else int(patch_cap)
+    patch_cap = default_patch_cap(owner, patches, num_ranks) if patch_cap is None else int(patch_cap)
     encoder = balance_images(owner, cost, num_ranks)
-    return within_patch_cap(owner, encoder, cost, patches, cap, num_ranks)
+    return within_patch_cap(owner, encoder, cost, patches, patch_cap, num_ranks)
 
 
 def within_patch_cap(owner, encoder, cost, patches, cap: int, num_ranks: int) -> np.ndarray:
@@ -79,8 +80,9 @@ class FrameFigures:
     frames_moved: int
     patches_moved: int
     cost_moved: int
-    #: the least cost any plan of whole frames must move: the sum over ranks of each rank's
-    #: excess over the target ``max(ceil(total / ranks), costliest frame)``
+    #: the least cost a plan must move to bring every rank down to the target
+    #: ``max(ceil(total / ranks), costliest frame)``: the sum of each rank's excess over it
+    #: (whole frames may not reach the target; a plan that stops above it moves less)
     cost_moved_min: int
     cost_max_before: int
     cost_max_after: int

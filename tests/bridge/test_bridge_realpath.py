@@ -310,6 +310,8 @@ def test_images_mode_trains_as_off_within_the_control_band(runner, layout, bridg
     for v in vision.values():
         assert v["vision_max_after"] <= v["vision_max_before"] and v["patches_max_after"] <= v["patches_max_before"]
     assert not _vision_lines(off) and not _vision_lines(ctl)
+    # the reporting rank (the group's first) has no Bridge writer: its own events file
+    assert list((images.output_dir / "tensorboard").glob("*.mm_balance_vision")), "no mm-balance-vision events"
     ckpt = {name: str(r.output_dir / "checkpoints") for name, r in (("off", off), ("images", images), ("control", ctl))}
     img_off, ctl_off = compare_checkpoints(ckpt["off"], ckpt["images"]), compare_checkpoints(ckpt["off"], ckpt["control"])
     print(f"\n{layout} vision=images: frames moved per iteration {moved}; final checkpoints (model tensors): "

@@ -63,3 +63,31 @@ def test_frames_of_grids_and_back():
     # consecutive frames of one size are one grid row (as Bridge's collapse_thw)
     assert frame_grid(hw).tolist() == [[1, 4, 6], [4, 2, 2], [2, 8, 8]]
     assert frame_grid(np.zeros((0, 2), np.int64)).shape == (0, 3)
+
+
+def test_report_one_line_per_interval_from_the_reporting_rank(capsys):
+    from megatron_mm_balance.bridge.vision import FrameReport
+    from megatron_mm_balance.runtime.frames import frame_figures
+
+    class Writer:
+        def __init__(self):
+            self.scalars = []
+
+        def add_scalar(self, name, value, step):
+            self.scalars.append((name, value, step))
+
+    it = {"now": 1}
+    tb = Writer()
+    report = FrameReport(interval=2, iteration_fn=lambda: it["now"], reporter=True, writers=(tb, None))
+    quiet = FrameReport(interval=2, iteration_fn=lambda: it["now"], reporter=False, writers=(None, None))
+    figures = frame_figures(np.array([0, 0, 1]), np.array([0, 1, 1]), np.array([4, 3, 1]), np.array([4, 3, 1]), 2)
+    for iteration in (1, 1, 2, 2, 3, 3, 4, 5):           # two micro-steps per iteration
+        it["now"] = iteration
+        for r in (report, quiet):
+            r.add(figures if iteration != 3 else None)  # iteration 3: no frame anywhere
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("[mm-balance-vision]")]
+    assert [x.split(" | ")[0] for x in lines] == ["[mm-balance-vision] iteration 2",
+                                                  "[mm-balance-vision] iteration 4"]
+    assert "micro_steps: 4 | frames: 12 | patches: 32 | frames_moved: 4" in lines[0]
+    assert "micro_steps: 3 | frames: 3 |" in lines[1]      # iterations 3 (two empty micro-steps) and 4
+    assert ("mm-balance-vision/frames_moved", 4.0, 2) in tb.scalars and not quiet.lines

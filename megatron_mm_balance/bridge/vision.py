@@ -132,11 +132,19 @@ def frame_grid(hw: np.ndarray, device=None):
     return torch.tensor(rows, dtype=torch.long, device=device).reshape(-1, 3)
 
 
-def dtype_code(dtype) -> int:
-    name = str(dtype).split(".")[-1]
-    if name not in DTYPES:
-        raise ValueError(f"mm_balance.vision=images: pixel rows of dtype {dtype} are not supported")
-    return DTYPES.index(name)
+#: what a rank's header reports about its own inputs (0: nothing wrong), read on every rank
+_PROBLEMS = {1: "its pixel rows are not the patches of its grids (sum of t*h*w)",
+             2: f"its pixel rows' dtype is none of {', '.join(DTYPES)}"}
+
+
+def _header(pixels, patches: int) -> list:
+    """This rank's integers for the micro-step: pixel row width, dtype code, whether they need
+    gradients, and a problem code, so that bad inputs fail on every rank, not one."""
+    if pixels is None or pixels.shape[0] == 0:
+        return [-1, -1, 0, 1 if patches else 0]
+    name = str(pixels.dtype).split(".")[-1]
+    problem = 1 if pixels.shape[0] != patches else 2 if name not in DTYPES else 0
+    return [int(pixels.shape[-1]), DTYPES.index(name) if not problem else -1, int(pixels.requires_grad), problem]
 
 
 # -- the hooks ---------------------------------------------------------------------------------
@@ -219,9 +227,8 @@ class BalancedFrames:
         patches_here = hw[:, 0] * hw[:, 1]
         has_rows = pixels is not None and pixels.shape[0] > 0
         costs = np.array([int(self.frame_cost(int(p))) for p in patches_here], dtype=np.int64)
-        header = ([int(pixels.shape[1]), dtype_code(pixels.dtype), int(pixels.requires_grad)]
-                  if has_rows else [-1, -1, 0])
-        table = gather_unit_table(np.column_stack([costs, hw]).reshape(-1, 3), header, self.group, device)
+        table = gather_unit_table(np.column_stack([costs, hw]).reshape(-1, 3),
+                                  _header(pixels, int(patches_here.sum())), self.group, device)
         if table is None:
             self._account(None)
             return None
@@ -249,8 +256,11 @@ class BalancedFrames:
         """The pixel row width and dtype of the ranks holding frames (they must agree), and
         whether any of them needs pixel gradients."""
         import torch
+        for rank, problem in enumerate(table.headers[:, 3].tolist()):
+            if problem:
+                raise ValueError(f"mm_balance.vision=images: rank {rank} of the vision group: {_PROBLEMS[problem]}")
         held = table.headers[np.bincount(table.owner, minlength=table.num_ranks) > 0]
-        kinds = {(int(a), int(b)) for a, b, _ in held.tolist()}
+        kinds = {(int(a), int(b)) for a, b, _, _ in held.tolist()}
         if len(kinds) != 1:
             raise ValueError(f"mm_balance.vision=images: the ranks' pixel rows differ in width or dtype "
                              f"({sorted(kinds)})")

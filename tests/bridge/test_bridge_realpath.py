@@ -344,3 +344,13 @@ def test_images_mode_resume_equals_uninterrupted(runner, bridge_runs_dir):
     print(f"\nvision=images resume ({layout}): final checkpoint vs the uninterrupted run's: {same.summary()}; "
           f"wall first {first.wall_s:.0f}s resumed {second.wall_s:.0f}s\n{table}")
     assert same.identical, same.summary()
+
+
+def test_bf16_images_mode_within_the_control_band(runner, bridge_dataset):
+    """bf16 DP=2 x EP=2 with ``mm_balance.vision=images`` beside the bf16 band test's off and
+    control runs (the session's data set): compare-logs is not DIFFERENT."""
+    off = runner("band-default-off", BAND_LAYOUT, False, data=bridge_dataset)
+    images = runner("band-default-images", BAND_LAYOUT, True, extra=IMAGES, data=bridge_dataset)
+    ctl = runner("band-default-control", BAND_LAYOUT, True, extra=["mm_balance.mode=control"], data=bridge_dataset)
+    bu.check_band(off, images, ctl, "Bridge bf16 dp2_ep2, vision=images")
+    assert _vision_lines(images), images.tail()

@@ -67,6 +67,13 @@ class MMBalanceBridgeConfig:
     #: micro-batch's frames across the context-parallel ranks by per-frame cost, ``count``
     #: keeps Bridge's equal-count split (:mod:`.cp_split`); inert without context parallelism
     cp_split: str = "cost"
+    #: ``packs``: the vision tower encodes the frames of the packs its rank holds; ``images``:
+    #: also spread frames across the data-parallel group every micro-step (Qwen3-VL;
+    #: :mod:`.vision`, docs/bridge.md section 9)
+    vision: str = "packs"
+    #: ``vision=images``: no rank receiving frames ends above this many patches (None: the
+    #: most any rank held before balancing, per micro-step)
+    image_patch_cap: Optional[int] = None
 
     @property
     def wraps_train_iterator(self) -> bool:
@@ -91,7 +98,9 @@ def as_args(mm: MMBalanceBridgeConfig, cfg, *, train_state=None) -> types.Simple
         raise MMBalanceConfigError("mm_balance.mode=sampler needs Megatron-LM's pretraining sampler; "
                                    "on Megatron-Bridge use mm_balance.mode=exchange (or auto, shadow, control)")
     from .cp_split import checked_choice
+    from .vision import checked_vision
     checked_choice(getattr(mm, "cp_split", "cost"))
+    checked_vision(mm, model)
     return _BridgeArgs(
         train_state,
         mm_balance=bool(mm.enabled), mm_balance_mode=mm.mode, mm_balance_sync=mm.sync,

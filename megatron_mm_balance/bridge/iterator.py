@@ -27,6 +27,9 @@ What Bridge relies on, and how it is kept:
   ``checkpoint.save`` and restored from ``checkpoint.load`` on resume; with
   ``timing_dir``, the provider's FLOP-derived model is written beside the records
   (:func:`save_flops_model`) for ``mm-balance replay``.
+* ``mm_balance.vision=images``: after the packs, each training micro-step's frames are
+  spread across the data-parallel group by hooks on the Qwen3-VL model
+  (:func:`~.vision.install_frame_balance`; its groups are created here, collectively).
 * every rank of a data-parallel group reads data in Bridge's VLM steps (each tensor-,
   pipeline- and context-parallel rank draws from its own loader): one exchange group
   per data-parallel group (``pg_collection.dp``), created collectively over the world.
@@ -183,6 +186,7 @@ def wrap_train_data_iterator(train_data_iterator, cfg, pg_collection, *, state=N
     from .config import as_args
     from .cp_split import install_cp_split
     from .timing import install_bridge_timing
+    from .vision import install_frame_balance
 
     args = as_args(mm, cfg, train_state=getattr(state, "train_state", None))
     core_cfg = checked_config(args)
@@ -196,6 +200,7 @@ def wrap_train_data_iterator(train_data_iterator, cfg, pg_collection, *, state=N
     iterators = train_data_iterator if is_list else [train_data_iterator]
     groups = init_exchange_groups(_layout(pg_collection), num_chunks=len(iterators),
                                   timeout=core_cfg.timeout)
+    install_frame_balance(model, cfg, core_cfg, args, pg_collection, state)   # vision=images
     tb = getattr(state, "tensorboard_logger", None) if state is not None else None
     wandb = getattr(state, "wandb_logger", None) if state is not None else None
     coordinator = BridgeCoordinator(core_cfg, cost_fn=cost_fn_for(core_cfg, cfg.model),

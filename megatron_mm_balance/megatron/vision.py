@@ -214,20 +214,24 @@ def _agreed_shape(tensor, group, device, what: str):
 
 # -- groups and installation -------------------------------------------------------------
 
-def init_vision_groups(timeout: float) -> Optional[object]:
+def init_vision_groups(timeout: float, layout=None) -> Optional[object]:
     """Create, collectively over the world, one communicator per data-parallel group of the
-    first pipeline stage (one per TP rank); return this rank's (None off that stage).
-    Every rank must call it at the same point (:func:`~.iterator.wrap_train_data_iterator`)."""
+    first pipeline stage (one per tensor- and context-parallel position); return this rank's
+    (None off that stage). Every rank must call it at the same point
+    (:func:`~.iterator.wrap_train_data_iterator`; Megatron-Bridge's glue too). ``layout``:
+    this rank's :class:`~.groups.RankLayout` (on the first stage?, its data-parallel ranks);
+    default from ``megatron.core.parallel_state``."""
     import datetime
 
     import torch.distributed as dist
-    from megatron.core import parallel_state as mpu
 
     from .groups import RankLayout, data_holding_rank_lists
 
-    first_stage = mpu.get_pipeline_model_parallel_rank() == 0
-    dp_ranks = dist.get_process_group_ranks(mpu.get_data_parallel_group())
-    layout = RankLayout(first_stage, tuple(int(r) for r in dp_ranks))
+    if layout is None:
+        from megatron.core import parallel_state as mpu
+        first_stage = mpu.get_pipeline_model_parallel_rank() == 0
+        dp_ranks = dist.get_process_group_ranks(mpu.get_data_parallel_group())
+        layout = RankLayout(first_stage, tuple(int(r) for r in dp_ranks))
     layouts = [None] * dist.get_world_size()
     dist.all_gather_object(layouts, layout)
     mine = None

@@ -1,30 +1,35 @@
-"""Image-level vision balancing at run time: encode a micro-step's images on other ranks.
+"""Unit-level vision balancing at run time: encode a micro-step's images (or frames) on
+other ranks.
 
-Per-image encoders compute every image on its own, so a rank may encode another
-rank's images and send the embeddings back: the embeddings, the loss and every
-gradient are those of the unbalanced run. Per micro-step:
+Encoders that compute every image (or frame) on its own let a rank encode another
+rank's units and send the outputs back: the outputs, the loss and every gradient are
+those of the unbalanced run. Per micro-step:
 
-1. :func:`gather_image_costs`: every data-parallel rank all-gathers the integer
-   cost of each of its images (e.g. microseconds, or tokens^2 as LoongForge);
-2. :class:`ImagePlan`: every rank runs
-   :func:`megatron_mm_balance.solver.images.balance_images` on the same numbers and
-   gets the same assignment (owner rank -> encoder rank per image);
-3. :meth:`ImageExchange.to_encoders` sends the images to their encoder ranks, the
-   encoder runs on what arrived, :meth:`ImageExchange.to_owners` sends the
-   embeddings back, in the owner's image order. Both are autograd functions: in
-   backward the embedding gradients travel to the encoder ranks (and image
-   gradients back to their owners, when the images require them).
+1. every data-parallel rank all-gathers the integer cost of each of its units
+   (:func:`gather_image_costs`, or :func:`gather_unit_table` for several integers per
+   unit, e.g. a frame's cost and size);
+2. every rank plans on the same numbers and gets the same assignment (owner rank ->
+   encoder rank per unit; :class:`ImagePlan` for images);
+3. :meth:`UnitExchange.to_encoders` sends the units' input rows to their encoder ranks,
+   the encoder runs on what arrived, :meth:`UnitExchange.to_owners` sends the output
+   rows back, in the owner's unit order. Both are autograd functions: in backward the
+   output gradients travel to the encoder ranks, and input gradients back to their
+   owners (when the inputs require them).
 
-Images of one micro-step are one tensor ``[n_images, ...]`` per rank with the same
-trailing shape on every rank (fixed-size tiles, as InternViT or CLIP crops);
-embeddings likewise ``[n_images, ...]``. Transfers are point-to-point
-(``isend``/``irecv``) inside ``group``, sizes known from the plan (nothing else is
-exchanged). Knows nothing of Megatron; the glue that wires this into a model's
-vision forward is separate.
+A unit is a contiguous range of rows of a rank's input tensor ``[rows, ...]`` (and of
+its output tensor): ``in_rows[u]`` input rows and ``out_rows[u]`` output rows, which may
+differ per unit (a Qwen-VL frame of ``h x w`` patches: ``h*w`` pixel rows in,
+``h*w/merge^2`` embedding rows out). Fixed-size images (tiles of InternViT or CLIP
+crops, ``[n_images, ...]``) are units of one row each: :class:`ImageExchange`, the same
+mechanism. Transfers are point-to-point (``batch_isend_irecv``: every send and receive
+of a move posted at once, so no order between peers can deadlock) inside ``group``,
+sizes known from the plan (nothing else is exchanged). Knows nothing of Megatron; the
+glue that wires this into a model's vision forward is separate.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Dict, Optional, Sequence
 
 import numpy as np
 import torch
@@ -45,8 +50,7 @@ class ImagePlan:
     @classmethod
     def from_costs(cls, costs_by_rank) -> "ImagePlan":
         """The balanced plan for each rank's image costs (integers, per image)."""
-        owner = np.concatenate([np.full(len(c), r, dtype=np.int64)
-                                for r, c in enumerate(costs_by_rank)] or [np.zeros(0, np.int64)])
+        owner = owners_of([len(c) for c in costs_by_rank])
         cost = np.concatenate([np.asarray(c, dtype=np.int64).reshape(-1)
                                for c in costs_by_rank] or [np.zeros(0, np.int64)])
         return cls(owner, balance_images(owner, cost, len(costs_by_rank)), len(costs_by_rank))
@@ -63,21 +67,87 @@ class ImagePlan:
         return int((self.owner != self.encoder).sum())
 
 
+def owners_of(counts: Sequence[int]) -> np.ndarray:
+    """The owner rank of every unit in global order, from each rank's unit count."""
+    return np.repeat(np.arange(len(counts), dtype=np.int64), np.asarray(counts, dtype=np.int64))
+
+
 def gather_image_costs(local_costs, group=None, device=None) -> list[np.ndarray]:
     """All-gather every rank's per-image integer costs (a 1-D sequence on each rank).
     ``device``: where the collective's tensors live (the group's backend decides: CPU for
     gloo, the rank's GPU for NCCL); CPU by default."""
-    c = torch.as_tensor(np.asarray(local_costs, dtype=np.int64).reshape(-1)).to(device)
+    table = gather_unit_table(np.asarray(local_costs, dtype=np.int64).reshape(-1, 1), (), group,
+                              device=device, stop_when_empty=False)
+    return [table.columns[table.owner == r, 0].copy() for r in range(table.num_ranks)]
+
+
+@dataclass(frozen=True)
+class UnitTable:
+    """What every rank of a group learns about one micro-step's units, identical on all.
+
+    ``owner[u]``: the rank holding unit ``u`` (global order: rank 0's units in its order,
+    then rank 1's, ...); ``columns[u]``: the owner's integers for it (e.g. cost, height,
+    width); ``headers[r]``: rank ``r``'s own integers for the micro-step (e.g. the input
+    row width and dtype, which a rank holding no unit cannot know)."""
+
+    owner: np.ndarray
+    columns: np.ndarray
+    headers: np.ndarray
+
+    @property
+    def num_ranks(self) -> int:
+        return int(self.headers.shape[0])
+
+    @property
+    def num_units(self) -> int:
+        return int(self.owner.size)
+
+
+def gather_unit_table(columns: np.ndarray, header: Sequence[int], group=None, device=None, *,
+                      stop_when_empty: bool = True) -> Optional[UnitTable]:
+    """All-gather ``columns`` (``[units, k]`` int64 on each rank, ``k`` the same everywhere)
+    and ``header`` (the same length everywhere). Two collectives: the unit counts with the
+    headers, then the columns padded to the largest count. With ``stop_when_empty``, a
+    micro-step with no unit on any rank costs only the first (small) one and gives None.
+    ``device``: where the collectives' tensors live (CPU for gloo, the GPU for NCCL)."""
+    columns = np.asarray(columns, dtype=np.int64)
+    if columns.ndim != 2:
+        raise ValueError(f"unit columns must be [units, k], got shape {columns.shape}")
     world = dist.get_world_size(group)
-    n = torch.tensor([c.numel()], dtype=torch.int64, device=c.device)
-    counts = [torch.zeros_like(n) for _ in range(world)]
-    dist.all_gather(counts, n, group=group)
-    width = max(int(x.item()) for x in counts)
-    padded = torch.zeros(max(width, 1), dtype=torch.int64, device=c.device)
-    padded[: c.numel()] = c
-    parts = [torch.zeros_like(padded) for _ in range(world)]
+    head = torch.tensor([columns.shape[0], *header], dtype=torch.int64, device=device)
+    heads = [torch.empty_like(head) for _ in range(world)]
+    dist.all_gather(heads, head, group=group)
+    heads_np = torch.stack(heads).cpu().numpy()
+    counts = heads_np[:, 0]
+    total = int(counts.sum())
+    if total == 0 and stop_when_empty:
+        return None
+    width = max(int(counts.max()), 1)
+    padded = torch.zeros((width, columns.shape[1]), dtype=torch.int64, device=device)
+    padded[: columns.shape[0]] = torch.from_numpy(columns).to(device)
+    parts = [torch.empty_like(padded) for _ in range(world)]
     dist.all_gather(parts, padded, group=group)
-    return [p[: int(k.item())].cpu().numpy().copy() for p, k in zip(parts, counts)]
+    table = np.concatenate([p[: int(k)].cpu().numpy() for p, k in zip(parts, counts)], axis=0)
+    return UnitTable(owners_of(counts), table, heads_np[:, 1:])
+
+
+def _row_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """The concatenated ``arange(s, s + n)`` of every (start, length) pair, vectorised."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    total = int(lengths.sum())
+    if total == 0:
+        return np.zeros(0, dtype=np.int64)
+    offsets = np.repeat(np.asarray(starts, dtype=np.int64) - np.cumsum(lengths) + lengths, lengths)
+    return offsets + np.arange(total, dtype=np.int64)
+
+
+def _routes(units_here: np.ndarray, rows: np.ndarray, peer_of: np.ndarray, num_ranks: int) -> Dict[int, np.ndarray]:
+    """Rows of a tensor that holds ``units_here`` (in that order, ``rows[u]`` each) grouped
+    by ``peer_of[u]``, every group in the tensor's order (which is global order)."""
+    lengths = rows[units_here]
+    starts = np.cumsum(lengths) - lengths
+    peers = peer_of[units_here]
+    return {p: _row_ranges(starts[peers == p], lengths[peers == p]) for p in range(num_ranks)}
 
 
 def _route(x: torch.Tensor, send: dict, recv: dict, out_rows: int, group, ranks) -> torch.Tensor:
@@ -85,22 +155,25 @@ def _route(x: torch.Tensor, send: dict, recv: dict, out_rows: int, group, ranks)
     the result (``out_rows`` rows). ``send[me]`` / ``recv[me]``: rows kept locally."""
     me = dist.get_rank(group)
     out = x.new_empty((out_rows, *x.shape[1:]))
-    reqs, bufs = [], []
+    ops, bufs = [], []
     for p in ranks:
         if p == me:
             continue
         if len(send.get(p, ())):
-            reqs.append(dist.isend(x[send[p]].contiguous(), _global(group, p), group=group))
+            rows = torch.as_tensor(send[p], device=x.device)
+            ops.append(dist.P2POp(dist.isend, x.index_select(0, rows).contiguous(), _global(group, p), group))
         if len(recv.get(p, ())):
             buf = x.new_empty((len(recv[p]), *x.shape[1:]))
             bufs.append((p, buf))
-            reqs.append(dist.irecv(buf, _global(group, p), group=group))
+            ops.append(dist.P2POp(dist.irecv, buf, _global(group, p), group))
+    reqs = dist.batch_isend_irecv(ops) if ops else []
     if len(send.get(me, ())):
-        out[recv[me]] = x[send[me]]
+        out.index_copy_(0, torch.as_tensor(recv[me], device=x.device),
+                        x.index_select(0, torch.as_tensor(send[me], device=x.device)))
     for r in reqs:
         r.wait()
     for p, buf in bufs:
-        out[recv[p]] = buf
+        out.index_copy_(0, torch.as_tensor(recv[p], device=x.device), buf)
     return out
 
 
@@ -119,38 +192,76 @@ class _Route(torch.autograd.Function):
         return _route(grad.contiguous(), *ctx.bwd, ctx.rows, ctx.group, ctx.ranks), None, None, None, None, None
 
 
-class ImageExchange:
-    """The two autograd-aware moves of one micro-step's plan on this rank."""
+class UnitExchange:
+    """The two autograd-aware moves of one micro-step's assignment on this rank.
+
+    ``owner[u]``, ``encoder[u]``: the rank holding and the rank encoding unit ``u`` (global
+    order: rank 0's units, then rank 1's, ...; the same arrays on every rank);
+    ``in_rows[u]`` / ``out_rows[u]``: its rows in the inputs and in the outputs (default one
+    each). This rank's input tensor is its units' rows in its order; the tensor it encodes
+    holds the rows of the units it encodes in global order, as does what it returns."""
+
+    def __init__(self, owner, encoder, in_rows=None, out_rows=None, group=None, num_ranks: Optional[int] = None):
+        owner = np.asarray(owner, dtype=np.int64)
+        encoder = np.asarray(encoder, dtype=np.int64)
+        ones = np.ones(owner.size, dtype=np.int64)
+        in_rows = ones if in_rows is None else np.asarray(in_rows, dtype=np.int64)
+        out_rows = ones if out_rows is None else np.asarray(out_rows, dtype=np.int64)
+        if not (owner.shape == encoder.shape == in_rows.shape == out_rows.shape):
+            raise ValueError("owner, encoder, in_rows and out_rows need one entry per unit")
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.num_ranks = int(num_ranks if num_ranks is not None else dist.get_world_size(group))
+        self.ranks = list(range(self.num_ranks))
+        local, enc = np.flatnonzero(owner == self.rank), np.flatnonzero(encoder == self.rank)
+        self.local_units, self.encoded_units = local, enc
+        # to the encoders: this rank sends its units' input rows by encoder, receives by owner
+        self._send_in = _routes(local, in_rows, encoder, self.num_ranks)
+        self._recv_in = _routes(enc, in_rows, owner, self.num_ranks)
+        # back to the owners: sends the encoded output rows by owner, receives by encoder
+        self._send_out = _routes(enc, out_rows, owner, self.num_ranks)
+        self._recv_out = _routes(local, out_rows, encoder, self.num_ranks)
+        self.local_in_rows, self.encoded_in_rows = int(in_rows[local].sum()), int(in_rows[enc].sum())
+        self.local_out_rows, self.encoded_out_rows = int(out_rows[local].sum()), int(out_rows[enc].sum())
+
+    def to_encoders(self, inputs: torch.Tensor) -> torch.Tensor:
+        """This rank's input rows ``[local_in_rows, ...]`` -> the rows it encodes ``[encoded_in_rows, ...]``."""
+        if inputs.shape[0] != self.local_in_rows:
+            raise ValueError(f"rank {self.rank} holds {self.local_in_rows} input rows in the plan, "
+                             f"got a tensor of {inputs.shape[0]}")
+        return _Route.apply(inputs, (self._send_in, self._recv_in), (self._recv_in, self._send_in),
+                            self.encoded_in_rows, self.group, self.ranks)
+
+    def to_owners(self, outputs: torch.Tensor) -> torch.Tensor:
+        """Output rows of the units this rank encoded -> those of its own units, in its order."""
+        if outputs.shape[0] != self.encoded_out_rows:
+            raise ValueError(f"rank {self.rank} encodes {self.encoded_out_rows} output rows in the plan, "
+                             f"got {outputs.shape[0]}")
+        return _Route.apply(outputs, (self._send_out, self._recv_out), (self._recv_out, self._send_out),
+                            self.local_out_rows, self.group, self.ranks)
+
+
+class ImageExchange(UnitExchange):
+    """:class:`UnitExchange` of fixed-size images: ``[n_images, ...]``, one row per image."""
 
     def __init__(self, plan: ImagePlan, group=None):
-        self.plan, self.group = plan, group
-        self.rank = dist.get_rank(group)
-        self.ranks = list(range(plan.num_ranks))
-        local, enc = plan.local(self.rank), plan.encoded(self.rank)
-        pos_local = {int(g): i for i, g in enumerate(local)}
-        pos_enc = {int(g): i for i, g in enumerate(enc)}
-        # to the encoders: this rank sends its images by encoder, receives by owner
-        self._send = {p: np.array([pos_local[int(g)] for g in local if plan.encoder[g] == p],
-                                  dtype=np.int64) for p in self.ranks}
-        self._recv = {p: np.array([pos_enc[int(g)] for g in enc if plan.owner[g] == p],
-                                  dtype=np.int64) for p in self.ranks}
-        self.num_local, self.num_encoded = len(local), len(enc)
+        super().__init__(plan.owner, plan.encoder, group=group, num_ranks=plan.num_ranks)
+        self.plan = plan
+        self.num_local, self.num_encoded = self.local_in_rows, self.encoded_in_rows
 
     def to_encoders(self, images: torch.Tensor) -> torch.Tensor:
         """This rank's images ``[num_local, ...]`` -> the images it encodes ``[num_encoded, ...]``."""
         if images.shape[0] != self.num_local:
             raise ValueError(f"rank {self.rank} holds {self.num_local} images in the plan, "
                              f"got a tensor of {images.shape[0]}")
-        return _Route.apply(images, (self._send, self._recv), (self._recv, self._send),
-                            self.num_encoded, self.group, self.ranks)
+        return super().to_encoders(images)
 
     def to_owners(self, embeddings: torch.Tensor) -> torch.Tensor:
         """Embeddings of the images this rank encoded -> those of its own images, in order."""
         if embeddings.shape[0] != self.num_encoded:
             raise ValueError(f"rank {self.rank} encodes {self.num_encoded} images in the plan, "
                              f"got {embeddings.shape[0]} embeddings")
-        return _Route.apply(embeddings, (self._recv, self._send), (self._send, self._recv),
-                            self.num_local, self.group, self.ranks)
+        return super().to_owners(embeddings)
 
 
 def balanced_encode(encoder, images: torch.Tensor, costs, group=None) -> torch.Tensor:

@@ -359,3 +359,93 @@ def test_killed_rank_then_resumed_equals_uninterrupted(runner, bridge_python, br
         got = resumed.stat(key)
         want = {i: v for i, v in full.stat(key).items() if i > last}
         assert got and got == want, f"{key} of the resumed global batches: {got} vs {want}"
+
+
+# -- mm_balance.vision=images: packs first, then frames across the data-parallel group -------------
+
+IMAGES = ["mm_balance.vision=images"]
+#: the layouts of the images runs: DP=2 x EP=2 (the layout tests' fp32 one, whose off and control
+#: runs are reused) and DP=4 without expert parallelism, fp32, 4 micro-batches per rank (the toy
+#: data set's samples rarely hold two large images; with GBS 8 its first 3 iterations at DP=4
+#: give no frame to move)
+IMAGE_LAYOUTS = {"dp2_ep2_fp32": LAYOUTS["dp2_ep2_fp32"],
+                 "dp4_fp32": dict(nproc_per_node=4, ep=1, iters=3, precision="fp32", gbs=16)}
+
+
+def _vision_lines(run) -> dict:
+    """``{iteration: {figure: value}}`` of the ``[mm-balance-vision] iteration N | ...`` lines."""
+    out = {}
+    for line in run.log.splitlines():
+        if line.startswith("[mm-balance-vision] iteration "):
+            head, *parts = line.split(" | ")
+            out[int(head.split()[-1])] = {k: float(v) for k, v in (p.split(": ", 1) for p in parts)}
+    return out
+
+
+@pytest.mark.parametrize("layout", list(IMAGE_LAYOUTS))
+def test_images_mode_trains_as_off_within_the_control_band(runner, layout, bridge_runs_dir):
+    """``mm_balance.vision=images`` through the launcher, fp32: frames move, every iteration's
+    loss is off's (compare-logs against the control run: EQUAL or WITHIN BAND), and the final
+    checkpoint is within the control's band of off's (``megatron/checkpoints.py``, every model
+    tensor). Not bit-identical: a rank encodes other frames than unbalanced, so the tower's
+    GEMMs run over other row counts (tests/bridge/test_vision_images_realpath.py shows it is
+    rounding: the same comparison in fp64 falls to 1e-16)."""
+    from megatron_mm_balance.megatron.band import DEFAULT_K
+    from megatron_mm_balance.megatron.checkpoints import compare_checkpoints
+    lay = IMAGE_LAYOUTS[layout]
+    off = runner(f"{layout}-off", lay, False)
+    images = runner(f"{layout}-images", lay, True, extra=IMAGES)
+    ctl = runner(f"{layout}-control", lay, True, extra=["mm_balance.mode=control"])
+    report = bu.check_band(off, images, ctl, f"Bridge fp32 {layout}, vision=images")
+    vision = _vision_lines(images)
+    iters = lay["iters"]
+    assert sorted(vision) == list(range(1, iters)), images.tail()       # one line per log interval
+    moved = {i: int(v["frames_moved"]) for i, v in vision.items()}
+    assert sum(moved.values()) > 0, f"no frame moved: {vision}"
+    for v in vision.values():
+        assert v["vision_max_after"] <= v["vision_max_before"] and v["patches_max_after"] <= v["patches_max_before"]
+    assert not _vision_lines(off) and not _vision_lines(ctl)
+    # the reporting rank (the group's first) has no Bridge writer: its own events file
+    assert list((images.output_dir / "tensorboard").glob("*.mm_balance_vision")), "no mm-balance-vision events"
+    ckpt = {name: str(r.output_dir / "checkpoints") for name, r in (("off", off), ("images", images), ("control", ctl))}
+    img_off, ctl_off = compare_checkpoints(ckpt["off"], ckpt["images"]), compare_checkpoints(ckpt["off"], ckpt["control"])
+    print(f"\n{layout} vision=images: frames moved per iteration {moved}; final checkpoints (model tensors): "
+          f"images vs off {img_off.summary()}; control vs off {ctl_off.summary()}\n"
+          f"{bu.loss_table({'off': off, 'images': images, 'control': ctl})}\n{report}")
+    assert img_off.same and not (img_off.only_a or img_off.only_b), img_off.summary()
+    band = max(ctl_off.norm_relative_difference, FP32_CHECKPOINT_FLOOR)
+    assert img_off.norm_relative_difference <= DEFAULT_K * band, (img_off.summary(), ctl_off.summary())
+
+
+def test_images_mode_resume_equals_uninterrupted(runner, bridge_runs_dir):
+    """Stopped after iteration 4 (``train.exit_interval=4``), resumed to 6 with
+    ``mm_balance.vision=images``: the losses, the resumed iteration's frame figures and the
+    final checkpoint equal the uninterrupted images run's bit for bit (the plan depends only on
+    the data, so every frame is encoded where it was)."""
+    from megatron_mm_balance.megatron.checkpoints import compare_checkpoints
+    layout = "dp2_ep2_fp32"
+    full = runner(f"{layout}-images", IMAGE_LAYOUTS[layout], True, extra=IMAGES)
+    out = bridge_runs_dir / f"{layout}-images-resume"
+    first = runner("images-resume-first", layout, True, extra=IMAGES + ["train.exit_interval=4"], output=out)
+    second = runner("images-resume-second", layout, True, extra=IMAGES, output=out)
+    table = bu.loss_table({"uninterrupted": full, "first job": first, "resumed": second})
+    assert full.rc == 0 and first.rc == 0 and second.rc == 0, f"exit {full.rc}/{first.rc}/{second.rc}\n{second.tail()}"
+    assert sorted(first.losses) == [1, 2, 3, 4] and sorted(second.losses) == [5, 6], table
+    assert "restoring dataloader state at iteration 4" in second.log, second.tail()
+    assert {**first.losses, **second.losses} == full.losses, table
+    full_vision = _vision_lines(full)
+    assert _vision_lines(second) == {i: v for i, v in full_vision.items() if i >= 5}, second.tail()
+    same = compare_checkpoints(str(full.output_dir / "checkpoints"), str(out / "checkpoints"))
+    print(f"\nvision=images resume ({layout}): final checkpoint vs the uninterrupted run's: {same.summary()}; "
+          f"wall first {first.wall_s:.0f}s resumed {second.wall_s:.0f}s\n{table}")
+    assert same.identical, same.summary()
+
+
+def test_bf16_images_mode_within_the_control_band(runner, bridge_dataset):
+    """bf16 DP=2 x EP=2 with ``mm_balance.vision=images`` beside the bf16 band test's off and
+    control runs (the session's data set): compare-logs is not DIFFERENT."""
+    off = runner("band-default-off", BAND_LAYOUT, False, data=bridge_dataset)
+    images = runner("band-default-images", BAND_LAYOUT, True, extra=IMAGES, data=bridge_dataset)
+    ctl = runner("band-default-control", BAND_LAYOUT, True, extra=["mm_balance.mode=control"], data=bridge_dataset)
+    bu.check_band(off, images, ctl, "Bridge bf16 dp2_ep2, vision=images")
+    assert _vision_lines(images), images.tail()

@@ -1,0 +1,444 @@
+"""``mm_balance.vision=images``: Qwen3-VL's vision tower balanced frame by frame across the
+data-parallel group, every training micro-step.
+
+Moving whole packs cannot even out the encoder when one pack holds most of a micro-step's
+frames (a few large images or a video next to text-only packs). Bridge's Qwen3-VL tower
+(``modelling_qwen3_vl/vision_model.py``) encodes every frame on its own: a grid ``(t, h,
+w)`` is ``t`` frames of ``h*w`` patch rows (``build_packed_seq_params`` gives each frame its
+own attention segment, ``cu_seqlens = repeat_interleave(h*w, t)``; the position
+embeddings (``fast_pos_embed_interpolate``) and rotary positions (``rot_pos_emb``) depend on
+``(h, w)`` only and repeat per frame; the mergers turn each frame's ``h*w`` rows into
+``h*w/merge^2`` rows). So a frame may be encoded on any rank and its rows sent back: the
+outputs, the loss and every gradient are the unbalanced run's, up to the arithmetic order
+of GEMMs over other row counts (tests/bridge/test_vision_images_realpath.py).
+
+Per training forward of a model chunk with a ``vision_model`` (the first pipeline stage):
+
+1. when Bridge's forward calls the tower (``vision_model(hidden_states=..., grid_thw=...)``,
+   after ``reorganize_inputs`` and, under context parallelism with ``vision_dp_when_cp``, its
+   frame split: this rank's share), the tower's replaced ``forward`` all-gathers the frames'
+   integer costs and sizes on this rank's vision group (:func:`gather_unit_table`: one small
+   collective with the counts, then the per-frame integers), plans which rank encodes each
+   frame (:func:`~megatron_mm_balance.runtime.frames.plan_frame_encoders`: the same plan on
+   every rank), sends pixel rows to their encoder ranks, runs the real tower on what
+   arrived (through its own ``__call__``, so hooks still fire) and returns the main
+   embeddings and every deepstack feature in one exchange (concatenated along the feature
+   dimension, split after), in this rank's own row order
+   (:class:`~megatron_mm_balance.runtime.image_exchange.UnitExchange`: autograd both ways);
+2. a rank that does not call the tower takes part at the point it would have: with no
+   grids at all, from a forward hook on ``language_model.embedding`` (the next thing
+   Bridge calls; nothing collective lies between), and the empty result is joined to the
+   text embeddings as ``0 * sum``; under the context-parallel split, a rank whose share is
+   empty does it from Bridge's ``AllGatherVisionEmbeddings`` (replaced by name in the model
+   module by a wrapper of Bridge's own), joining the empty result to Bridge's empty
+   placeholder that enters the gather. Either way backward meets the exchange where the
+   other ranks do (after the decoder; under context parallelism after the gather's
+   backward), and no value changes;
+3. a micro-step with no frame on any rank of the group costs the first collective only.
+
+Evaluation and no-grad forwards are not balanced (no collectives). The vision groups are
+the data-parallel groups of the first pipeline stage, one per tensor- and context-parallel
+position (:func:`megatron_mm_balance.megatron.vision.init_vision_groups`, shared with the
+Megatron-LM path), on communicators of their own, created collectively at setup.
+
+Frames are first split across the context-parallel ranks (Bridge's split, or
+``mm_balance.cp_split=cost``), then balanced across the data-parallel group of the same
+context-parallel rank; packs move first (the balanced iterator), frames then even out what
+packs cannot. The per-frame cost is :func:`~.cp_split.frame_cost_for` (``p * (p + 2*hidden
++ ffn)``); no rank receiving frames ends above ``mm_balance.image_patch_cap`` patches
+(default: the most any rank held before balancing). Every log interval the group's first
+rank writes one ``[mm-balance-vision] iteration N | ...`` line
+(:meth:`~megatron_mm_balance.runtime.frames.FrameWindow.summary`) and ``mm-balance-vision/*``
+scalars through Bridge's writers (else its own ``.mm_balance_vision`` events file).
+"""
+from __future__ import annotations
+
+import sys
+from typing import Callable, List, Optional
+
+import numpy as np
+
+from .cp_split import QWEN3_VL_MODEL
+
+CHOICES = ("packs", "images")
+GATHER_NAME = "AllGatherVisionEmbeddings"
+#: dtype codes of the per-micro-step header (the same table on every rank)
+DTYPES = ("float32", "bfloat16", "float16", "float64")
+
+
+# -- settings -----------------------------------------------------------------------------
+
+def checked_vision(mm, model_cfg) -> str:
+    """``mm_balance.vision`` and ``mm_balance.image_patch_cap`` checked against the run (the
+    same answer on every rank: settings only); one-line errors naming the setting."""
+    from ..megatron.checks import MMBalanceConfigError
+    vision = getattr(mm, "vision", "packs")
+    if vision not in CHOICES:
+        raise MMBalanceConfigError(f"mm_balance.vision must be one of {', '.join(CHOICES)}, got {vision!r}")
+    cap = getattr(mm, "image_patch_cap", None)
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
+        raise MMBalanceConfigError(f"mm_balance.image_patch_cap must be a positive integer (patches), got {cap!r}")
+    if vision == "packs":
+        return vision
+    refusal = _refusal(mm, model_cfg)
+    if refusal:
+        raise MMBalanceConfigError(f"mm_balance.vision=images {refusal}")
+    return vision
+
+
+def _refusal(mm, model_cfg) -> Optional[str]:
+    if not getattr(mm, "enabled", False):
+        return "needs mm_balance.enabled=true (packs move first, frames then even out what packs cannot)"
+    if getattr(mm, "mode", "auto") in ("shadow", "control"):
+        return f"moves frames between ranks; mm_balance.mode={mm.mode} moves nothing: use one of them"
+    if getattr(mm, "cost", None) == "auto":
+        return ("cannot be combined with mm_balance.cost=auto: a pack's vision timing would be that of "
+                "other ranks' frames; use mm_balance.cost=image-tokens or model")
+    vision = getattr(model_cfg, "vision_config", None)
+    if vision is None or getattr(vision, "deepstack_visual_indexes", None) is None:
+        return ("needs a Qwen3-VL vision tower (model.vision_config with deepstack_visual_indexes); "
+                f"{type(model_cfg).__name__} has none")
+    graphs = getattr(model_cfg, "vision_cuda_graph_impl", "none") or "none"
+    if graphs != "none":
+        return (f"cannot run with vision CUDA graphs (model.vision_cuda_graph_impl={graphs}: every "
+                "micro-batch padded to one length); set it to none")
+    dist_train = getattr(model_cfg, "dist_train", None)
+    if getattr(dist_train, "use_dist_train", False):
+        return ("cannot be combined with model.dist_train.use_dist_train (the vision tower on ranks of "
+                "its own); turn one off")
+    return None
+
+
+# -- frames of Qwen3-VL grids -----------------------------------------------------------------
+
+def frames_of(grid_thw) -> np.ndarray:
+    """``[frames, 2]`` (h, w) of every frame of ``(t, h, w)`` grids, in row order."""
+    if grid_thw is None:
+        return np.zeros((0, 2), dtype=np.int64)
+    g = np.asarray(grid_thw.tolist() if hasattr(grid_thw, "tolist") else grid_thw, dtype=np.int64).reshape(-1, 3)
+    return np.repeat(g[:, 1:], g[:, 0], axis=0)
+
+
+def frame_grid(hw: np.ndarray, device=None):
+    """``(t, h, w)`` grids of frames ``hw``, consecutive frames of one size merged (as
+    Bridge's ``collapse_thw``: a frame is its own attention segment either way)."""
+    import torch
+    rows = []
+    for h, w in np.asarray(hw, dtype=np.int64).tolist():
+        if rows and rows[-1][1:] == [h, w]:
+            rows[-1][0] += 1
+        else:
+            rows.append([1, h, w])
+    return torch.tensor(rows, dtype=torch.long, device=device).reshape(-1, 3)
+
+
+#: what a rank's header reports about its own inputs (0: nothing wrong), read on every rank
+_PROBLEMS = {1: "its pixel rows are not the patches of its grids (sum of t*h*w)",
+             2: f"its pixel rows' dtype is none of {', '.join(DTYPES)}"}
+
+
+def _header(pixels, patches: int) -> list:
+    """This rank's integers for the micro-step: pixel row width, dtype code, whether they need
+    gradients, and a problem code, so that bad inputs fail on every rank, not one."""
+    if pixels is None or pixels.shape[0] == 0:
+        return [-1, -1, 0, 1 if patches else 0]
+    name = str(pixels.dtype).split(".")[-1]
+    problem = 1 if pixels.shape[0] != patches else 2 if name not in DTYPES else 0
+    return [int(pixels.shape[-1]), DTYPES.index(name) if not problem else -1, int(pixels.requires_grad), problem]
+
+
+# -- the hooks ---------------------------------------------------------------------------------
+
+class BalancedFrames:
+    """The hooks of one model chunk (a Bridge ``Qwen3VLModel``); :meth:`remove` takes them off."""
+
+    def __init__(self, model, group, *, frame_cost: Callable[[int], int], patch_cap: Optional[int] = None,
+                 report: Optional["FrameReport"] = None):
+        self.model, self.group, self.frame_cost = model, group, frame_cost
+        self.patch_cap, self.report = patch_cap, report
+        self.vision = model.vision_model
+        self.merge = int(self.vision.spatial_merge_size)
+        self.width = int(model.config.hidden_size)
+        self.deepstack = len(model.vision_transformer_config.deepstack_visual_indexes)
+        self.last_figures = None        # the latest micro-step's FrameFigures (None: no frames)
+        self.last_plan = None           # and its frames: owner, cost, patches, encoder (arrays)
+        self._armed = False             # inside a training forward of the model
+        self._done = False              # this forward took part in its exchange
+        self._encoding = False          # inside the balanced encode: the real tower runs
+        self._original_forward = self.vision.forward
+        self._own_forward = "forward" in vars(self.vision)
+        self.vision.forward = self._vision_forward
+        self._handles = [model.register_forward_pre_hook(self._before_model),
+                         model.register_forward_hook(self._after_model),
+                         model.language_model.embedding.register_forward_hook(self._after_text_embedding)]
+        _ACTIVE.append(self)
+
+    # -- hooks ---------------------------------------------------------------------------------
+    def _before_model(self, module, args):
+        import torch
+        self._armed = bool(module.training and torch.is_grad_enabled())
+        self._done = False
+
+    def _vision_forward(self, hidden_states=None, grid_thw=None, *args, **kwargs):
+        if self._encoding or not self._armed or self._done:
+            return self._original_forward(hidden_states, grid_thw, *args, **kwargs)
+        if args or any(v is not None for v in kwargs.values()):
+            raise RuntimeError("mm_balance.vision=images: the vision tower was called with arguments "
+                               "beyond hidden_states and grid_thw")
+        self._done = True
+        return self.exchange(hidden_states, grid_thw)
+
+    def before_cp_gather(self, x):
+        """Bridge's context-parallel gather of this rank's embeddings is next: a rank whose
+        share was empty (so the tower was not called) takes part in its exchange here."""
+        if not self._armed or self._done:
+            return x
+        if x.shape[0] != 0:
+            raise RuntimeError("mm_balance.vision=images: the vision embeddings reached the context-"
+                               "parallel gather without the balanced tower")
+        self._done = True
+        return _joined(x, self.exchange(None, None))
+
+    def _after_text_embedding(self, module, args, output):
+        if not self._armed or self._done:
+            return None
+        self._done = True               # no grids here: the tower is not called
+        return _joined(output, self.exchange(None, None))
+
+    def _after_model(self, module, args, output):
+        armed, done = self._armed, self._done
+        self._armed = False
+        if armed and not done:
+            raise RuntimeError("mm_balance.vision=images: a training forward ended without reaching "
+                               "the vision exchange (the other ranks of its group are waiting)")
+
+    # -- the exchange ------------------------------------------------------------------------------
+    def exchange(self, pixels, grid_thw):
+        """This rank's frames (``pixels`` rows of ``grid_thw``; None: none) encoded across the
+        group. Returns ``(embeddings, [deepstack features])`` in this rank's row order, or
+        None when no rank of the group has a frame. Collective over the group."""
+        import torch
+
+        from ..runtime.frames import frame_figures, plan_frame_encoders
+        from ..runtime.image_exchange import UnitExchange, gather_unit_table
+
+        device = next(self.vision.parameters()).device
+        hw = frames_of(grid_thw)
+        patches_here = hw[:, 0] * hw[:, 1]
+        has_rows = pixels is not None and pixels.shape[0] > 0
+        costs = np.array([int(self.frame_cost(int(p))) for p in patches_here], dtype=np.int64)
+        table = gather_unit_table(np.column_stack([costs, hw]).reshape(-1, 3),
+                                  _header(pixels, int(patches_here.sum())), self.group, device)
+        if table is None:
+            self._account(None)
+            return None
+        in_dim, dtype, pixel_grad = self._agreed_inputs(table)
+        cost, h, w = table.columns[:, 0], table.columns[:, 1], table.columns[:, 2]
+        patches = h * w
+        if np.any(patches % (self.merge * self.merge)):
+            raise ValueError(f"mm_balance.vision=images: a frame's patches are not a multiple of the "
+                             f"{self.merge}x{self.merge} merge")
+        encoder = plan_frame_encoders(table.owner, cost, table.num_ranks, patches=patches,
+                                      patch_cap=self.patch_cap)
+        self.last_plan = dict(owner=table.owner, cost=cost, patches=patches, encoder=encoder)
+        self._account(frame_figures(table.owner, encoder, cost, patches, table.num_ranks))
+        route = UnitExchange(table.owner, encoder, patches, patches // (self.merge * self.merge),
+                             self.group, table.num_ranks)
+        local = pixels if has_rows else torch.empty((0, in_dim), dtype=dtype, device=device)
+        if pixel_grad and not local.requires_grad:
+            local = local.detach().requires_grad_(True)
+        encoded = self._encode(route.to_encoders(local), table, route.encoded_units, device, pixel_grad)
+        back = route.to_owners(encoded)
+        embeddings, *deepstack = [part.contiguous() for part in back.split(self.width, dim=1)]
+        return embeddings, deepstack
+
+    def _agreed_inputs(self, table):
+        """The pixel row width and dtype of the ranks holding frames (they must agree), and
+        whether any of them needs pixel gradients."""
+        import torch
+        for rank, problem in enumerate(table.headers[:, 3].tolist()):
+            if problem:
+                raise ValueError(f"mm_balance.vision=images: rank {rank} of the vision group: {_PROBLEMS[problem]}")
+        held = table.headers[np.bincount(table.owner, minlength=table.num_ranks) > 0]
+        kinds = {(int(a), int(b)) for a, b, _, _ in held.tolist()}
+        if len(kinds) != 1:
+            raise ValueError(f"mm_balance.vision=images: the ranks' pixel rows differ in width or dtype "
+                             f"({sorted(kinds)})")
+        in_dim, code = kinds.pop()
+        return in_dim, getattr(torch, DTYPES[code]), bool(held[:, 2].any())
+
+    def _encode(self, rows, table, units, device, pixel_grad):
+        """The real tower on the frames this rank encodes, main and deepstack outputs side by
+        side ``[rows, (1 + deepstack) * width]``; an empty tensor when it encodes none."""
+        import torch
+        params = [p for p in self.vision.parameters() if p.is_floating_point()]
+        out_dtype = params[0].dtype
+        if units.size == 0:
+            grad = pixel_grad or any(p.requires_grad for p in params)
+            return torch.zeros((0, (1 + self.deepstack) * self.width), dtype=out_dtype, device=device,
+                               requires_grad=grad)
+        grid = frame_grid(table.columns[units, 1:], device)
+        self._encoding = True
+        try:
+            embeddings, deepstack = self.vision(hidden_states=rows, grid_thw=grid)
+        finally:
+            self._encoding = False
+        out = torch.cat([embeddings, *deepstack], dim=1)
+        if out.dtype != out_dtype or out.shape[1] != (1 + self.deepstack) * self.width:
+            raise RuntimeError(f"mm_balance.vision=images: the tower returned {tuple(out.shape)} "
+                               f"{out.dtype} side by side, expected width {(1 + self.deepstack) * self.width} "
+                               f"in {out_dtype}")
+        return out
+
+    def _account(self, figures) -> None:
+        self.last_figures = figures
+        if self.report is not None:
+            self.report.add(figures)
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        if self._own_forward:
+            self.vision.forward = self._original_forward
+        else:
+            del self.vision.forward
+        if self in _ACTIVE:
+            _ACTIVE.remove(self)
+
+
+def _joined(x, result):
+    """``x`` with the (empty) exchange result joined to its graph as ``0 * sum``: no value
+    changes, and backward reaches the exchange through ``x``."""
+    if result is None:
+        return x
+    embeddings, deepstack = result
+    parts = [t for t in (embeddings, *deepstack) if t.requires_grad]
+    if not parts:
+        return x
+    return x + (sum(t.sum() for t in parts) * 0).to(x.dtype)
+
+
+#: the installed hooks (the context-parallel gather wrapper asks the one whose forward runs)
+_ACTIVE: List[BalancedFrames] = []
+
+
+def _gather_joining_empty_shares(bridge_gather):
+    """Bridge's ``AllGatherVisionEmbeddings`` whose ``apply`` first lets a rank with an empty
+    context-parallel share take part in its vision exchange (see the module docstring)."""
+
+    class AllGatherVisionEmbeddings:
+        mm_balance_wraps = bridge_gather
+
+        @staticmethod
+        def apply(x, *args):
+            for hooks in list(_ACTIVE):
+                x = hooks.before_cp_gather(x)
+            return bridge_gather.apply(x, *args)
+
+    return AllGatherVisionEmbeddings
+
+
+def _install_cp_gather() -> None:
+    module = sys.modules.get(QWEN3_VL_MODEL)
+    current = getattr(module, GATHER_NAME, None) if module is not None else None
+    if current is None:
+        raise RuntimeError(f"mm_balance.vision=images under context parallelism: {QWEN3_VL_MODEL} has "
+                           f"no {GATHER_NAME} in this Megatron-Bridge")
+    if getattr(current, "mm_balance_wraps", None) is None:
+        setattr(module, GATHER_NAME, _gather_joining_empty_shares(current))
+
+
+# -- telemetry ----------------------------------------------------------------------------------
+
+class FrameReport:
+    """One ``[mm-balance-vision] iteration N | ...`` line (and ``mm-balance-vision/*`` scalars)
+    every ``interval`` iterations, on the reporting rank; the other ranks only count."""
+
+    def __init__(self, *, interval: int, iteration_fn: Callable[[], Optional[int]], reporter: bool,
+                 writers: tuple = (None, None)):
+        from ..runtime.frames import FrameWindow
+        self.interval, self.iteration_fn, self.reporter = max(1, int(interval)), iteration_fn, reporter
+        self.tb_writer, self.wandb_writer = writers
+        self.window = FrameWindow()
+        self._iteration = None
+        self.lines: List[str] = []
+
+    def add(self, figures) -> None:
+        it = self.iteration_fn()
+        if it is not None and it != self._iteration:
+            self._iteration = it
+            self._maybe_report(it - 1)
+        self.window.add(figures)
+
+    def _maybe_report(self, done: int) -> None:
+        from ..runtime.frames import FrameWindow
+        if done < 1 or done % self.interval or not self.window.micro_steps:
+            return
+        summary, self.window = self.window.summary(), FrameWindow()
+        if not self.reporter:
+            return
+        line = f"[mm-balance-vision] iteration {done} | " + " | ".join(f"{k}: {v:.6g}" for k, v in summary.items())
+        print(line, flush=True)
+        self.lines = (self.lines + [line])[-64:]
+        if self.tb_writer is not None:
+            for k, v in summary.items():
+                self.tb_writer.add_scalar(f"mm-balance-vision/{k}", v, done)
+        if self.wandb_writer is not None:
+            self.wandb_writer.log({f"mm-balance-vision/{k}": v for k, v in summary.items()}, done)
+
+
+def _report_writers(state, tensorboard_dir, reporter: bool) -> tuple:
+    """Bridge's TensorBoard / W&B writers where this rank has them; else, on the reporting
+    rank, its own TensorBoard events file beside the run's (as the pack telemetry does)."""
+    tb = getattr(state, "tensorboard_logger", None) if state is not None else None
+    wandb = getattr(state, "wandb_logger", None) if state is not None else None
+    if tb is None and wandb is None and reporter and tensorboard_dir:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+            tb = SummaryWriter(log_dir=tensorboard_dir, filename_suffix=".mm_balance_vision")
+        except Exception:        # tensorboard not installed: the line only
+            tb = None
+    return tb, wandb
+
+
+# -- installation -----------------------------------------------------------------------------
+
+def install_frame_balance(model, cfg, core_cfg, args, pg_collection, state=None) -> List[BalancedFrames]:
+    """``mm_balance.vision=images``: the vision groups (collective over the world: call on
+    every rank at the same point) and the hooks on this rank's Qwen3-VL model chunks that
+    have a vision tower. Returns the installed hooks (none off the first pipeline stage)."""
+    import torch.distributed as dist
+
+    from ..megatron.config import live_iteration
+    from ..megatron.groups import RankLayout
+    from ..megatron.timing import unwrap
+    from ..megatron.vision import init_vision_groups
+    from .cp_split import frame_cost_for
+
+    if checked_vision(cfg.mm_balance, cfg.model) != "images":
+        return []
+    if model is None:
+        raise ValueError("mm_balance.vision=images needs the model: the setup.py patch passes model=model "
+                         "to wrap_train_data_iterator (re-apply scripts/apply_patches.sh)")
+    first_stage = pg_collection.pp.rank() == 0
+    layout = RankLayout(first_stage, tuple(int(r) for r in dist.get_process_group_ranks(pg_collection.dp)))
+    group = init_vision_groups(core_cfg.timeout, layout=layout)
+    if group is None:
+        return []
+    if (getattr(cfg.model, "context_parallel_size", 1) or 1) > 1 and getattr(cfg.model, "vision_dp_when_cp", False):
+        _install_cp_gather()
+    reporter = dist.get_rank() == min(dist.get_process_group_ranks(group))
+    report = FrameReport(interval=core_cfg.log_interval, iteration_fn=live_iteration(args), reporter=reporter,
+                         writers=_report_writers(state, core_cfg.tensorboard_dir, reporter))
+    installed = []
+    for chunk in (model if isinstance(model, (list, tuple)) else [model]):
+        inner = unwrap(chunk)
+        if getattr(inner, "vision_model", None) is None:
+            continue
+        if not hasattr(inner, "vision_transformer_config") or getattr(inner, "language_model", None) is None:
+            raise RuntimeError(f"mm_balance.vision=images needs Bridge's Qwen3-VL model; this rank's model "
+                               f"is a {type(inner).__name__}")
+        installed.append(BalancedFrames(inner, group, frame_cost=frame_cost_for(cfg.model),
+                                        patch_cap=getattr(cfg.mm_balance, "image_patch_cap", None),
+                                        report=report))
+    return installed

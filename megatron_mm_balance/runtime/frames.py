@@ -1,0 +1,152 @@
+"""Which rank encodes which frame, every micro-step: the one planning call and its figures.
+
+Image-level vision balancing of native-resolution encoders (Qwen-VL: a frame of
+``h x w`` patches is encoded on its own) moves whole frames between the ranks of a
+data-parallel group. Every rank all-gathers the micro-step's frames (their owners,
+integer costs and patch counts, :func:`~.image_exchange.gather_unit_table`) and calls
+:func:`plan_frame_encoders` on the same numbers: the same assignment everywhere.
+
+:func:`plan_frame_encoders` is the single place the planner is called. Today it is
+:func:`megatron_mm_balance.solver.images.balance_images` (keep each rank's heaviest
+frames within the target, longest-processing-time the rest) followed by
+:func:`within_patch_cap`; the frame planner ``solver/frames.py::plan_frames`` replaces
+both lines with one (``plan_frames(owner, cost, num_ranks, patches=patches,
+patch_cap=patch_cap).encoder``), which plans from where the frames are with the cap and
+the transfer time in the plan itself.
+
+:func:`frame_figures` are the micro-step's figures (moved frames, patches and cost, the
+least cost that bringing every rank down to the target moves, the largest and mean rank
+cost before and after), computed from the assignment alone, whatever planner made it (so
+they stay comparable when the planner changes); :class:`FrameWindow` sums them over a log
+interval. Pure numpy: knows nothing of torch or Megatron.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Dict, Optional
+
+import numpy as np
+
+from ..solver.images import balance_images
+
+
+def default_patch_cap(owner, patches, num_ranks: int) -> int:
+    """The default per-rank patch cap: the most patches any rank held before balancing."""
+    held = np.bincount(np.asarray(owner, dtype=np.int64), weights=np.asarray(patches, dtype=np.int64),
+                       minlength=num_ranks)
+    return int(held.max()) if held.size else 0
+
+
+def plan_frame_encoders(owner, cost, num_ranks: int, *, patches, patch_cap: Optional[int] = None) -> np.ndarray:
+    """The encoder rank of every frame (see the module docstring). ``patch_cap``: no rank
+    that receives frames ends above it (None: :func:`default_patch_cap`)."""
+    patch_cap = default_patch_cap(owner, patches, num_ranks) if patch_cap is None else int(patch_cap)
+    encoder = balance_images(owner, cost, num_ranks)
+    return within_patch_cap(owner, encoder, cost, patches, patch_cap, num_ranks)
+
+
+def within_patch_cap(owner, encoder, cost, patches, cap: int, num_ranks: int) -> np.ndarray:
+    """``encoder`` with the moves that would take a receiving rank above ``cap`` patches
+    undone (those frames stay with their owner).
+
+    A rank's budget counts all the frames it held before as staying (whichever of them
+    leave), so the cap holds however the accepted moves combine: a rank that receives
+    ends with at most ``cap`` patches. Moves are accepted heaviest cost first (ties by
+    frame index), each while its receiver's budget allows. Deterministic."""
+    owner = np.asarray(owner, dtype=np.int64)
+    encoder = np.asarray(encoder, dtype=np.int64).copy()
+    cost = np.asarray(cost, dtype=np.int64)
+    patches = np.asarray(patches, dtype=np.int64)
+    moved = np.flatnonzero(owner != encoder)
+    if moved.size == 0:
+        return encoder
+    room = cap - np.bincount(owner, weights=patches, minlength=num_ranks).astype(np.int64)
+    for i in moved[np.lexsort((moved, -cost[moved]))].tolist():
+        r = int(encoder[i])
+        if patches[i] <= room[r]:
+            room[r] -= patches[i]
+        else:
+            encoder[i] = owner[i]
+    return encoder
+
+
+@dataclass(frozen=True)
+class FrameFigures:
+    """One micro-step's frames and what the assignment did with them (identical on every
+    rank of the group). Costs in the cost function's unit."""
+
+    frames: int
+    patches: int
+    frames_moved: int
+    patches_moved: int
+    cost_moved: int
+    #: the least cost a plan must move to bring every rank down to the target
+    #: ``max(ceil(total / ranks), costliest frame)``: the sum of each rank's excess over it
+    #: (whole frames may not reach the target; a plan that stops above it moves less)
+    cost_moved_min: int
+    cost_max_before: int
+    cost_max_after: int
+    cost_mean: float
+    patches_max_before: int
+    patches_max_after: int
+
+
+def frame_figures(owner, encoder, cost, patches, num_ranks: int) -> FrameFigures:
+    """The figures of one micro-step's assignment (see :class:`FrameFigures`)."""
+    owner, encoder = np.asarray(owner, dtype=np.int64), np.asarray(encoder, dtype=np.int64)
+    cost, patches = np.asarray(cost, dtype=np.int64), np.asarray(patches, dtype=np.int64)
+    load = lambda where, what: np.bincount(where, weights=what, minlength=num_ranks).astype(np.int64)  # noqa: E731
+    before, after = load(owner, cost), load(encoder, cost)
+    total = int(cost.sum())
+    target = max(-(-total // num_ranks), int(cost.max()) if cost.size else 0)
+    moved = owner != encoder
+    return FrameFigures(
+        frames=int(cost.size), patches=int(patches.sum()), frames_moved=int(moved.sum()),
+        patches_moved=int(patches[moved].sum()), cost_moved=int(cost[moved].sum()),
+        cost_moved_min=int(np.maximum(before - target, 0).sum()),
+        cost_max_before=int(before.max()), cost_max_after=int(after.max()),
+        cost_mean=total / num_ranks,
+        patches_max_before=int(load(owner, patches).max()), patches_max_after=int(load(encoder, patches).max()))
+
+
+@dataclass
+class FrameWindow:
+    """Sums of :class:`FrameFigures` over the micro-steps of a log interval (micro-steps
+    with no frame anywhere count in ``micro_steps`` only)."""
+
+    micro_steps: int = 0
+    frames: int = 0
+    patches: int = 0
+    frames_moved: int = 0
+    patches_moved: int = 0
+    cost_moved: int = 0
+    cost_moved_min: int = 0
+    cost_max_before: int = 0
+    cost_max_after: int = 0
+    cost_mean: float = 0.0
+    patches_max_before: int = 0
+    patches_max_after: int = 0
+
+    def add(self, figures: Optional[FrameFigures]) -> None:
+        self.micro_steps += 1
+        if figures is None:
+            return
+        for f in fields(FrameFigures):
+            setattr(self, f.name, getattr(self, f.name) + getattr(figures, f.name))
+
+    def summary(self) -> Dict[str, float]:
+        """The interval's figures: totals of frames, patches and moves; per micro-step means
+        of the largest rank's cost (and patches) before and after; ``imbalance_*``: the
+        largest rank's cost over the mean, as ratios of the interval's sums."""
+        n = max(1, self.micro_steps)
+        ratio = (lambda a: a / self.cost_mean if self.cost_mean else 1.0)  # noqa: E731
+        return {
+            "micro_steps": float(self.micro_steps), "frames": float(self.frames),
+            "patches": float(self.patches), "frames_moved": float(self.frames_moved),
+            "patches_moved": float(self.patches_moved), "cost_moved": float(self.cost_moved),
+            "cost_moved_min": float(self.cost_moved_min),
+            "vision_max_before": self.cost_max_before / n, "vision_max_after": self.cost_max_after / n,
+            "vision_mean": self.cost_mean / n,
+            "imbalance_before": ratio(self.cost_max_before), "imbalance_after": ratio(self.cost_max_after),
+            "patches_max_before": self.patches_max_before / n, "patches_max_after": self.patches_max_after / n,
+        }

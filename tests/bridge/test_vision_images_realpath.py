@@ -1,0 +1,127 @@
+"""``mm_balance.vision=images`` against the unbalanced tower, on 4 real gloo processes: the toy
+Qwen3-VL model of configs/bridge/qwen3_vl_moe_tiny_cpu.py through Bridge's own
+``Qwen3VLModel.forward`` with the glue's hooks (tests/bridge/vision_images_rank.py), micro-steps
+with an empty rank, a video, the patch cap binding and no frame anywhere; then Bridge's
+context-parallel vision block (CP 2 x DP 2, a rank with an empty share, a text-only rank).
+Outputs (per-token losses, the vision outputs Bridge receives, main and deepstack), pixel and
+parameter gradients must agree with the unbalanced run's; the plan must be the same on every
+rank; evaluation forwards must run no collective."""
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from megatron_mm_balance.testing.ranks import run_rank_script
+
+RANK_SCRIPT = Path(__file__).with_name("vision_images_rank.py")
+WORLD = 4
+#: fp32: largest difference / largest entry. Not bit-identical: a rank encodes other frames
+#: than in the unbalanced run, so the CPU GEMMs get other row counts (their blocking and
+#: summation order depend on it) and a parameter gradient sums its frames in another grouping
+#: before the data-parallel sum. Measured up to 6.4e-7 (outputs, pixel gradients) and 1.2e-7
+#: (parameter gradients); bounded as the context-parallel split's test bounds them.
+FP32_OUTPUTS, FP32_PARAMS = 1e-6, 5e-6
+#: fp64: the same comparison with the model cast to fp64 falls to rounding (measured <= 3e-16):
+#: the fp32 differences are arithmetic order, nothing else.
+FP64 = 1e-13
+
+
+@pytest.fixture(scope="module")
+def results(bridge_python, bridge_trees):
+    out = run_rank_script(str(RANK_SCRIPT), WORLD, timeout=900, python=bridge_python,
+                          pythonpath=(bridge_trees["mlm"], bridge_trees["bridge"] / "src"))
+    for r in out:
+        assert "error" not in r, r.get("error")
+    return out
+
+
+def _check(diffs, where):
+    for name, value in diffs.items():
+        if name.endswith("bit_equal") or name == "vision_outputs":
+            continue
+        bound = {"fp32": FP32_PARAMS if name == "param_grads" else FP32_OUTPUTS, "fp64": FP64}[where[0]]
+        assert value <= bound, (where, name, value)
+
+
+def _steps(results, key="steps"):
+    return [(r, s) for r in results for s in (r[key] if key == "steps" else r["cp"]["steps"])]
+
+
+pytestmark = pytest.mark.realpath
+
+
+def test_images_mode_equals_the_unbalanced_tower(results):
+    for r, s in _steps(results) + _steps(results, "cp"):
+        for precision in ("fp32", "fp64"):
+            _check(s[precision], (precision, r["rank"], s["step"]))
+    compared = {name for _, s in _steps(results) for name in s["fp32"]}
+    assert {"losses", "param_grads", "pixel_grad", "embeddings", "deepstack0"} <= compared
+    worst = {p: max(v for _, s in _steps(results) + _steps(results, "cp") for n, v in s[p].items()
+                    if not n.endswith("bit_equal") and n != "vision_outputs") for p in ("fp32", "fp64")}
+    print(f"\nimages vs unbalanced, largest difference / largest entry: fp32 {worst['fp32']:.2e}, "
+          f"fp64 {worst['fp64']:.2e}")
+
+
+def test_the_plan_is_the_same_on_every_rank_and_frames_move(results):
+    for step in range(len(results[0]["steps"])):
+        plans = {str(r["steps"][step]["plan"]) for r in results}
+        assert len(plans) == 1, (step, plans)
+    figures = [s["figures"] for s in results[0]["steps"]]
+    # step 0: rank 2 holds nothing and encodes one of rank 0's frames
+    assert results[2]["steps"][0]["vision_calls"] == {"ref": 0, "balanced": 1}
+    assert figures[0]["frames_moved"] >= 1 and 2 in results[0]["steps"][0]["plan"]["encoder"]
+    # step 1: the video's four frames (rank 0's) are spread over other ranks
+    video = results[0]["steps"][1]["plan"]
+    assert video["owner"][:4] == [0] * 4 and len(set(video["encoder"][:4])) > 1
+    assert figures[1]["cost_max_after"] < figures[1]["cost_max_before"]
+    print("\nper micro-step (frames, moved, largest rank cost before -> after): " + "; ".join(
+        f"{s['step']}: " + ("no frame" if s["figures"] is None else
+                            f"{s['figures']['frames']}, {s['figures']['frames_moved']}, "
+                            f"{s['figures']['cost_max_before']} -> {s['figures']['cost_max_after']}")
+        for s in results[0]["steps"]))
+
+
+def test_the_patch_cap_binds(results):
+    """Step 2: without the cap, rank 0's second large frame would go to a light rank, which
+    would then hold more patches than any rank held before: it stays home."""
+    from megatron_mm_balance.runtime.frames import default_patch_cap
+    from megatron_mm_balance.solver.images import balance_images
+    s = results[0]["steps"][2]
+    plan = {k: np.array(v) for k, v in s["plan"].items()}
+    owner, patches = plan["owner"], plan["patches"]
+    uncapped = balance_images(owner, plan["cost"], WORLD)
+    moved = np.flatnonzero(uncapped != owner)
+    assert moved.size, "the step does not need a move"
+    cap = default_patch_cap(owner, patches, WORLD)
+    for i in moved:                                       # each uncapped move breaks the cap
+        receiver = uncapped[i]
+        assert patches[owner == receiver].sum() + patches[i] > cap
+    assert (plan["encoder"] == owner).all() and s["figures"]["frames_moved"] == 0
+    assert s["figures"]["patches_max_after"] <= cap and s["figures"]["cost_moved_min"] > 0
+
+
+def test_no_frame_anywhere_costs_one_collective_and_evaluation_none(results):
+    for r in results:
+        last = r["steps"][3]
+        assert last["collectives"] == {"all_gather": 1, "batch_isend_irecv": 0}, last
+        assert last["figures"] is None
+        assert r["eval"] == {"collectives": {"all_gather": 0, "batch_isend_irecv": 0}, "bit_equal": True}
+
+
+def test_the_video_frames_encode_alone(results):
+    """Bridge's tower attends per frame and positions each frame by (h, w): a video's grid
+    (4, 16, 16) and four (1, 16, 16) rows of one call give the same outputs bit for bit; four
+    calls of one frame each the same values up to GEMM rounding."""
+    claim = results[0]["per_frame"]
+    assert claim["outputs"] == 2 and claim["rows_bit_equal"], claim
+    assert claim["alone_max_rel"] <= FP32_OUTPUTS, claim
+
+
+def test_context_parallel_split_then_data_parallel_balance(results):
+    by_rank = {(r["cp"]["dp_rank"], r["cp"]["cp_rank"]): r["cp"]["steps"] for r in results}
+    step0 = {k: v[0] for k, v in by_rank.items()}
+    assert step0[(1, 1)]["shares"] == [1, 0]                # an empty context-parallel share ...
+    assert step0[(1, 1)]["vision_calls"] == 1               # ... that encodes another rank's frame
+    for cp in (0, 1):                                       # one plan per vision group
+        assert step0[(0, cp)]["plan"] == step0[(1, cp)]["plan"]
+    assert by_rank[(0, 0)][1]["shares"] is None             # a text-only data-parallel rank

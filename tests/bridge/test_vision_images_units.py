@@ -1,0 +1,93 @@
+"""``mm_balance.vision`` settings and the Qwen3-VL frame helpers of bridge/vision.py (fast, no
+Bridge needed): defaults, values, the one-line refusals, frames of grids."""
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_mm_balance.bridge.config import MMBalanceBridgeConfig, as_args
+from megatron_mm_balance.bridge.vision import checked_vision, frame_grid, frames_of
+from megatron_mm_balance.megatron.checks import MMBalanceConfigError
+
+
+def _cfg(**model):
+    vision = types.SimpleNamespace(spatial_merge_size=2, hidden_size=64, intermediate_size=128,
+                                   deepstack_visual_indexes=[0])
+    fields = dict(expert_model_parallel_size=2, num_moe_experts=4, moe_router_load_balancing_type="aux_loss",
+                  moe_aux_loss_coeff=1e-2, calculate_per_token_loss=False, hybrid_context_parallel=False,
+                  vision_config=vision)
+    fields.update(model)
+    train = types.SimpleNamespace(micro_batch_size=1, global_batch_size=8, rampup_batch_size=None,
+                                  decrease_batch_size_if_needed=False)
+    return types.SimpleNamespace(model=types.SimpleNamespace(**fields), train=train,
+                                 logger=types.SimpleNamespace(log_interval=5, tensorboard_dir=None),
+                                 data_parallel_size=2, dataset=types.SimpleNamespace(dataloader_type="external"))
+
+
+def test_defaults_keep_todays_behaviour():
+    mm = MMBalanceBridgeConfig()
+    assert mm.vision == "packs" and mm.image_patch_cap is None
+    cfg = _cfg()
+    assert checked_vision(mm, cfg.model) == "packs"
+    as_args(MMBalanceBridgeConfig(enabled=True, vision="images", image_patch_cap=4096), cfg)
+
+
+@pytest.mark.parametrize("mm,model,match", [
+    (dict(vision="frames"), {}, "mm_balance.vision must be one of packs, images, got 'frames'"),
+    (dict(image_patch_cap=0), {}, "mm_balance.image_patch_cap must be a positive integer"),
+    (dict(image_patch_cap=2.5), {}, "mm_balance.image_patch_cap must be a positive integer"),
+    (dict(vision="images", enabled=False), {}, "vision=images needs mm_balance.enabled=true"),
+    (dict(vision="images", mode="shadow"), {}, "mm_balance.mode=shadow moves nothing"),
+    (dict(vision="images", mode="control"), {}, "mm_balance.mode=control moves nothing"),
+    (dict(vision="images", cost="auto"), {}, "cannot be combined with mm_balance.cost=auto"),
+    (dict(vision="images"), dict(vision_config=types.SimpleNamespace(spatial_merge_size=2)),
+     "needs a Qwen3-VL vision tower"),
+    (dict(vision="images"), dict(vision_config=None), "needs a Qwen3-VL vision tower"),
+    (dict(vision="images"), dict(vision_cuda_graph_impl="transformer_engine"), "vision CUDA graphs"),
+    (dict(vision="images"), dict(dist_train=types.SimpleNamespace(use_dist_train=True)), "use_dist_train"),
+])
+def test_refusals_name_the_setting_in_one_line(mm, model, match):
+    values = dict(enabled=True)
+    values.update(mm)
+    with pytest.raises(MMBalanceConfigError, match=match) as err:
+        as_args(MMBalanceBridgeConfig(**values), _cfg(**model))
+    assert "\n" not in str(err.value)
+
+
+def test_frames_of_grids_and_back():
+    grid = torch.tensor([[1, 4, 6], [3, 2, 2], [1, 2, 2], [2, 8, 8]])
+    hw = frames_of(grid)
+    assert hw.tolist() == [[4, 6], [2, 2], [2, 2], [2, 2], [2, 2], [8, 8], [8, 8]]
+    assert frames_of(None).shape == (0, 2)
+    # consecutive frames of one size are one grid row (as Bridge's collapse_thw)
+    assert frame_grid(hw).tolist() == [[1, 4, 6], [4, 2, 2], [2, 8, 8]]
+    assert frame_grid(np.zeros((0, 2), np.int64)).shape == (0, 3)
+
+
+def test_report_one_line_per_interval_from_the_reporting_rank(capsys):
+    from megatron_mm_balance.bridge.vision import FrameReport
+    from megatron_mm_balance.runtime.frames import frame_figures
+
+    class Writer:
+        def __init__(self):
+            self.scalars = []
+
+        def add_scalar(self, name, value, step):
+            self.scalars.append((name, value, step))
+
+    it = {"now": 1}
+    tb = Writer()
+    report = FrameReport(interval=2, iteration_fn=lambda: it["now"], reporter=True, writers=(tb, None))
+    quiet = FrameReport(interval=2, iteration_fn=lambda: it["now"], reporter=False, writers=(None, None))
+    figures = frame_figures(np.array([0, 0, 1]), np.array([0, 1, 1]), np.array([4, 3, 1]), np.array([4, 3, 1]), 2)
+    for iteration in (1, 1, 2, 2, 3, 3, 4, 5):           # two micro-steps per iteration
+        it["now"] = iteration
+        for r in (report, quiet):
+            r.add(figures if iteration != 3 else None)  # iteration 3: no frame anywhere
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("[mm-balance-vision]")]
+    assert [x.split(" | ")[0] for x in lines] == ["[mm-balance-vision] iteration 2",
+                                                  "[mm-balance-vision] iteration 4"]
+    assert "micro_steps: 4 | frames: 12 | patches: 32 | frames_moved: 4" in lines[0]
+    assert "micro_steps: 3 | frames: 3 |" in lines[1]      # iterations 3 (two empty micro-steps) and 4
+    assert ("mm-balance-vision/frames_moved", 4.0, 2) in tb.scalars and not quiet.lines

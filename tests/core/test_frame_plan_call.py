@@ -1,0 +1,74 @@
+"""The frame planning call of ``mm_balance.vision=images`` (runtime/frames.py): the per-rank
+patch cap, the micro-step figures and their interval sums. Pure, fast."""
+import numpy as np
+import pytest
+
+from megatron_mm_balance.runtime.frames import (FrameWindow, default_patch_cap, frame_figures,
+                                                plan_frame_encoders, within_patch_cap)
+from megatron_mm_balance.solver.images import balance_images
+
+
+def _native_res_step(rng, ranks):
+    """A micro-step of native-resolution-like frames: a few large, many small, some empty ranks."""
+    owner, patches = [], []
+    for r in range(ranks):
+        for _ in range(rng.integers(0, 6)):
+            owner.append(r)
+            patches.append(int(rng.choice([16, 64, 256, 1024, 4096])))
+    patches = np.array(patches, dtype=np.int64)
+    return np.array(owner, dtype=np.int64), patches * (patches + 256), patches
+
+
+def test_the_cap_is_never_exceeded_by_a_receiving_rank_and_keeps_every_frame_somewhere():
+    rng = np.random.default_rng(0)
+    bound = 0
+    for _ in range(300):
+        ranks = int(rng.integers(2, 9))
+        owner, cost, patches = _native_res_step(rng, ranks)
+        for cap in (None, int(rng.integers(1, 6000))):
+            enc = plan_frame_encoders(owner, cost, ranks, patches=patches, patch_cap=cap)
+            limit = default_patch_cap(owner, patches, ranks) if cap is None else cap
+            assert enc.shape == owner.shape and ((enc >= 0) & (enc < ranks)).all()
+            after = np.bincount(enc, weights=patches, minlength=ranks)
+            receives = np.bincount(enc[enc != owner], minlength=ranks) > 0
+            assert (after[receives] <= limit).all()
+            moved = enc != owner                       # a capped plan only undoes moves
+            base = balance_images(owner, cost, ranks)
+            assert (enc[moved] == base[moved]).all()
+            bound += int(moved.sum() < (base != owner).sum())
+    assert bound > 0, "the cap never bound"
+
+
+def test_the_default_cap_is_the_most_any_rank_held():
+    owner, patches = np.array([0, 0, 1, 2]), np.array([10, 5, 12, 1])
+    assert default_patch_cap(owner, patches, 3) == 15
+    assert default_patch_cap(np.zeros(0, np.int64), np.zeros(0, np.int64), 2) == 0
+
+
+def test_within_patch_cap_undoes_moves_heaviest_first():
+    owner = np.array([0, 0, 0, 1])
+    encoder = np.array([0, 1, 1, 1])                  # two frames of rank 0 go to rank 1
+    cost, patches = np.array([9, 5, 7, 1]), np.array([4, 3, 3, 2])
+    # rank 1 held 2 patches: room for one 3-patch frame under cap 5; the costlier (frame 2) goes
+    assert within_patch_cap(owner, encoder, cost, patches, 5, 2).tolist() == [0, 0, 1, 1]
+    assert within_patch_cap(owner, encoder, cost, patches, 8, 2).tolist() == encoder.tolist()
+    assert within_patch_cap(owner, encoder, cost, patches, 2, 2).tolist() == owner.tolist()
+
+
+def test_figures_of_a_plan():
+    owner = np.array([0, 0, 0, 1, 2])
+    encoder = np.array([0, 1, 2, 1, 2])
+    cost, patches = np.array([8, 4, 4, 2, 0]), np.array([8, 4, 4, 2, 1])
+    f = frame_figures(owner, encoder, cost, patches, 3)
+    assert (f.frames, f.patches, f.frames_moved, f.patches_moved, f.cost_moved) == (5, 19, 2, 8, 8)
+    # target max(ceil(18 / 3), 8) = 8: rank 0 (16) is 8 above it, nobody else
+    assert f.cost_moved_min == 8 and (f.cost_max_before, f.cost_max_after) == (16, 8)
+    assert f.cost_mean == 6.0 and (f.patches_max_before, f.patches_max_after) == (16, 8)
+    window = FrameWindow()
+    window.add(f)
+    window.add(None)                                   # a micro-step with no frame anywhere
+    window.add(f)
+    s = window.summary()
+    assert s["micro_steps"] == 3 and s["frames"] == 10 and s["frames_moved"] == 4
+    assert s["imbalance_before"] == pytest.approx(32 / 12) and s["imbalance_after"] == pytest.approx(16 / 12)
+    assert s["vision_max_before"] == pytest.approx(32 / 3)

@@ -1,0 +1,100 @@
+"""The unit exchange of variable-size units on 3 real gloo processes: units of different row
+counts in and out (as Qwen-VL frames: ``h*w`` pixel rows in, ``h*w/4`` rows out) encoded on
+other ranks equal the unbalanced encoder forward and backward (outputs, input gradients,
+encoder gradients), with a rank that holds no unit and one that encodes none; the unit table
+all-gather costs one collective when no rank has a unit."""
+import json
+import os
+import sys
+
+from megatron_mm_balance.testing.ranks import run_rank_script
+
+HERE = os.path.abspath(__file__)
+#: per rank: the rows of each unit it holds (multiples of 4: 4 input rows make 1 output row)
+UNITS = {0: [64, 16, 4, 36], 1: [], 2: [8, 100]}
+#: encoder rank per unit in global order (rank 0's, then rank 2's): rank 1 holds nothing and
+#: encodes two of rank 0's units; rank 2 encodes only its own second unit and one of rank 0's
+ENCODER = [0, 1, 2, 1, 0, 2]
+
+
+def test_variable_size_units_are_exact_forward_and_backward():
+    results = run_rank_script(HERE, 3, timeout=120)
+    for r, res in enumerate(results):
+        assert "error" not in res, f"rank {r}: {res.get('error')}"
+    for res in results:
+        assert res["out_diff"] <= 1e-12 and res["input_grad_diff"] <= 1e-12   # fp64: GEMM rounding only
+        assert res["param_grad_diff"] <= 1e-12
+        assert res["empty_table"] is None and res["empty_collectives"] == 1
+        assert res["table_owner"] == [0, 0, 0, 0, 2, 2] and res["table_header"] == [[7], [-1], [7]]
+    assert results[1]["encoded_rows"] == 16 + 36 and results[1]["local_rows"] == 0
+    print("\nrows encoded per rank:", [r["encoded_rows"] for r in results])
+
+
+def _rank_main(rank: int, world: int, port: int, outdir: str) -> None:
+    import datetime
+
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    from megatron_mm_balance.runtime.image_exchange import UnitExchange, gather_unit_table
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=60))
+    try:
+        rows_here = UNITS[rank]
+        gen = torch.Generator().manual_seed(100 + rank)
+        x = torch.randn(sum(rows_here), 6, generator=gen, dtype=torch.float64)
+        torch.manual_seed(5)
+        lin = torch.nn.Linear(6, 3).double()              # the same weights on every rank
+
+        def encode(rows, sizes):
+            """Per unit: rows -> rows / 4 (sums of 4 consecutive rows, a linear map, tanh)."""
+            pooled = rows.reshape(-1, 4, rows.shape[1]).sum(1) if rows.shape[0] else rows[:0]
+            return torch.tanh(lin(pooled)) * 1.5
+
+        weight = torch.linspace(-1, 1, 3, dtype=torch.float64) * (rank + 1)
+
+        def loss_of(out):
+            return (out * weight).sum() + (out ** 2).sum() * 0.1
+
+        def reduced_grads():
+            flat = torch.cat([p.grad.reshape(-1) for p in lin.parameters()])
+            dist.all_reduce(flat)
+            return flat
+
+        ref_x = x.clone().requires_grad_(True)
+        ref_out = encode(ref_x, rows_here)
+        loss_of(ref_out).backward()
+        ref_grads = reduced_grads()
+        lin.zero_grad()
+
+        table = gather_unit_table(np.array(rows_here, dtype=np.int64).reshape(-1, 1), [7 if rows_here else -1])
+        in_rows = table.columns[:, 0]
+        ex = UnitExchange(table.owner, np.array(ENCODER), in_rows, in_rows // 4, num_ranks=world)
+        bx = x.clone().requires_grad_(True)
+        out = ex.to_owners(encode(ex.to_encoders(bx), in_rows[ex.encoded_units]))
+        loss_of(out).backward()
+        grads = reduced_grads()
+
+        calls = []
+        real = dist.all_gather
+        dist.all_gather = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
+        empty = gather_unit_table(np.zeros((0, 1), dtype=np.int64), [0])
+        dist.all_gather = real
+        res = {"rank": rank, "out_diff": float((out - ref_out).abs().max()) if out.numel() else 0.0,
+               "input_grad_diff": float((bx.grad - ref_x.grad).abs().max()) if x.numel() else 0.0,
+               "param_grad_diff": float((grads - ref_grads).abs().max()),
+               "encoded_rows": ex.encoded_in_rows, "local_rows": ex.local_in_rows,
+               "table_owner": table.owner.tolist(), "table_header": table.headers.tolist(),
+               "empty_table": empty, "empty_collectives": len(calls)}
+    except BaseException as e:                              # reported, not hidden
+        import traceback
+        res = {"error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"}
+    with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
+        json.dump(res, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    _rank_main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])

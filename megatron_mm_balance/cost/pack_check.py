@@ -38,12 +38,15 @@ def _shape(value) -> Optional[tuple]:
 
 
 def image_tiles(pack: Mapping) -> Optional[List[int]]:
-    """Tiles per image from ``num_tiles`` ([] for the text-only dummy ``[[0]]``; None without the key)."""
+    """Tiles per image from ``num_tiles`` ([] for a text-only pack: ``num_tiles`` ``[[0]]``
+    with Megatron's dummy ``imgs`` of shape ``(1, 1)``, none, or a tensor of no tiles;
+    None without the key)."""
     if pack.get("num_tiles") is None:
         return None
     tiles = flatten_ints(pack["num_tiles"], "num_tiles")
-    dummy = tiles == [0] and _shape(pack.get("imgs")) in (None, (1, 1))
-    return [] if dummy else tiles
+    imgs = _shape(pack.get("imgs"))
+    no_tiles = imgs is None or imgs == (1, 1) or (len(imgs) > 0 and imgs[0] == 0)
+    return [] if tiles == [0] and no_tiles else tiles
 
 
 def packed_length(pack: Mapping) -> Optional[int]:

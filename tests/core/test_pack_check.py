@@ -19,6 +19,10 @@ def test_a_consistent_pack_and_a_text_only_batch_pass():
     text_only = {"tokens": torch.tensor([[1, 2, 3]]), "imgs": torch.tensor([[0.0]]),
                  "num_tiles": torch.tensor([[0]], dtype=torch.int32), "cu_lengths": torch.tensor([[0]])}
     assert pack_problems(text_only, max_length=2, image_token_id=9) == []      # not packed: no length
+    no_tiles = {**pack(tiles=(0,), placeholders=0), "imgs": torch.zeros(0, 3, 4, 4)}   # [0] and no tile
+    assert pack_problems(no_tiles, max_length=1024, image_token_id=9) == []
+    one_tile = pack_problems(pack(tiles=(0,), imgs=1, placeholders=0))      # [0] beside a tile: refused
+    assert any("num_tiles [0] gives an image fewer than 1 tile" in p for p in one_tile), one_tile
     assert pack_problems({"input_ids": [1, 2]}, max_length=1) == []            # keys it does not know
     assert pack_problems([1, 2, 3]) == []
 

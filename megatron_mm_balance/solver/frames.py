@@ -82,6 +82,7 @@ from bisect import bisect_left, bisect_right, insort
 from dataclasses import dataclass, field
 from functools import cached_property, cmp_to_key
 import heapq
+from itertools import islice
 
 import numpy as np
 
@@ -322,22 +323,24 @@ def _cover(costs: list, need: int) -> list:
 
 
 class _Receivers:
-    """Ranks below the level, by slack (``T - load``): the best fit for a unit, the patch
-    cap respected; charges can be given back (the plan's undo)."""
+    """Every rank's slack (``T - load``, negative above the level) and patch room; those
+    with slack by slack: the best fit for a unit, the patch cap respected; charges can be
+    given back (the plan's undo)."""
 
-    def __init__(self, ranks, slack, room):
+    def __init__(self, ranks, slack, room, closed=frozenset()):
         self.slack = dict(zip(ranks, slack))
         self.room = room                        # patches each rank may still take (None: no cap)
-        self.free = sorted((x, r) for r, x in self.slack.items() if x > 0)
+        self.closed = closed                    # ranks that never receive
+        self.free = sorted((x, r) for r, x in self.slack.items() if x > 0 and r not in closed)
 
     def hold(self, r: int) -> None:
         """Take ``r`` out of the choice (it is making room)."""
-        if self.slack[r] > 0:
+        if self.slack[r] > 0 and r not in self.closed:
             del self.free[bisect_left(self.free, (self.slack[r], r))]
 
     def release(self, r: int) -> None:
         """Put ``r`` back into the choice, at its current slack."""
-        if self.slack[r] > 0:
+        if self.slack[r] > 0 and r not in self.closed:
             insort(self.free, (self.slack[r], r))
 
     def charge(self, r: int, size: int, patches: int) -> None:
@@ -394,26 +397,23 @@ class _LevelPlan:
     """The moves that bring every rank to ``T`` or under (module docstring)."""
 
     def __init__(self, T: int, load: np.ndarray, units: _Units, room0, *, rich: bool = False):
-        below = np.flatnonzero(load < T)
         self.T, self.load, self.units, self.rich = T, load, units, rich
-        self.recv = _Receivers(below.tolist(), (T - load[below]).tolist(),
-                               None if room0 is None else room0.tolist())
+        self.recv = _Receivers(range(len(load)), (T - load).tolist(),
+                               None if room0 is None else room0.tolist(),
+                               frozenset() if rich else frozenset(np.flatnonzero(load > T).tolist()))
         self.moves = {}                              # unit -> rank that encodes it
-        self.excess = {}                             # donor -> load - T
-        self.sent = {}                               # donor -> cost it sends
+        self.got = [0] * len(load)                   # units each rank receives
         self.cost = 0                                # cost of every move
         self.short = False                           # a donor's cover did not fit as chosen
         self.log = []                                # (unit, rank, put): what trials undo
 
     # -- bookkeeping ------------------------------------------------------------------
     def _record(self, u: int, r: int) -> None:
+        """Unit ``u``, charged to ``r``, leaves its rank."""
         u_ = self.units
         self.moves[u] = r
-        s = u_.owner[u]
-        if s in self.sent:
-            self.sent[s] += u_.cost[u]
-        elif s in self.recv.slack:                   # a receiver making room
-            self.recv.charge(s, -u_.cost[u], -u_.pat(u))
+        self.got[r] += 1
+        self.recv.charge(u_.owner[u], -u_.cost[u], -u_.pat(u))
         self.cost += u_.cost[u]
         self.log.append((u, r, True))
 
@@ -433,12 +433,9 @@ class _LevelPlan:
     def take_back(self, u: int, *, log: bool = True) -> None:
         u_ = self.units
         r = self.moves.pop(u)
+        self.got[r] -= 1
         self.recv.charge(r, -u_.size(u), -u_.pat(u))
-        s = u_.owner[u]
-        if s in self.sent:
-            self.sent[s] -= u_.cost[u]
-        elif s in self.recv.slack:
-            self.recv.charge(s, u_.cost[u], u_.pat(u))
+        self.recv.charge(u_.owner[u], u_.cost[u], u_.pat(u))
         self.cost -= u_.cost[u]
         if log:
             self.log.append((u, r, False))
@@ -454,7 +451,8 @@ class _LevelPlan:
                 self.log.pop()
 
     def need(self, s: int) -> int:
-        return self.excess[s] - self.sent[s]
+        """What rank ``s`` still has to shed to reach ``T`` (negative: its slack)."""
+        return -self.recv.slack[s]
 
     def home(self, s: int, skip=()) -> tuple[list, list]:
         """Donor ``s``'s units still at home (not in ``skip``), cost ascending."""
@@ -465,14 +463,13 @@ class _LevelPlan:
         return [u for u, _ in pairs], [c for _, c in pairs]
 
     def trim(self, s: int) -> None:
-        """Take back, heaviest first, what donor ``s`` sends beyond its excess."""
-        u_ = self.units
-        over = -self.need(s)
+        """Take back, heaviest first, what donor ``s`` sends beyond its excess (within the
+        patch cap if it receives)."""
+        u_, recv = self.units, self.recv
         a, b = u_.starts[s], u_.starts[s + 1]
         for u in sorted((u for u in u_.ids[a:b] if u in self.moves), key=lambda u: (-u_.cost[u], u)):
-            if u_.cost[u] <= over:
+            if u_.cost[u] <= recv.slack[s] and (not self.got[s] or recv.room_for(s, u_.pat(u))):
                 self.take_back(u)
-                over -= u_.cost[u]
 
     # -- the plan ---------------------------------------------------------------------
     def run(self, donors: list, *, together: bool) -> bool:
@@ -485,10 +482,8 @@ class _LevelPlan:
         donors = [s for s in donors if self.load[s] > T]
         covers = {}
         for s in donors:
-            self.excess[s] = int(self.load[s]) - T
-            self.sent[s] = 0
             a, b = u_.starts[s], u_.starts[s + 1]
-            covers[s] = [u_.ids[a + j] for j in _cover(u_.costs[a:b], self.excess[s])]
+            covers[s] = [u_.ids[a + j] for j in _cover(u_.costs[a:b], self.need(s))]
         short = {}
         if together:
             for u in sorted((u for s in donors for u in covers[s]), key=lambda u: (-u_.size(u), u)):
@@ -557,37 +552,40 @@ class _LevelPlan:
         return need
 
     def make_room(self, u: int) -> bool:
-        """Place unit ``u``, which no receiver takes as it is, on a receiver after that
-        receiver sends some of its own units to the others (best fit): the units that
-        cover its shortfall of slack and of patch room most cheaply (:func:`_room_cover`).
-        Receivers are tried most slack first (``ROOM_TRIES`` of them; the first only in
-        a plain plan), and the cheapest that works is kept; nothing changes if none does."""
+        """Place unit ``u``, which no rank takes as it is, on a rank after that rank sends
+        some of its own units to the others (best fit; the rank ``u`` leaves among them):
+        the units that cover its shortfall of slack and of patch room most cheaply
+        (:func:`_room_cover`). Ranks are tried most slack first (``ROOM_TRIES`` of them;
+        the first only in a plain plan), and the cheapest that works is kept; nothing
+        changes if none does."""
         recv, u_ = self.recv, self.units
-        size, pat = u_.size(u), u_.pat(u)
+        size, pat, s = u_.size(u), u_.pat(u), u_.owner[u]
+        tries = ROOM_TRIES if self.rich else 1
+        ranks = list(islice((r for _, r in reversed(recv.free) if r != s), tries))
         best, mark = None, len(self.log)
-        for slack, r in reversed(recv.free[-(ROOM_TRIES if self.rich else 1):]):
+        for r in ranks:
             if best is not None and best[0] == 0:
                 break
             cost0 = self.cost
-            if self._room_on(r, u, size - slack, pat):
+            if self._room_on(r, u):
                 if best is None or self.cost - cost0 < best[0]:
                     best = (self.cost - cost0, r)
                 self._rollback(mark)
-        if best is None:
-            return False
-        return self._room_on(best[1], u, size - recv.slack[best[1]], pat)
+        return best is not None and self._room_on(best[1], u)
 
-    def _room_on(self, r: int, u: int, short: int, pat: int) -> bool:
-        """Receiver ``r`` sends units covering ``short`` of slack and what it lacks of
-        room for ``pat`` patches to the others, then takes unit ``u``; False (nothing
-        changed) if they do not all fit."""
+    def _room_on(self, r: int, u: int) -> bool:
+        """Rank ``r`` sends units covering what it lacks of slack and of patch room for
+        unit ``u`` to the others, then takes ``u``; False (nothing changed) if they do
+        not all fit."""
         recv, u_ = self.recv, self.units
+        size, pat, s = u_.size(u), u_.pat(u), u_.owner[u]
         home, costs = self.home(r)
         lack = 0 if recv.room is None else max(0, pat - recv.room[r])
-        picks = _room_cover(costs, [u_.pat(v) for v in home], short, lack)
+        picks = _room_cover(costs, [u_.pat(v) for v in home], size - recv.slack[r], lack)
         if not picks:
             return False
         recv.hold(r)
+        recv.charge(s, -u_.cost[u], -pat)        # u leaves s first: s may take r's units
         targets = []
         for j in picks:                          # heaviest first, best fit among the others
             r2 = recv.take(u_.size(home[j]), u_.pat(home[j]))
@@ -596,6 +594,7 @@ class _LevelPlan:
             targets.append((home[j], r2))
         for v, r2 in targets:
             recv.charge(r2, -u_.size(v), -u_.pat(v))
+        recv.charge(s, u_.cost[u], pat)
         recv.release(r)
         if len(targets) < len(picks):
             return False

@@ -53,8 +53,10 @@ def _arrays(owner, cost, num_ranks, patches, transfer):
     return owner, cost, int(num_ranks), patches, transfer
 
 
-def _solve(owner, cost, D, patches, transfer, cap, target, time_limit):
-    """Build and solve the program; ``target`` None: minimise the largest load."""
+def _solve(owner, cost, D, patches, transfer, cap, target, time_limit, weight=None):
+    """Build and solve the program; ``target`` None: minimise the largest load; else the
+    moved sum of ``weight`` (default ``cost``)."""
+    weight = cost if weight is None else np.asarray(weight, dtype=np.int64)
     try:
         from scipy.optimize import Bounds, LinearConstraint, milp
         from scipy.sparse import coo_matrix
@@ -111,7 +113,7 @@ def _solve(owner, cost, D, patches, transfer, cap, target, time_limit):
     if target is None:
         c[-1] = 1.0
     else:
-        c[:nx] = -np.where(home, cost[u], 0)
+        c[:nx] = -np.where(home, weight[u], 0)
     A = coo_matrix((np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))),
                    shape=(r0, n_var)).tocsr()
     upper = np.ones(n_var)
@@ -122,7 +124,7 @@ def _solve(owner, cost, D, patches, transfer, cap, target, time_limit):
     res = milp(c, constraints=LinearConstraint(A, np.concatenate(lo), np.concatenate(hi)),
                integrality=integrality, bounds=Bounds(np.zeros(n_var), upper),
                options={"time_limit": float(time_limit), "disp": False})
-    const = 0.0 if target is None else float(cost[mov].sum())
+    const = 0.0 if target is None else float(weight[mov].sum())
     if res.x is None:
         infeasible = res.status == 2
         return ExactFrames(None, float("inf") if infeasible else const, False, infeasible, None)
@@ -134,18 +136,21 @@ def _solve(owner, cost, D, patches, transfer, cap, target, time_limit):
         np.add.at(load, enc, cost + np.where(moved, transfer, 0))
         value = int(load.max())
     else:
-        value = int(cost[moved].sum())
+        value = int(weight[moved].sum())
     bound = getattr(res, "mip_dual_bound", None)
     bound = float(value) if bound is None else const + float(bound)
     return ExactFrames(value, min(bound, float(value)), res.status == 0, False, enc)
 
 
 def exact_min_moved(owner, cost, num_ranks, target, *, patches=None, patch_cap=None, transfer=None,
-                    time_limit: float = 30.0) -> ExactFrames:
+                    moved=None, time_limit: float = 30.0) -> ExactFrames:
     """The least cost moved by any placement bringing every rank to ``target`` or under
-    (see the module docstring)."""
+    (see the module docstring); ``moved``: per unit, the quantity whose moved sum is
+    minimised instead of the cost (e.g. the patches)."""
     owner, cost, D, patches, transfer = _arrays(owner, cost, num_ranks, patches, transfer)
-    return _solve(owner, cost, D, patches, transfer, patch_cap, int(target), time_limit)
+    if moved is not None and len(moved) != len(cost):
+        raise ValueError("frames_exact: moved needs one entry per unit")
+    return _solve(owner, cost, D, patches, transfer, patch_cap, int(target), time_limit, moved)
 
 
 def exact_min_level(owner, cost, num_ranks, *, patches=None, patch_cap=None, transfer=None,

@@ -54,10 +54,12 @@ with whatever fits, which may cost far more than the cheap cover plus a receiver
 room for it. So when some donor's cover did not fit as chosen there, the plan kept is the
 cheapest of the search's and four level plans at the same ``T`` (together and donor by
 donor, each plain and *weighed*): in a weighed plan such a donor tries both ways (covering
-again without the unit, and placing the unit where a receiver makes room, the cheapest
-of the ``ROOM_TRIES`` receivers with the most slack), each tried and then undone, and
-keeps the cheaper. The level stays the plain plan's: the weighed plans change what moves,
-not the level every rank is brought to.
+again without the unit, and placing the unit where a rank makes room, the cheapest of
+the ``ROOM_TRIES`` ranks with the most slack), each tried and then undone, and keeps the
+cheaper; and a donor that has shed more than its excess takes units too, within what it
+shed beyond it (so a rank making room may send a unit back to the rank whose unit it
+takes: a swap). The level stays the plain plan's (where donors never take units): the
+weighed plans change what moves, not the level every rank is brought to.
 
 Finally every move whose sender no longer needs it (taking it back keeps the sender at
 ``T`` or under, and a sender that receives within the patch cap) is taken back, heaviest

@@ -113,6 +113,7 @@ def versus_images(traces, dps, seed):
 def _load_baseline(path):
     spec = importlib.util.spec_from_file_location("frames_baseline", path)
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod                 # dataclasses look their module up
     spec.loader.exec_module(mod)
     return mod.plan_frames
 

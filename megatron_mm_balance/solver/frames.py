@@ -50,16 +50,18 @@ subset of its units that can move at all covering its excess (exact subset sums,
 
 The search runs these plain level plans. At the level found the plain plan is often at
 the edge of what it can do: a donor whose cheap cover fits nowhere covers its excess again
-with whatever fits, which may cost far more than the cheap cover plus a receiver making
-room for it. So when some donor's cover did not fit as chosen there, the plan kept is the
-cheapest of the search's and four level plans at the same ``T`` (together and donor by
-donor, each plain and *weighed*): in a weighed plan such a donor tries both ways (covering
-again without the unit, and placing the unit where a rank makes room, the cheapest of
-the ``ROOM_TRIES`` ranks with the most slack), each tried and then undone, and keeps the
-cheaper; and a donor that has shed more than its excess takes units too, within what it
-shed beyond it (so a rank making room may send a unit back to the rank whose unit it
-takes: a swap). The level stays the plain plan's (where donors never take units): the
-weighed plans change what moves, not the level every rank is brought to.
+with whatever fits, which may cost far more than a cover a rank can make room for. So
+when some donor's cover did not fit as chosen there, the plan kept is the cheapest of the
+search's and the other level plans at the same ``T`` (together and donor by donor, plain
+and *weighed*). In a weighed plan such a donor tries each way and keeps the cheapest
+(each tried, then undone): covering again without the units that fit nowhere; placing
+them where a rank makes room first (the cheapest of the ``ROOM_TRIES`` ranks with the
+most slack); covering again without its ``1 .. LEAVE_OUT`` heaviest units too (medium
+units a rank can make room for cheaply may beat a cheap cover whose large unit needs a
+lot of room). And a donor that has shed more than its excess takes units too, within
+what it shed beyond it (so a rank making room may send a unit back to the rank whose
+unit it takes: a swap). The level stays the plain plan's (where donors never take
+units): the weighed plans change what moves, not the level every rank is brought to.
 
 Finally every move whose sender no longer needs it (taking it back keeps the sender at
 ``T`` or under, and a sender that receives within the patch cap) is taken back, heaviest
@@ -75,7 +77,7 @@ same input, on every rank. ``FramePlan.greedy_moved_cost`` / ``greedy_max`` give
 greedy least-loaded assignment from scratch (every unit, heaviest first, to the least
 loaded rank, wherever it started; VeOmni's scheme) as a reference, computed on first
 access, as is ``min_cover_cost``. Cost: a few level plans of ``O(moves log D)`` Python
-steps (the search's, and four more where a cover did not fit as chosen); measured by
+steps (the search's, and two or three more where a cover did not fit as chosen); measured by
 ``benchmarks/bench_frame_plan.py`` (docs/placement.md).
 """
 from __future__ import annotations
@@ -391,8 +393,10 @@ class _Units:
         return self.patches[u] if self.patches else 0
 
 
-#: Receivers tried for making room per placement (the most slack first).
+#: Ranks tried for making room per placement (the most slack first).
 ROOM_TRIES = 4
+#: The most heaviest units a weighed plan's donor leaves out when it covers its excess again.
+LEAVE_OUT = 2
 
 
 class _LevelPlan:
@@ -481,6 +485,7 @@ class _LevelPlan:
         else donor by donor, heaviest donor first. A donor whose unit fits nowhere then
         covers the rest of its excess (:meth:`finish`)."""
         u_, T = self.units, self.T
+        self.together = together
         donors = [s for s in donors if self.load[s] > T]
         covers = {}
         for s in donors:
@@ -503,31 +508,40 @@ class _LevelPlan:
     def finish(self, s: int, stuck: list) -> bool:
         """Donor ``s``, some of whose cover fit nowhere, covers the rest of its excess: by
         covering it again without the units that fit nowhere (a plain plan), or the
-        cheaper of that and placing those units where a receiver makes room first
-        (``rich``, :meth:`_complete`; each tried, then undone)."""
+        cheapest of that, placing those units where a rank makes room first, and covering
+        it again without its ``k <= LEAVE_OUT`` heaviest units (``rich``,
+        :meth:`_complete`; each tried, then undone)."""
         self.short = True
         if not self.rich:
-            return self._complete(s, stuck, False)
+            return self._complete(s, stuck, 0)
         mark, cost0, best = len(self.log), self.cost, None
-        for force in (False, True):
-            if self._complete(s, stuck, force) and (best is None or self.cost - cost0 < best[0]):
-                best = (self.cost - cost0, force)
+        for way in range(-1, LEAVE_OUT + 1):
+            if self._complete(s, stuck, way) and (best is None or self.cost - cost0 < best[0]):
+                best = (self.cost - cost0, way)
             self._rollback(mark)
         return best is not None and self._complete(s, stuck, best[1])
 
-    def _complete(self, s: int, stuck: list, force: bool) -> bool:
-        """One way of :meth:`finish`: ``force``, the units that fit nowhere are placed
-        first, each where a receiver makes room; then the rest of the excess is covered
-        with units that fit as they are, else with a receiver making room."""
-        if force:
+    def _complete(self, s: int, stuck: list, way: int) -> bool:
+        """One way of :meth:`finish`. ``way`` -1: the units that fit nowhere are placed
+        first, each where a rank makes room, then the rest of the excess is covered with
+        units that fit as they are, else with a rank making room; 0: covered again
+        without the units that fit nowhere, else with a rank making room for any unit;
+        ``k > 0``: both without them and without the ``k`` heaviest units at home."""
+        if way < 0:
             for u in sorted(stuck, key=lambda u: (-self.units.cost[u], u)):
                 if self.need(s) > 0 and not self.make_room(u):
                     return False
             need = self._shed(*self.home(s), self.need(s), room=False)
+            left = ()
         else:
-            need = self._shed(*self.home(s, set(stuck)), self.need(s), room=False)
+            left = set(stuck)
+            if way:
+                ids = self.home(s)[0]
+                left.update(ids[max(0, len(ids) - way):])
+            need = self._shed(*self.home(s, left), self.need(s), room=False)
+            left = left if way else ()
         if need > 0:
-            need = self._shed(*self.home(s), need, room=True)
+            need = self._shed(*self.home(s, left), need, room=True)
         if need > 0:
             return False
         self.trim(s)                  # a later round may have covered what an earlier unit was moved for
@@ -678,7 +692,8 @@ def _by_rank_then_cost(owner: np.ndarray, cost: np.ndarray, D: int) -> np.ndarra
 
 
 def _level_plan(T: int, load: np.ndarray, donors: list, units: _Units, room0):
-    """The plain level plan that brings every rank to ``T`` or under, or None."""
+    """The plain level plan that brings every rank to ``T`` or under (together, else
+    donor by donor), or None."""
     for together in (True, False):
         plan = _LevelPlan(T, load, units, room0)
         if plan.run(donors, together=together):
@@ -689,19 +704,20 @@ def _level_plan(T: int, load: np.ndarray, donors: list, units: _Units, room0):
 def _cheapest_plan(T: int, load: np.ndarray, donors: list, units: _Units, room0, found, drop) -> dict:
     """The cheapest of the level plans at ``T`` after :func:`_drop_unneeded` (``drop``):
     the search's (``found``), and, when some donor's cover did not fit as chosen there,
-    together and donor by donor, each plain and ``rich`` (:class:`_LevelPlan`)."""
+    the plain one donor by donor (if ``found`` placed them together) and the ``rich``
+    ones together and donor by donor (:class:`_LevelPlan`)."""
     best = drop(found.moves)
     if not found.short:
         return best
     best_cost = sum(units.cost[u] for u in best)
-    for rich in (False, True):
-        for together in (True, False):
-            plan = _LevelPlan(T, load, units, room0, rich=rich)
-            if plan.run(donors, together=together):
-                moves = drop(plan.moves)
-                c = sum(units.cost[u] for u in moves)
-                if c < best_cost:
-                    best, best_cost = moves, c
+    ways = ([(False, False)] if found.together else []) + [(True, True), (True, False)]
+    for rich, together in ways:
+        plan = _LevelPlan(T, load, units, room0, rich=rich)
+        if plan.run(donors, together=together):
+            moves = drop(plan.moves)
+            c = sum(units.cost[u] for u in moves)
+            if c < best_cost:
+                best, best_cost = moves, c
     return best
 
 

@@ -50,18 +50,22 @@ subset of its units that can move at all covering its excess (exact subset sums,
 
 The search runs these plain level plans. At the level found the plain plan is often at
 the edge of what it can do: a donor whose cheap cover fits nowhere covers its excess again
-with whatever fits, which may cost far more than a cover a rank can make room for. So
-when some donor's cover did not fit as chosen there, the plan kept is the cheapest of the
-search's and the other level plans at the same ``T`` (together and donor by donor, plain
-and *weighed*). In a weighed plan such a donor tries each way and keeps the cheapest
-(each tried, then undone): covering again without the units that fit nowhere; placing
-them where a rank makes room first (the cheapest of the ``ROOM_TRIES`` ranks with the
-most slack); covering again without its ``1 .. LEAVE_OUT`` heaviest units too (medium
-units a rank can make room for cheaply may beat a cheap cover whose large unit needs a
-lot of room). And a donor that has shed more than its excess takes units too, within
-what it shed beyond it (so a rank making room may send a unit back to the rank whose
-unit it takes: a swap). The level stays the plain plan's (where donors never take
-units): the weighed plans change what moves, not the level every rank is brought to.
+with whatever fits, which may cost far more than a cover a rank can make room for; and
+the greedy cover itself may overshoot (it takes the largest unit that fits first). So the
+plan kept is the cheapest of the search's and two *weighed* level plans at the same ``T``
+(together and donor by donor; and the plain one donor by donor when the search's placed
+the covers together and one did not fit as chosen). A weighed plan's donors cover with
+the cheapest of the greedy cover and the greedy covers without one of the
+``COVER_SKIPS`` largest units (:func:`_cheap_cover`). A donor whose unit fits nowhere
+tries each way and keeps the cheapest (each tried, then undone): covering again without
+the units that fit nowhere; placing them where a rank makes room first (the cheapest of
+the ``ROOM_TRIES`` ranks with the most slack); covering again without its ``1 ..
+LEAVE_OUT`` heaviest units too (medium units a rank can make room for cheaply may beat a
+cheap cover whose large unit needs a lot of room). And a donor that has shed more than
+its excess takes units too, within what it shed beyond it (so a rank making room may
+send a unit back to the rank whose unit it takes: a swap). The level stays the plain
+plan's (where donors never take units): the weighed plans change what moves, not the
+level every rank is brought to.
 
 Finally every move whose sender no longer needs it (taking it back keeps the sender at
 ``T`` or under, and a sender that receives within the patch cap) is taken back, heaviest
@@ -77,7 +81,7 @@ same input, on every rank. ``FramePlan.greedy_moved_cost`` / ``greedy_max`` give
 greedy least-loaded assignment from scratch (every unit, heaviest first, to the least
 loaded rank, wherever it started; VeOmni's scheme) as a reference, computed on first
 access, as is ``min_cover_cost``. Cost: a few level plans of ``O(moves log D)`` Python
-steps (the search's, and two or three more where a cover did not fit as chosen); measured by
+steps (the search's, and two or three more at the level found); measured by
 ``benchmarks/bench_frame_plan.py`` (docs/placement.md).
 """
 from __future__ import annotations
@@ -94,6 +98,8 @@ import numpy as np
 LEVEL_RESOLUTION = 1024
 #: Rounds of the cover's one-for-one trades (each trade only lowers its overshoot).
 SWAP_ROUNDS = 2
+#: The largest units a weighed plan's cover is also tried without (:func:`_cheap_cover`).
+COVER_SKIPS = 3
 
 
 @dataclass(frozen=True, eq=False)
@@ -326,6 +332,27 @@ def _cover(costs: list, need: int) -> list:
     return picks
 
 
+def _cheap_cover(costs: list, need: int) -> list:
+    """The cheapest of :func:`_cover` and its covers without one of the ``COVER_SKIPS``
+    largest units within ``need`` (the greedy takes the largest unit that fits first,
+    which may leave a rest only a large unit covers: 66.9M + 42.6M for 91.7M, where
+    46.6M + 42.6M + 1.6M + 1.0M covers it exactly)."""
+    best = _cover(costs, need)
+    if not best:
+        return best
+    total = sum(costs[j] for j in best)
+    top = bisect_right(costs, need)
+    for j in range(top - 1, max(-1, top - 1 - COVER_SKIPS), -1):
+        if total == need:
+            break
+        rest = costs[:j] + costs[j + 1:]
+        picks = _cover(rest, need)
+        t = sum(rest[k] for k in picks)
+        if picks and t < total:
+            best, total = [k if k < j else k + 1 for k in picks], t
+    return sorted(best, reverse=True)
+
+
 class _Receivers:
     """Every rank's slack (``T - load``, negative above the level) and patch room; those
     with slack by slack: the best fit for a unit, the patch cap respected; charges can be
@@ -456,6 +483,10 @@ class _LevelPlan:
                 self.put(u, r)
                 self.log.pop()
 
+    def cover(self, costs: list, need: int) -> list:
+        """A cheap cover of ``need`` (:func:`_cover`; :func:`_cheap_cover` when ``rich``)."""
+        return _cheap_cover(costs, need) if self.rich else _cover(costs, need)
+
     def need(self, s: int) -> int:
         """What rank ``s`` still has to shed to reach ``T`` (negative: its slack)."""
         return -self.recv.slack[s]
@@ -490,7 +521,7 @@ class _LevelPlan:
         covers = {}
         for s in donors:
             a, b = u_.starts[s], u_.starts[s + 1]
-            covers[s] = [u_.ids[a + j] for j in _cover(u_.costs[a:b], self.need(s))]
+            covers[s] = [u_.ids[a + j] for j in self.cover(u_.costs[a:b], self.need(s))]
         short = {}
         if together:
             for u in sorted((u for s in donors for u in covers[s]), key=lambda u: (-u_.size(u), u)):
@@ -552,7 +583,7 @@ class _LevelPlan:
         move or fit nowhere), each unit placed as it is or, ``room``, where a receiver
         makes room: the need left."""
         while need > 0:
-            picks = _cover(costs, need)
+            picks = self.cover(costs, need)
             if not picks:
                 break
             placed = 0
@@ -703,14 +734,12 @@ def _level_plan(T: int, load: np.ndarray, donors: list, units: _Units, room0):
 
 def _cheapest_plan(T: int, load: np.ndarray, donors: list, units: _Units, room0, found, drop) -> dict:
     """The cheapest of the level plans at ``T`` after :func:`_drop_unneeded` (``drop``):
-    the search's (``found``), and, when some donor's cover did not fit as chosen there,
-    the plain one donor by donor (if ``found`` placed them together) and the ``rich``
-    ones together and donor by donor (:class:`_LevelPlan`)."""
+    the search's (``found``), the ``rich`` ones together and donor by donor
+    (:class:`_LevelPlan`) and, when some donor's cover did not fit as chosen in
+    ``found`` and it placed them together, the plain one donor by donor."""
     best = drop(found.moves)
-    if not found.short:
-        return best
     best_cost = sum(units.cost[u] for u in best)
-    ways = ([(False, False)] if found.together else []) + [(True, True), (True, False)]
+    ways = ([(False, False)] if found.short and found.together else []) + [(True, True), (True, False)]
     for rich, together in ways:
         plan = _LevelPlan(T, load, units, room0, rich=rich)
         if plan.run(donors, together=together):

@@ -265,6 +265,15 @@ def test_the_exact_reference_by_brute_force():
         assert pl.min_cover_cost <= moved.value <= pl.moved_cost
 
 
+def test_a_cover_cheaper_than_the_greedy_one():
+    """Rank 0 (67, 47, 43, 2, 1) must shed 93 to reach 67: the greedy cover takes 67
+    first and then needs 43 (110); without 67, 47 + 43 + 2 + 1 covers it exactly."""
+    owner, cost = np.zeros(5, dtype=np.int64), np.array([67, 47, 43, 2, 1])
+    pl = plan_frames(owner, cost, 4)
+    assert pl.target == 67 and pl.min_cover_cost == 93 and pl.moved_cost == 93
+    assert pl.encoder[0] == 0
+
+
 def test_the_per_rank_minimum_is_not_always_reachable():
     """The certified per-rank minimum can lie below what any placement at the target
     moves: rank 2 (9 + 7) must shed 7 to reach 9 and its cheapest cover is the unit of 7,

@@ -1,18 +1,41 @@
 """The frame planner on native-resolution micro-steps: movement, balance and time.
 
     python benchmarks/bench_frame_plan.py [--dp 8,64,1024] [--steps 20] [--alpha 256,6608]
+        [--transfer B] [--cap] [--exact] [--baseline FRAMES_PY]
 
 Each micro-step: every rank fills one 8K sequence with consecutive native-resolution
-samples (``data/native_res.py``: text, images of 64-8,192 patches, multi-image
-documents, videos of 2-32 frames), and its frames cost ``p * (p + alpha)``
-(``alpha`` 256: the CPU toy tower; 6,608: Qwen3-VL-30B's tower). ``--transfer B``
-adds a transfer time of ``B * p`` per moved frame. For :func:`plan_frames` per row
-(percentiles over the micro-steps): moved cost over the excess above the target
-(``sum max(0, load - T)``) and over the certified whole-unit minimum
-(``FramePlan.min_cover_cost``), the largest load after over the lower bound
-``max(ceil(total / D), max frame)``, the same for a from-scratch greedy least-loaded
-assignment and its moved cost over the excess, and the planner's CPU time (thread
-time, so the figure holds on a shared machine; the greedy is not timed).
+samples (``data/native_res.py``'s ``SIM_MIX``: text, images of 64-8,192 patches,
+multi-image documents, videos of 2-32 frames), and its frames cost ``p * (p + alpha)``
+(``alpha`` 256: a small tower; 6,608: Qwen3-VL-30B's tower). ``--transfer B`` adds a
+transfer time of ``B * p`` per moved frame; ``--cap`` passes the glue's patch cap (the
+most patches any rank held). For :func:`plan_frames` per row (percentiles over the
+micro-steps): moved cost over the excess above the target (``sum max(0, load - T)``)
+and over the certified whole-unit minimum (``FramePlan.min_cover_cost``: per rank the
+least covering subset sum of its movable units), the largest load after over the lower
+bound ``max(ceil(total / D), max frame)``, the same for a from-scratch greedy
+least-loaded assignment and its moved cost over the minimum, and the planner's CPU time
+(thread time, so the figure holds on a shared machine; the greedy is not timed).
+``--exact`` adds, for ``DP <= 16``, the moved cost over the exact least cost at the same
+target (``solver/frames_exact.py``, MILP, scipy) and how many micro-steps the per-rank
+minimum is below it. ``--baseline FRAMES_PY`` runs another version of
+``solver/frames.py`` (a file, e.g. ``git show REV:megatron_mm_balance/solver/frames.py``)
+on the same micro-steps: its moved cost over the certified minimum at its own target,
+its largest load, how many micro-steps this version ends lower / the same / higher, and
+its time.
+
+    python benchmarks/bench_frame_plan.py --bridge-data [--samples 256] [--seed 0]
+        [--transfer B] [--cap]
+
+The Bridge benchmark's own data: the train samples of ``mm-balance make-dataset
+--format bridge-qwen-vl --mix native-res --samples 256 --seed 0`` (``NativeResMix()``:
+1,024-token samples, frames of 64-3,136 patches), one sample per rank per micro-step at
+DP=2 (consecutive pairs in drawing order), frames costing ``p * (p + alpha)`` with the
+CPU config's ``alpha = 2*hidden + ffn`` of its tower (``configs/bridge/
+qwen3_vl_moe_native_res_cpu.py``; the Bridge glue's frame cost). Totals over the
+micro-steps: moved patches and cost against the exact least at each micro-step's target
+(MILP; patches: the least patches any placement at that target moves) and the certified
+minimum, the greedy's, and the vision time (sum of the largest loads) before, after, for
+the greedy and at the lower bound.
 
     python benchmarks/bench_frame_plan.py --versus-images heldout-real,mixed,video-heavy
 
@@ -25,6 +48,7 @@ balance_images', CPU ms of each.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 import time
@@ -34,11 +58,16 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from megatron_mm_balance.data.native_res import micro_step_frames  # noqa: E402
-from megatron_mm_balance.solver.frames import plan_frames  # noqa: E402
+from megatron_mm_balance.solver.frames import (cover_lower_bound, default_patch_cap,  # noqa: E402
+                                               greedy_assignment, plan_frames)
 
 
 def _pct(x, q):
     return float(np.percentile(np.asarray(x, dtype=np.float64), q))
+
+
+def _trio(x):
+    return f"{_pct(x, 50):6.3f} {_pct(x, 90):6.3f} {max(x):6.3f}"
 
 
 def versus_images(traces, dps, seed):
@@ -81,46 +110,181 @@ def versus_images(traces, dps, seed):
                   f"{np.median(r[:, 3]):9.2f} {np.median(r[:, 4]):9.2f}")
 
 
+def _load_baseline(path):
+    spec = importlib.util.spec_from_file_location("frames_baseline", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod                 # dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod.plan_frames
+
+
+def _exact_ratio(pl, owner, cost, D, kw):
+    from megatron_mm_balance.solver.frames_exact import exact_min_moved
+    ex = exact_min_moved(owner, cost, D, pl.target, time_limit=60, **kw)
+    return pl.moved_cost / ex.bound if ex.bound > 0 else 1.0, int(ex.bound > pl.min_cover_cost)
+
+
+def native_rows(args):
+    dps = [int(x) for x in args.dp.split(",")]
+    print(f"{args.steps} micro-steps per row; cost p*(p+alpha); transfer {args.transfer} per patch; "
+          f"patch cap {'the most any rank held' if args.cap else 'none'}; percentiles p50 / p90 / max; "
+          f"CPU ms of plan_frames")
+    exact = ""
+    if args.exact:
+        exact = f" {'moved/exact':>13} {'<':>3} |"
+    head = (f"{'DP':>5} {'alpha':>5} {'frames':>6} | {'moved/excess':>20} | {'moved/min':>20} |{exact} "
+            f"{'max/LB':>13} | {'greedy max/LB':>13} {'greedy mv/min':>13} | {'ms p50':>7} {'ms max':>7}")
+    print(head)
+    print("-" * len(head))
+    base = _load_baseline(args.baseline) if args.baseline else None
+    base_rows = []
+    for D in dps:
+        for alpha in [int(x) for x in args.alpha.split(",")]:
+            rng = np.random.default_rng([args.seed, D])
+            ex, mn, gap, ggap, gmv, ms, nf, xr, xlt = [], [], [], [], [], [], [], [], 0
+            b_mn, b_gap, b_ms, b_ratio, same_level = [], [], [], [], 0
+            for _ in range(args.steps):
+                owner, p = micro_step_frames(rng, D)
+                cost = p * (p + alpha)
+                kw = dict(patches=p, transfer=p * args.transfer if args.transfer else None,
+                          patch_cap=default_patch_cap(owner, p, D) if args.cap else None)
+                t0 = time.thread_time()
+                pl = plan_frames(owner, cost, D, **kw)
+                ms.append((time.thread_time() - t0) * 1e3)
+                nf.append(len(p))
+                ex.append(pl.moved_over_min)
+                mn.append(pl.moved_over_cover)
+                gap.append(pl.max_after / pl.lower_bound)
+                ggap.append(pl.greedy_max / pl.lower_bound)
+                gmv.append(pl.greedy_moved_cost / max(1, pl.min_cover_cost))
+                if args.exact and D <= 16:
+                    r, below = _exact_ratio(pl, owner, cost, D, kw) if pl.moved_cost else (1.0, 0)
+                    xr.append(r)
+                    xlt += below
+                if base is not None:
+                    t0 = time.thread_time()
+                    bp = base(owner, cost, D, **kw)
+                    b_ms.append((time.thread_time() - t0) * 1e3)
+                    floor = cover_lower_bound(owner, cost, D, bp.target, transfer=kw["transfer"],
+                                              patches=p, patch_cap=kw["patch_cap"])
+                    b_mn.append(bp.moved_cost / floor if floor else 1.0)
+                    b_gap.append(bp.max_after / bp.lower_bound)
+                    b_ratio.append(pl.max_after / bp.max_after)
+                    same_level += int(pl.target == bp.target)
+            xcol = ""
+            if args.exact:
+                xcol = (f" {_pct(xr, 50):6.3f} {max(xr):6.3f} {xlt:>3} |" if xr else f" {'-':>13} {'-':>3} |")
+            print(f"{D:>5} {alpha:>5} {int(np.mean(nf)):>6} | {_trio(ex)} | {_trio(mn)} |{xcol} "
+                  f"{_pct(gap, 50):6.4f} {max(gap):6.4f} | {_pct(ggap, 50):6.4f} {max(ggap):6.4f} "
+                  f"{_pct(gmv, 50):13.1f} | {_pct(ms, 50):7.2f} {max(ms):7.2f}")
+            if base is not None:
+                base_rows.append((D, alpha, b_mn, b_gap, b_ms, b_ratio, same_level))
+    if base_rows:
+        print(f"\nbaseline {args.baseline} on the same micro-steps: its moved cost over the certified "
+              f"minimum at its own target, its largest load over the lower bound, the micro-steps where "
+              f"both reach the same level, this version's largest load over the baseline's (min / mean / "
+              f"max) and the baseline's CPU ms")
+        head = (f"{'DP':>5} {'alpha':>5} | {'base moved/min':>20} | {'base max/LB':>13} | {'same T':>6} | "
+                f"{'max/base max':>20} | {'base ms p50':>11} {'max':>7}")
+        print(head)
+        print("-" * len(head))
+        for D, alpha, b_mn, b_gap, b_ms, b_ratio, same_level in base_rows:
+            print(f"{D:>5} {alpha:>5} | {_trio(b_mn)} | {_pct(b_gap, 50):6.4f} {max(b_gap):6.4f} | "
+                  f"{same_level:>6} | {min(b_ratio):6.4f} {np.mean(b_ratio):6.4f} {max(b_ratio):6.4f} | "
+                  f"{_pct(b_ms, 50):11.2f} {max(b_ms):7.2f}")
+
+
+def bridge_data(args):
+    """The Bridge benchmark's micro-steps (module docstring)."""
+    from megatron_mm_balance.bench.native_share import cpu_shapes
+    from megatron_mm_balance.data.native_res import NativeResMix, draw
+    from megatron_mm_balance.solver.cp_split import tower_alpha
+    from megatron_mm_balance.solver.frames_exact import exact_min_moved
+
+    vision = cpu_shapes().vision
+    alpha = tower_alpha(vision["hidden_size"], vision["intermediate_size"])
+    samples = draw(np.random.default_rng(args.seed), args.samples, NativeResMix())
+    D = 2
+    tot = dict(steps=0, moving=0, moved_p=0, moved_c=0, exact_p=0, exact_c=0, min_c=0, excess=0,
+               greedy_p=0, greedy_c=0, before=0, after=0, greedy_max=0, lb=0, worst_c=1.0, worst_p=1.0)
+    ms = []
+    for k in range(0, len(samples) - 1, 2):
+        pair = samples[k:k + 2]
+        owner = np.array([r for r, s in enumerate(pair) for _ in s.frames], dtype=np.int64)
+        p = np.array([f for s in pair for f in s.frames], dtype=np.int64)
+        tot["steps"] += 1
+        if not len(p):
+            continue
+        cost = p * (p + alpha)
+        kw = dict(patches=p, transfer=p * args.transfer if args.transfer else None,
+                  patch_cap=default_patch_cap(owner, p, D) if args.cap else None)
+        t0 = time.thread_time()
+        pl = plan_frames(owner, cost, D, **kw)
+        ms.append((time.thread_time() - t0) * 1e3)
+        greedy = int(p[greedy_assignment(cost, D) != owner].sum())
+        tot["before"] += pl.max_before
+        tot["after"] += pl.max_after
+        tot["greedy_max"] += pl.greedy_max
+        tot["lb"] += pl.lower_bound
+        tot["greedy_c"] += pl.greedy_moved_cost
+        tot["greedy_p"] += greedy
+        if not pl.min_moved_cost:
+            continue
+        best_c = exact_min_moved(owner, cost, D, pl.target, **kw)
+        best_p = exact_min_moved(owner, cost, D, pl.target, moved=p, **kw)
+        tot["moving"] += 1
+        tot["moved_p"] += pl.moved_patches
+        tot["moved_c"] += pl.moved_cost
+        tot["exact_c"] += best_c.value
+        tot["exact_p"] += best_p.value
+        tot["min_c"] += pl.min_cover_cost
+        tot["excess"] += pl.min_moved_cost
+        tot["worst_c"] = max(tot["worst_c"], pl.moved_cost / best_c.value)
+        tot["worst_p"] = max(tot["worst_p"], pl.moved_patches / best_p.value if best_p.value else 1.0)
+    t = tot
+    print(f"Bridge benchmark data: make-dataset --format bridge-qwen-vl --mix native-res --samples "
+          f"{args.samples} --seed {args.seed}; DP=2, one sample per rank per micro-step; cost p*(p+{alpha}) "
+          f"(the CPU config's 2*hidden+ffn); transfer {args.transfer} per patch; patch cap "
+          f"{'the most any rank held' if args.cap else 'none'}")
+    print(f"micro-steps {t['steps']}, with frames to move {t['moving']}; plan_frames CPU ms p50 "
+          f"{_pct(ms, 50):.2f} max {max(ms):.2f}")
+    rows = [("moved patches", t["moved_p"], t["exact_p"], t["greedy_p"]),
+            ("moved cost", t["moved_c"], t["exact_c"], t["greedy_c"])]
+    head = f"{'':>14} | {'plan_frames':>12} {'exact least':>12} {'ratio':>6} {'worst step':>10} | {'greedy':>12} {'ratio':>6}"
+    print(head)
+    print("-" * len(head))
+    for (name, got, best, greedy), worst in zip(rows, (t["worst_p"], t["worst_c"])):
+        print(f"{name:>14} | {got:>12,} {best:>12,} {got / max(1, best):6.3f} {worst:10.3f} | "
+              f"{greedy:>12,} {greedy / max(1, best):6.1f}")
+    print(f"moved cost over the certified minimum {t['moved_c'] / max(1, t['min_c']):.3f}, over the excess "
+          f"{t['moved_c'] / max(1, t['excess']):.3f}")
+    print(f"vision time (sum of the largest loads) over the lower bound: before {t['before'] / t['lb']:.4f}, "
+          f"plan_frames {t['after'] / t['lb']:.4f}, greedy {t['greedy_max'] / t['lb']:.4f}")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dp", default="8,64,1024")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--alpha", default="256,6608")
     ap.add_argument("--transfer", type=int, default=0, help="transfer time per moved patch")
+    ap.add_argument("--cap", action="store_true", help="the glue's patch cap (the most any rank held)")
+    ap.add_argument("--exact", action="store_true", help="moved cost over the exact least (DP <= 16, scipy)")
+    ap.add_argument("--baseline", default=None, metavar="FRAMES_PY",
+                    help="another version of solver/frames.py to compare on the same micro-steps")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--versus-images", default=None, metavar="TRACES",
                     help="compare with balance_images on these mixtures instead")
+    ap.add_argument("--bridge-data", action="store_true",
+                    help="the Bridge native-resolution benchmark's data at DP=2 instead")
+    ap.add_argument("--samples", type=int, default=256, help="--bridge-data: samples drawn")
     args = ap.parse_args(argv)
     if args.versus_images:
         return versus_images(args.versus_images.split(","), [int(x) for x in args.dp.split(",")],
                              args.seed + 1)
-    print(f"{args.steps} micro-steps per row; cost p*(p+alpha); transfer {args.transfer} per patch; "
-          f"percentiles p50 / p90 / max; CPU ms of plan_frames")
-    head = (f"{'DP':>5} {'alpha':>5} {'frames':>6} | {'moved/excess':>20} | {'moved/cover':>20} | "
-            f"{'max/LB':>13} | {'greedy max/LB':>13} {'greedy mv/ex':>12} | {'ms p50':>7} {'ms max':>7}")
-    print(head)
-    print("-" * len(head))
-    for D in [int(x) for x in args.dp.split(",")]:
-        for alpha in [int(x) for x in args.alpha.split(",")]:
-            rng = np.random.default_rng([args.seed, D])
-            ex, cov, gap, ggap, gmv, ms, nf = [], [], [], [], [], [], []
-            for _ in range(args.steps):
-                owner, p = micro_step_frames(rng, D)
-                cost = p * (p + alpha)
-                tr = p * args.transfer if args.transfer else None
-                t0 = time.thread_time()
-                pl = plan_frames(owner, cost, D, patches=p, transfer=tr)
-                ms.append((time.thread_time() - t0) * 1e3)
-                nf.append(len(p))
-                ex.append(pl.moved_over_min)
-                cov.append(pl.moved_over_cover)
-                gap.append(pl.max_after / pl.lower_bound)
-                ggap.append(pl.greedy_max / pl.lower_bound)
-                gmv.append(pl.greedy_moved_cost / max(1, pl.min_moved_cost))
-            trio = lambda x: f"{_pct(x, 50):6.3f} {_pct(x, 90):6.3f} {max(x):6.3f}"
-            print(f"{D:>5} {alpha:>5} {int(np.mean(nf)):>6} | {trio(ex)} | {trio(cov)} | "
-                  f"{_pct(gap, 50):6.4f} {max(gap):6.4f} | {_pct(ggap, 50):6.4f} {max(ggap):6.4f} "
-                  f"{_pct(gmv, 50):12.1f} | {_pct(ms, 50):7.2f} {max(ms):7.2f}")
+    if args.bridge_data:
+        return bridge_data(args)
+    return native_rows(args)
 
 
 if __name__ == "__main__":

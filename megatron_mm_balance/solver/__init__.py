@@ -14,5 +14,7 @@
 * :mod:`.frames` — which rank encodes which frame, planned from where the frames are
   (native-resolution frames: moves little, transfer time and a patch cap in the plan);
 * :mod:`.exact` — the exact two-phase grouping (MILP, scipy) for small instances:
-  a benchmark and test reference, not a runtime path.
+  a benchmark and test reference, not a runtime path;
+* :mod:`.frames_exact` — the exact least moved cost and lowest level of a micro-step's
+  frames (MILP, scipy) for small instances, the frame planner's reference.
 """

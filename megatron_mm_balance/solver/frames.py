@@ -22,8 +22,11 @@ cost`` is tried before bisecting (it always holds without cap and transfers, so 
 plan's max is then within the LPT bound); ``T = max before`` and nothing moves when
 nothing lower holds. The least cost any plan reaching ``T`` must move is at least the
 excess ``sum_r max(0, load_r - T)`` (``FramePlan.min_moved_cost``) and, with whole
-units, at least ``FramePlan.min_cover_cost`` (a rank whose units lighter than its excess
-add up to less than it must move one unit of at least its excess).
+units, at least ``FramePlan.min_cover_cost``: per rank above ``T``, the least sum of a
+subset of its units that can move at all covering its excess (exact subset sums,
+:func:`cover_lower_bound`). That minimum is certified but not always reachable at ``T``
+(the receivers' slack and patch room may not hold the ranks' cheapest covers together);
+:mod:`.frames_exact` gives the exact least cost on small instances.
 
 **The level plan at T**, from where the units are:
 
@@ -40,30 +43,54 @@ add up to less than it must move one unit of at least its excess).
   heaviest donor first;
 * a donor whose unit fits nowhere covers the rest of its excess with other units, and
   only what no receiver takes as it is goes to the receiver with the most slack after
-  that receiver has sent some of its own units to others (it *makes room*);
+  that receiver has sent some of its own units to others (it *makes room*): the units
+  covering its shortfall of slack and of patch room most cheaply (the least cost per
+  patch first while patches are short, then a cheap cover of the slack still short);
 * a donor that still cannot cover its excess fails the level (the search goes higher).
 
+The search runs these plain level plans. At the level found the plain plan is often at
+the edge of what it can do: a donor whose cheap cover fits nowhere covers its excess again
+with whatever fits, which may cost far more than a cover a rank can make room for; and
+the greedy cover itself may overshoot (it takes the largest unit that fits first). So the
+plan kept is the cheapest of the search's and two *weighed* level plans at the same ``T``
+(together and donor by donor; and the plain one donor by donor when the search's placed
+the covers together and one did not fit as chosen). A weighed plan's donors cover with
+the cheapest of the greedy cover and the greedy covers without one of the
+``COVER_SKIPS`` largest units (:func:`_cheap_cover`). A donor whose unit fits nowhere
+tries each way and keeps the cheapest (each tried, then undone): covering again without
+the units that fit nowhere; placing them where a rank makes room first (the cheapest of
+the ``ROOM_TRIES`` ranks with the most slack); covering again without its ``1 ..
+LEAVE_OUT`` heaviest units too (medium units a rank can make room for cheaply may beat a
+cheap cover whose large unit needs a lot of room). And a donor that has shed more than
+its excess takes units too, within what it shed beyond it (so a rank making room may
+send a unit back to the rank whose unit it takes: a swap). The level stays the plain
+plan's (where donors never take units): the weighed plans change what moves, not the
+level every rank is brought to.
+
 Finally every move whose sender no longer needs it (taking it back keeps the sender at
-``T`` or under) is taken back, heaviest first. So every rank ends at ``T`` or under,
-transfers included; every move is needed (taking it back would put its sender above
-``T``) and lowers the larger of its two ranks' loads, or serves, through a receiver that
-made room, a move from a rank above ``T``: no move costs more than it saves. The largest
-load never rises, a balanced micro-step moves nothing, and no receiving rank ends above
-the patch cap.
+``T`` or under, and a sender that receives within the patch cap) is taken back, heaviest
+first. So every rank ends at ``T`` or under, transfers included; every move is needed
+(taking it back would put its sender above ``T``, or a sender that receives above the
+patch cap) and lowers the larger of its two ranks' loads, or serves, through a receiver
+that made room, a move from a rank above ``T``: no move costs more than it saves. The
+largest load never rises, a balanced micro-step moves nothing, and no receiving rank
+ends above the patch cap.
 
 Integer arithmetic, stable orders and ties by rank and unit index: the same plan for the
 same input, on every rank. ``FramePlan.greedy_moved_cost`` / ``greedy_max`` give a plain
 greedy least-loaded assignment from scratch (every unit, heaviest first, to the least
 loaded rank, wherever it started; VeOmni's scheme) as a reference, computed on first
 access, as is ``min_cover_cost``. Cost: a few level plans of ``O(moves log D)`` Python
-steps; measured by ``benchmarks/bench_frame_plan.py`` (docs/placement.md).
+steps (the search's, and two or three more at the level found); measured by
+``benchmarks/bench_frame_plan.py`` (docs/placement.md).
 """
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right, insort
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cached_property, cmp_to_key
 import heapq
+from itertools import islice
 
 import numpy as np
 
@@ -71,6 +98,8 @@ import numpy as np
 LEVEL_RESOLUTION = 1024
 #: Rounds of the cover's one-for-one trades (each trade only lowers its overshoot).
 SWAP_ROUNDS = 2
+#: The largest units a weighed plan's cover is also tried without (:func:`_cheap_cover`).
+COVER_SKIPS = 3
 
 
 @dataclass(frozen=True, eq=False)
@@ -99,11 +128,11 @@ class FramePlan:
     @cached_property
     def min_cover_cost(self) -> int:
         """A certified lower bound on the cost any plan reaching ``target`` moves with whole
-        units: per rank above the target, its excess ``e``, or, when its units lighter
-        than ``e`` add up to less than ``e``, its lightest unit of at least ``e`` (any
-        cover of ``e`` then holds one). Computed on first access."""
-        owner, cost, _, D = self._inputs
-        return cover_lower_bound(owner, cost, D, self.target)
+        units: per rank above the target, the least a subset of its movable units covering
+        its excess costs (:func:`cover_lower_bound`). Computed on first access."""
+        owner, cost, transfer, D, patches, cap = self._inputs
+        return cover_lower_bound(owner, cost, D, self.target, transfer=transfer, patches=patches,
+                                 patch_cap=cap)
 
     @property
     def moved_over_cover(self) -> float:
@@ -112,7 +141,7 @@ class FramePlan:
 
     @cached_property
     def _greedy(self) -> tuple[int, int]:
-        owner, cost, transfer, D = self._inputs
+        owner, cost, transfer, D = self._inputs[:4]
         enc = greedy_assignment(cost, D)
         moved = enc != owner
         load = _rank_sums(enc, cost + np.where(moved, transfer, 0), D)
@@ -187,25 +216,63 @@ def default_patch_cap(owner, patches, num_ranks: int) -> int:
     return int(_rank_sums(owner, patches, int(num_ranks)).max()) if len(owner) else 0
 
 
-def cover_lower_bound(owner, cost, num_ranks: int, target: int) -> int:
+def cover_lower_bound(owner, cost, num_ranks: int, target: int, *, transfer=None, patches=None,
+                      patch_cap=None) -> int:
     """Least cost any plan that brings every rank to ``target`` or under must move, as a
-    certified lower bound (:attr:`FramePlan.min_cover_cost`): exact for a rank whose
-    lighter units cannot cover its excess, its excess otherwise."""
+    certified lower bound (:attr:`FramePlan.min_cover_cost`): the sum over ranks above
+    the target of the least cost a subset of their units that can move at all adds up to
+    while covering the excess ``e`` (a unit moves only if ``cost + transfer <=
+    target`` and, under a patch cap, its patches fit the cap), exact by subset sums
+    (:func:`min_cover`); for a rank whose subset sums outgrow ``COVER_STATES``, the
+    weaker bound: ``e``, or its lightest unit of at least ``e`` when its lighter units
+    add up to less (any cover then holds one)."""
     owner = np.asarray(owner, dtype=np.int64)
     cost = np.asarray(cost, dtype=np.int64)
-    D = int(num_ranks)
-    excess = np.maximum(_rank_sums(owner, cost, D) - int(target), 0)
-    order = np.lexsort((cost, owner))
-    starts = np.searchsorted(owner[order], np.arange(D + 1))
-    sorted_cost = cost[order]
-    csum = np.concatenate([[0], np.cumsum(sorted_cost)])
+    D, target = int(num_ranks), int(target)
+    excess = np.maximum(_rank_sums(owner, cost, D) - target, 0)
+    movable = cost + (0 if transfer is None else np.asarray(transfer, dtype=np.int64)) <= target
+    if patch_cap is not None:
+        movable &= (np.ones_like(cost) if patches is None else np.asarray(patches)) <= int(patch_cap)
     total = 0
     for r in np.flatnonzero(excess).tolist():
-        e, a, b = int(excess[r]), int(starts[r]), int(starts[r + 1])
-        k = a + int(np.searchsorted(sorted_cost[a:b], e))       # first unit >= e
-        lighter = int(csum[k] - csum[a])
-        total += e if lighter >= e or k == b else int(sorted_cost[k])
+        e = int(excess[r])
+        units = np.sort(cost[(owner == r) & movable])
+        exact = min_cover(units, e)
+        if exact is not None:
+            total += exact
+            continue
+        k = int(np.searchsorted(units, e))                      # first unit >= e
+        total += e if int(units[:k].sum()) >= e or k == len(units) else int(units[k])
     return total
+
+
+#: Subset sums :func:`min_cover` keeps before it gives up (the bound then falls back).
+COVER_STATES = 1 << 15
+
+
+def min_cover(costs, need: int) -> int | None:
+    """The least sum ``>= need`` of a subset of ``costs`` (integers >= 0), exactly: the
+    subset sums below ``need`` that can still reach it, heaviest unit first; ``None`` if
+    they outgrow :data:`COVER_STATES` or no subset reaches ``need``."""
+    c = np.sort(np.asarray(costs, dtype=np.int64))[::-1]
+    rest = np.concatenate([np.cumsum(c[::-1])[::-1], [0]])      # rest[i]: sum of c[i:]
+    if need <= 0:
+        return 0
+    if rest[0] < need:
+        return None
+    best, states = int(rest[0]), np.zeros(1, dtype=np.int64)
+    for i, ci in enumerate(c.tolist()):
+        new = states + ci
+        hit = new >= need
+        if hit.any():
+            best = min(best, int(new[hit].min()))
+        states = np.union1d(states, new[~hit])
+        states = states[states + rest[i + 1] >= need]           # those that can still cover
+        if len(states) > COVER_STATES:
+            return None
+        if best == need or not len(states):
+            break
+    return best
 
 
 def greedy_assignment(cost, num_ranks: int) -> np.ndarray:
@@ -265,23 +332,46 @@ def _cover(costs: list, need: int) -> list:
     return picks
 
 
-class _Receivers:
-    """Ranks below the level, by slack (``T - load``): the best fit for a unit, the patch
-    cap respected; charges can be given back (the plan's undo)."""
+def _cheap_cover(costs: list, need: int) -> list:
+    """The cheapest of :func:`_cover` and its covers without one of the ``COVER_SKIPS``
+    largest units within ``need`` (the greedy takes the largest unit that fits first,
+    which may leave a rest only a large unit covers: 66.9M + 42.6M for 91.7M, where
+    46.6M + 42.6M + 1.6M + 1.0M covers it exactly)."""
+    best = _cover(costs, need)
+    if not best:
+        return best
+    total = sum(costs[j] for j in best)
+    top = bisect_right(costs, need)
+    for j in range(top - 1, max(-1, top - 1 - COVER_SKIPS), -1):
+        if total == need:
+            break
+        rest = costs[:j] + costs[j + 1:]
+        picks = _cover(rest, need)
+        t = sum(rest[k] for k in picks)
+        if picks and t < total:
+            best, total = [k if k < j else k + 1 for k in picks], t
+    return sorted(best, reverse=True)
 
-    def __init__(self, ranks, slack, room):
+
+class _Receivers:
+    """Every rank's slack (``T - load``, negative above the level) and patch room; those
+    with slack by slack: the best fit for a unit, the patch cap respected; charges can be
+    given back (the plan's undo)."""
+
+    def __init__(self, ranks, slack, room, closed=frozenset()):
         self.slack = dict(zip(ranks, slack))
         self.room = room                        # patches each rank may still take (None: no cap)
-        self.free = sorted((x, r) for r, x in self.slack.items() if x > 0)
+        self.closed = closed                    # ranks that never receive
+        self.free = sorted((x, r) for r, x in self.slack.items() if x > 0 and r not in closed)
 
     def hold(self, r: int) -> None:
         """Take ``r`` out of the choice (it is making room)."""
-        if self.slack[r] > 0:
+        if self.slack[r] > 0 and r not in self.closed:
             del self.free[bisect_left(self.free, (self.slack[r], r))]
 
     def release(self, r: int) -> None:
         """Put ``r`` back into the choice, at its current slack."""
-        if self.slack[r] > 0:
+        if self.slack[r] > 0 and r not in self.closed:
             insort(self.free, (self.slack[r], r))
 
     def charge(self, r: int, size: int, patches: int) -> None:
@@ -311,152 +401,287 @@ class _Receivers:
 @dataclass(frozen=True)
 class _Units:
     """Every rank's movable units (cost > 0), cost ascending, as Python lists for the
-    level plans: ``ids[starts[r]:starts[r + 1]]`` and their ``costs``."""
+    level plans: ``ids[starts[r]:starts[r + 1]]`` and their ``costs``; ``owner`` and
+    ``cost`` by unit index."""
 
     ids: list
     costs: list
     starts: list
+    owner: list
+    cost: list
     transfer: list | None        # None: no unit has a transfer time
     patches: list | None         # None: no patch cap
 
-    def size(self, u: int, c: int) -> int:
-        """What unit ``u`` of cost ``c`` weighs on the rank that receives it."""
-        return c + (self.transfer[u] if self.transfer else 0)
+    def size(self, u: int) -> int:
+        """What unit ``u`` weighs on the rank that receives it."""
+        return self.cost[u] + (self.transfer[u] if self.transfer else 0)
 
     def pat(self, u: int) -> int:
         return self.patches[u] if self.patches else 0
 
 
+#: Ranks tried for making room per placement (the most slack first).
+ROOM_TRIES = 4
+#: The most heaviest units a weighed plan's donor leaves out when it covers its excess again.
+LEAVE_OUT = 2
+
+
 class _LevelPlan:
     """The moves that bring every rank to ``T`` or under (module docstring)."""
 
-    def __init__(self, T: int, load: np.ndarray, units: _Units, room0):
-        below = np.flatnonzero(load < T)
-        self.T, self.load, self.units = T, load, units
-        self.recv = _Receivers(below.tolist(), (T - load[below]).tolist(),
-                               None if room0 is None else room0.tolist())
-        self.moves = {}
+    def __init__(self, T: int, load: np.ndarray, units: _Units, room0, *, rich: bool = False):
+        self.T, self.load, self.units, self.rich = T, load, units, rich
+        self.recv = _Receivers(range(len(load)), (T - load).tolist(),
+                               None if room0 is None else room0.tolist(),
+                               frozenset() if rich else frozenset(np.flatnonzero(load > T).tolist()))
+        self.moves = {}                              # unit -> rank that encodes it
+        self.got = [0] * len(load)                   # units each rank receives
+        self.cost = 0                                # cost of every move
+        self.short = False                           # a donor's cover did not fit as chosen
+        self.log = []                                # (unit, rank, put): what trials undo
 
+    # -- bookkeeping ------------------------------------------------------------------
+    def _record(self, u: int, r: int) -> None:
+        """Unit ``u``, charged to ``r``, leaves its rank."""
+        u_ = self.units
+        self.moves[u] = r
+        self.got[r] += 1
+        self.recv.charge(u_.owner[u], -u_.cost[u], -u_.pat(u))
+        self.cost += u_.cost[u]
+        self.log.append((u, r, True))
+
+    def place(self, u: int) -> bool:
+        """Unit ``u`` to the best-fitting receiver, as it is."""
+        r = self.recv.take(self.units.size(u), self.units.pat(u))
+        if r is None:
+            return False
+        self._record(u, r)
+        return True
+
+    def put(self, u: int, r: int) -> None:
+        """Unit ``u`` to receiver ``r`` (the caller checked that it fits)."""
+        self.recv.charge(r, self.units.size(u), self.units.pat(u))
+        self._record(u, r)
+
+    def take_back(self, u: int, *, log: bool = True) -> None:
+        u_ = self.units
+        r = self.moves.pop(u)
+        self.got[r] -= 1
+        self.recv.charge(r, -u_.size(u), -u_.pat(u))
+        self.recv.charge(u_.owner[u], u_.cost[u], u_.pat(u))
+        self.cost -= u_.cost[u]
+        if log:
+            self.log.append((u, r, False))
+
+    def _rollback(self, mark: int) -> None:
+        """Undo every move and take-back since ``mark`` (a length of the log)."""
+        while len(self.log) > mark:
+            u, r, was_put = self.log.pop()
+            if was_put:
+                self.take_back(u, log=False)
+            else:
+                self.put(u, r)
+                self.log.pop()
+
+    def cover(self, costs: list, need: int) -> list:
+        """A cheap cover of ``need`` (:func:`_cover`; :func:`_cheap_cover` when ``rich``)."""
+        return _cheap_cover(costs, need) if self.rich else _cover(costs, need)
+
+    def need(self, s: int) -> int:
+        """What rank ``s`` still has to shed to reach ``T`` (negative: its slack)."""
+        return -self.recv.slack[s]
+
+    def home(self, s: int, skip=()) -> tuple[list, list]:
+        """Donor ``s``'s units still at home (not in ``skip``), cost ascending."""
+        u_ = self.units
+        a, b = u_.starts[s], u_.starts[s + 1]
+        pairs = [(u, c) for u, c in zip(u_.ids[a:b], u_.costs[a:b])
+                 if u not in self.moves and u not in skip]
+        return [u for u, _ in pairs], [c for _, c in pairs]
+
+    def trim(self, s: int) -> None:
+        """Take back, heaviest first, what donor ``s`` sends beyond its excess (within the
+        patch cap if it receives)."""
+        u_, recv = self.units, self.recv
+        a, b = u_.starts[s], u_.starts[s + 1]
+        for u in sorted((u for u in u_.ids[a:b] if u in self.moves), key=lambda u: (-u_.cost[u], u)):
+            if u_.cost[u] <= recv.slack[s] and (not self.got[s] or recv.room_for(s, u_.pat(u))):
+                self.take_back(u)
+
+    # -- the plan ---------------------------------------------------------------------
     def run(self, donors: list, *, together: bool) -> bool:
         """Every donor (load above ``T``) sheds a cheap cover of its excess; False if one
         cannot. ``together``: the covers are placed together, heaviest unit first (best
         fit decreasing: large units take the large holes before small units split them);
         else donor by donor, heaviest donor first. A donor whose unit fits nowhere then
-        covers the rest of its excess with other units, and only what no receiver takes
-        as it is goes to a receiver that makes room first."""
+        covers the rest of its excess (:meth:`finish`)."""
         u_, T = self.units, self.T
+        self.together = together
         donors = [s for s in donors if self.load[s] > T]
         covers = {}
         for s in donors:
             a, b = u_.starts[s], u_.starts[s + 1]
-            costs = u_.costs[a:b]
-            covers[s] = [(u_.size(u_.ids[a + j], costs[j]), u_.ids[a + j], costs[j])
-                         for j in _cover(costs, int(self.load[s]) - T)]
-        direct = {s: [] for s in donors}
+            covers[s] = [u_.ids[a + j] for j in self.cover(u_.costs[a:b], self.need(s))]
         short = {}
-
-        def place(s, size, u, c) -> bool:
-            r = self.recv.take(size, u_.pat(u))
-            if r is None:
-                short.setdefault(s, []).append((c, u))
-                return False
-            self.moves[u] = r
-            direct[s].append((c, u))
-            return True
-
         if together:
-            for neg, u, c, s in sorted((-size, u, c, s) for s in donors for size, u, c in covers[s]):
-                place(s, -neg, u, c)
-            return all(self.finish(s, direct[s], short[s]) for s in donors if s in short)
+            for u in sorted((u for s in donors for u in covers[s]), key=lambda u: (-u_.size(u), u)):
+                if not self.place(u):
+                    short.setdefault(u_.owner[u], []).append(u)
+            return all(self.finish(s, short[s]) for s in donors if s in short)
         for s in donors:
-            for size, u, c in covers[s]:
-                if not place(s, size, u, c):
-                    if not self.finish(s, direct[s], short[s]):
+            for u in covers[s]:
+                if not self.place(u):
+                    if not self.finish(s, [u]):
                         return False
                     break
         return True
 
-    def finish(self, s: int, direct: list, stuck: list) -> bool:
-        """Donor ``s``, some of whose cover fit nowhere, covers the rest of its excess."""
-        u_ = self.units
-        need0 = int(self.load[s]) - self.T
-        need = need0 - sum(c for c, _ in direct)
-        a, b = u_.starts[s], u_.starts[s + 1]
-        out = {u for _, u in stuck}
-        home = [(c, u) for u, c in zip(u_.ids[a:b], u_.costs[a:b]) if u not in self.moves and u not in out]
-        need, _ = self._shed([u for _, u in home], [c for c, _ in home], need, direct, chain=False)
+    def finish(self, s: int, stuck: list) -> bool:
+        """Donor ``s``, some of whose cover fit nowhere, covers the rest of its excess: by
+        covering it again without the units that fit nowhere (a plain plan), or the
+        cheapest of that, placing those units where a rank makes room first, and covering
+        it again without its ``k <= LEAVE_OUT`` heaviest units (``rich``,
+        :meth:`_complete`; each tried, then undone)."""
+        self.short = True
+        if not self.rich:
+            return self._complete(s, stuck, 0)
+        mark, cost0, best = len(self.log), self.cost, None
+        for way in range(-1, LEAVE_OUT + 1):
+            if self._complete(s, stuck, way) and (best is None or self.cost - cost0 < best[0]):
+                best = (self.cost - cost0, way)
+            self._rollback(mark)
+        return best is not None and self._complete(s, stuck, best[1])
+
+    def _complete(self, s: int, stuck: list, way: int) -> bool:
+        """One way of :meth:`finish`. ``way`` -1: the units that fit nowhere are placed
+        first, each where a rank makes room, then the rest of the excess is covered with
+        units that fit as they are, else with a rank making room; 0: covered again
+        without the units that fit nowhere, else with a rank making room for any unit;
+        ``k > 0``: both without them and without the ``k`` heaviest units at home."""
+        if way < 0:
+            for u in sorted(stuck, key=lambda u: (-self.units.cost[u], u)):
+                if self.need(s) > 0 and not self.make_room(u):
+                    return False
+            need = self._shed(*self.home(s), self.need(s), room=False)
+            left = ()
+        else:
+            left = set(stuck)
+            if way:
+                ids = self.home(s)[0]
+                left.update(ids[max(0, len(ids) - way):])
+            need = self._shed(*self.home(s, left), self.need(s), room=False)
+            left = left if way else ()
         if need > 0:
-            rest = sorted({(c, u) for c, u in stuck + home if u not in self.moves})
-            need, _ = self._shed([u for _, u in rest], [c for c, _ in rest], need, direct, chain=True)
-            if need > 0:
-                return False
-        # a later round may have covered what an earlier unit was moved for: take it back
-        over = -need
-        for c, u in sorted(direct, reverse=True):
-            if c <= over:
-                self.recv.charge(self.moves.pop(u), -u_.size(u, c), -u_.pat(u))
-                over -= c
+            need = self._shed(*self.home(s, left), need, room=True)
+        if need > 0:
+            return False
+        self.trim(s)                  # a later round may have covered what an earlier unit was moved for
         return True
 
-    def _shed(self, ids: list, costs: list, need: int, direct: list, *, chain: bool):
+    def _shed(self, ids: list, costs: list, need: int, *, room: bool) -> int:
         """Cover rounds over ``ids`` (cost ascending; both lists shrink in place as units
-        move or fit nowhere): ``(need left, [(cost, unit) that fit nowhere])``."""
-        u_, stuck = self.units, []
+        move or fit nowhere), each unit placed as it is or, ``room``, where a receiver
+        makes room: the need left."""
         while need > 0:
-            picks = _cover(costs, need)
+            picks = self.cover(costs, need)
             if not picks:
                 break
             placed = 0
             for j in picks:                                   # heaviest first
                 u = ids[j]
-                r = self.recv.take(u_.size(u, costs[j]), u_.pat(u))
-                if r is not None:
-                    self.moves[u] = r
-                    direct.append((costs[j], u))
-                elif not (chain and self.make_room(u, u_.size(u, costs[j]), u_.pat(u))):
-                    stuck.append((costs[j], u))
+                if not (self.place(u) or (room and self.make_room(u))):
                     break
                 need -= costs[j]
                 placed += 1
             gone = set(picks[:placed + 1])                    # placed, and the one that fits nowhere
             ids[:] = [u for j, u in enumerate(ids) if j not in gone]
             costs[:] = [c for j, c in enumerate(costs) if j not in gone]
-        return need, stuck
+        return need
 
-    def make_room(self, u: int, size: int, pat: int) -> bool:
-        """Place unit ``u`` (``size`` with its transfer, ``pat`` patches), which no receiver
-        takes as it is, on the receiver with the most slack after that receiver sends a
-        cheap cover of the shortfall of its own units to the others (best fit); nothing
-        changes if they do not all fit."""
+    def make_room(self, u: int) -> bool:
+        """Place unit ``u``, which no rank takes as it is, on a rank after that rank sends
+        some of its own units to the others (best fit; the rank ``u`` leaves among them):
+        the units that cover its shortfall of slack and of patch room most cheaply
+        (:func:`_room_cover`). Ranks are tried most slack first (``ROOM_TRIES`` of them;
+        the first only in a plain plan), and the cheapest that works is kept; nothing
+        changes if none does."""
         recv, u_ = self.recv, self.units
-        if not recv.free:
-            return False
-        slack, r = recv.free[-1]
-        a, b = u_.starts[r], u_.starts[r + 1]
-        home = [(c, v) for v, c in zip(u_.ids[a:b], u_.costs[a:b]) if v not in self.moves]
-        picks = _cover([c for c, _ in home], size - slack)
+        size, pat, s = u_.size(u), u_.pat(u), u_.owner[u]
+        tries = ROOM_TRIES if self.rich else 1
+        ranks = list(islice((r for _, r in reversed(recv.free) if r != s), tries))
+        best, mark = None, len(self.log)
+        for r in ranks:
+            if best is not None and best[0] == 0:
+                break
+            cost0 = self.cost
+            if self._room_on(r, u):
+                if best is None or self.cost - cost0 < best[0]:
+                    best = (self.cost - cost0, r)
+                self._rollback(mark)
+        return best is not None and self._room_on(best[1], u)
+
+    def _room_on(self, r: int, u: int) -> bool:
+        """Rank ``r`` sends units covering what it lacks of slack and of patch room for
+        unit ``u`` to the others, then takes ``u``; False (nothing changed) if they do
+        not all fit."""
+        recv, u_ = self.recv, self.units
+        size, pat, s = u_.size(u), u_.pat(u), u_.owner[u]
+        home, costs = self.home(r)
+        lack = 0 if recv.room is None else max(0, pat - recv.room[r])
+        picks = _room_cover(costs, [u_.pat(v) for v in home], size - recv.slack[r], lack)
         if not picks:
             return False
-        freed = sum(u_.pat(home[j][1]) for j in picks)
-        if not recv.room_for(r, pat - freed):
-            return False
         recv.hold(r)
-        done = []
-        for j in picks:
-            c, v = home[j]
-            r2 = recv.take(u_.size(v, c), u_.pat(v))
+        recv.charge(s, -u_.cost[u], -pat)        # u leaves s first: s may take r's units
+        targets = []
+        for j in picks:                          # heaviest first, best fit among the others
+            r2 = recv.take(u_.size(home[j]), u_.pat(home[j]))
             if r2 is None:
-                for c2, v2, r3 in done:
-                    recv.charge(r3, -u_.size(v2, c2), -u_.pat(v2))
-                recv.release(r)
-                return False
-            done.append((c, v, r2))
+                break
+            targets.append((home[j], r2))
+        for v, r2 in targets:
+            recv.charge(r2, -u_.size(v), -u_.pat(v))
+        recv.charge(s, u_.cost[u], pat)
         recv.release(r)
-        for c, v, r2 in done:
-            self.moves[v] = r2
-        recv.charge(r, size - sum(c for c, _, _ in done), pat - freed)
-        self.moves[u] = r
+        if len(targets) < len(picks):
+            return False
+        for v, r2 in targets:
+            self.put(v, r2)                      # credits r with v's cost and patches
+        self.put(u, r)
         return True
+
+
+def _room_cover(costs: list, pats: list, short: int, lack: int) -> list:
+    """Positions (descending) of units with costs summing to at least ``short`` and
+    patches to at least ``lack``, cheaply: the fewest-cost-per-patch units until the
+    patches are covered, then a cheap cover (:func:`_cover`) of the cost still short,
+    then dropping, heaviest first, what neither sum needs; [] if the units fall short."""
+    n = len(costs)
+    picks = set()
+    if lack > 0:
+        got = 0
+        per_patch = cmp_to_key(lambda i, j: costs[i] * pats[j] - costs[j] * pats[i] or i - j)
+        for j in sorted((j for j in range(n) if pats[j] > 0), key=per_patch):
+            if got >= lack:
+                break
+            picks.add(j)
+            got += pats[j]
+        if got < lack:
+            return []
+    rest = short - sum(costs[j] for j in picks)
+    if rest > 0:
+        others = [j for j in range(n) if j not in picks]
+        more = _cover([costs[j] for j in others], rest)
+        if not more:
+            return []
+        picks.update(others[k] for k in more)
+    c, q = sum(costs[j] for j in picks), sum(pats[j] for j in picks)
+    for j in sorted(picks, reverse=True):
+        if c - costs[j] >= short and q - pats[j] >= lack:
+            picks.discard(j)
+            c -= costs[j]
+            q -= pats[j]
+    return sorted(picks, reverse=True)
 
 
 def _drop_unneeded(moves: dict, T: int, owner, cost, patches, transfer, cap, D: int) -> dict:
@@ -498,12 +723,56 @@ def _by_rank_then_cost(owner: np.ndarray, cost: np.ndarray, D: int) -> np.ndarra
 
 
 def _level_plan(T: int, load: np.ndarray, donors: list, units: _Units, room0):
-    """Moves ``{unit: rank}`` that bring every rank to ``T`` or under, or None."""
+    """The plain level plan that brings every rank to ``T`` or under (together, else
+    donor by donor), or None."""
     for together in (True, False):
         plan = _LevelPlan(T, load, units, room0)
         if plan.run(donors, together=together):
-            return plan.moves
+            return plan
     return None
+
+
+def _cheapest_plan(T: int, load: np.ndarray, donors: list, units: _Units, room0, found, drop) -> dict:
+    """The cheapest of the level plans at ``T`` after :func:`_drop_unneeded` (``drop``):
+    the search's (``found``), the ``rich`` ones together and donor by donor
+    (:class:`_LevelPlan`) and, when some donor's cover did not fit as chosen in
+    ``found`` and it placed them together, the plain one donor by donor."""
+    best = drop(found.moves)
+    best_cost = sum(units.cost[u] for u in best)
+    ways = ([(False, False)] if found.short and found.together else []) + [(True, True), (True, False)]
+    for rich, together in ways:
+        plan = _LevelPlan(T, load, units, room0, rich=rich)
+        if plan.run(donors, together=together):
+            moves = drop(plan.moves)
+            c = sum(units.cost[u] for u in moves)
+            if c < best_cost:
+                best, best_cost = moves, c
+    return best
+
+
+def _search_level(lb: int, max_before: int, max_cost: int, args: tuple):
+    """The reachable level and the plain plan found there (None: nothing moves): ``lb``
+    if it holds, else bisection between the last level that fails and the first that
+    holds, to within ``max(1, T / LEVEL_RESOLUTION)``; ``lb + max_cost`` is tried first
+    (it holds without cap and transfers: the LPT bound)."""
+    found = _level_plan(lb, *args)
+    if found is not None:
+        return lb, found
+    lo, hi = lb, max_before                           # lo fails, hi holds (nothing moves)
+    if lb + max_cost < max_before:
+        found = _level_plan(lb + max_cost, *args)
+        if found is None:
+            lo = lb + max_cost
+        else:
+            hi = lb + max_cost
+    while hi - lo > max(1, lo // LEVEL_RESOLUTION):
+        mid = (lo + hi) // 2
+        plan = _level_plan(mid, *args)
+        if plan is None:
+            lo = mid
+        else:
+            found, hi = plan, mid
+    return hi, found
 
 
 def plan_frames(owner, cost, num_ranks, *, patches=None, patch_cap=None, transfer=None) -> FramePlan:
@@ -522,7 +791,7 @@ def plan_frames(owner, cost, num_ranks, *, patches=None, patch_cap=None, transfe
     max_before = int(load.max())
     total = int(load.sum())
     lb = max(-(-total // D), int(cost.max()) if n else 0)
-    inputs = (owner, cost, transfer, D)
+    inputs = (owner, cost, transfer, D, patches, patch_cap)
     moves = {}
     target = max_before
     if max_before > lb and D > 1:
@@ -531,32 +800,15 @@ def plan_frames(owner, cost, num_ranks, *, patches=None, patch_cap=None, transfe
         order = order[cost[order] > 0]                            # zero-cost units never move
         units = _Units(order.tolist(), cost[order].tolist(),
                        np.searchsorted(owner[order], np.arange(D + 1)).tolist(),
+                       owner.tolist(), cost.tolist(),
                        transfer.tolist() if transfer.any() else None,
                        None if room0 is None else patches.tolist())
         donors = np.lexsort((np.arange(D), -load)).tolist()
         args = (load, donors, units, room0)
-        found = _level_plan(lb, *args)
+        target, found = _search_level(lb, max_before, int(cost.max()), args)
         if found is not None:
-            moves, target = found, lb
-        else:
-            lo, hi = lb, max_before                   # lo fails, hi holds (nothing moves)
-            lpt = lb + int(cost.max())                # holds without cap and transfers (LPT bound)
-            if lpt < max_before:
-                found = _level_plan(lpt, *args)
-                if found is None:
-                    lo = lpt
-                else:
-                    moves, hi = found, lpt
-            while hi - lo > max(1, lo // LEVEL_RESOLUTION):
-                mid = (lo + hi) // 2
-                found = _level_plan(mid, *args)
-                if found is None:
-                    lo = mid
-                else:
-                    moves, hi = found, mid
-            target = hi
-    if moves:
-        moves = _drop_unneeded(moves, target, owner, cost, patches, transfer, patch_cap, D)
+            moves = _cheapest_plan(target, *args, found, lambda m: _drop_unneeded(
+                m, target, owner, cost, patches, transfer, patch_cap, D))
     enc = owner.copy()
     if moves:
         units = np.fromiter(moves.keys(), dtype=np.int64, count=len(moves))

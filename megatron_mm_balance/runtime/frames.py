@@ -6,13 +6,12 @@ data-parallel group. Every rank all-gathers the micro-step's frames (their owner
 integer costs and patch counts, :func:`~.image_exchange.gather_unit_table`) and calls
 :func:`plan_frame_encoders` on the same numbers: the same assignment everywhere.
 
-:func:`plan_frame_encoders` is the single place the planner is called. Today it is
-:func:`megatron_mm_balance.solver.images.balance_images` (keep each rank's heaviest
-frames within the target, longest-processing-time the rest) followed by
-:func:`within_patch_cap`; the frame planner ``solver/frames.py::plan_frames`` replaces
-both lines with one (``plan_frames(owner, cost, num_ranks, patches=patches,
-patch_cap=patch_cap).encoder``), which plans from where the frames are with the cap and
-the transfer time in the plan itself.
+:func:`plan_frame_encoders` is the single place the planner is called:
+``solver/frames.py::plan_frames``, which plans from where the frames are: it lowers the
+largest rank cost to the lowest level it reaches while moving the least cost it finds,
+no receiving rank ends above the patch cap, and a frame's transfer time (when given)
+counts on the rank that receives it. :func:`within_patch_cap` remains for planners that
+do not know the cap (``solver/images.py::balance_images``, kept as the reference).
 
 :func:`frame_figures` are the micro-step's figures (moved frames, patches and cost, the
 least cost that bringing every rank down to the target moves, the largest and mean rank
@@ -27,22 +26,16 @@ from typing import Dict, Optional
 
 import numpy as np
 
-from ..solver.images import balance_images
+from ..solver.frames import default_patch_cap, plan_frames   # default_patch_cap: re-exported for the glue
 
 
-def default_patch_cap(owner, patches, num_ranks: int) -> int:
-    """The default per-rank patch cap: the most patches any rank held before balancing."""
-    held = np.bincount(np.asarray(owner, dtype=np.int64), weights=np.asarray(patches, dtype=np.int64),
-                       minlength=num_ranks)
-    return int(held.max()) if held.size else 0
-
-
-def plan_frame_encoders(owner, cost, num_ranks: int, *, patches, patch_cap: Optional[int] = None) -> np.ndarray:
+def plan_frame_encoders(owner, cost, num_ranks: int, *, patches, patch_cap: Optional[int] = None,
+                        transfer=None) -> np.ndarray:
     """The encoder rank of every frame (see the module docstring). ``patch_cap``: no rank
-    that receives frames ends above it (None: :func:`default_patch_cap`)."""
+    that receives frames ends above it (None: ``default_patch_cap``, the most patches any rank held before); ``transfer[i]``:
+    the time moving frame ``i`` costs its receiver, in the unit of ``cost`` (None: 0)."""
     patch_cap = default_patch_cap(owner, patches, num_ranks) if patch_cap is None else int(patch_cap)
-    encoder = balance_images(owner, cost, num_ranks)
-    return within_patch_cap(owner, encoder, cost, patches, patch_cap, num_ranks)
+    return plan_frames(owner, cost, num_ranks, patches=patches, patch_cap=patch_cap, transfer=transfer).encoder
 
 
 def within_patch_cap(owner, encoder, cost, patches, cap: int, num_ranks: int) -> np.ndarray:

@@ -33,6 +33,25 @@ def py312() -> str:
     return r.stdout.strip().splitlines()[-1]
 
 
+def pytest_addoption(parser):
+    parser.addoption("--extended", action="store_true", default=False,
+                     help="also run the tests marked extended (the real-path variants that repeat a "
+                          "capability CI already covers in another layout, data set or release)")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``extended`` are skipped, with the way to run them, unless ``--extended``
+    (or ``MM_BALANCE_EXTENDED=1``) is given: each repeats, in another layout, data set or
+    release, a capability that another real-path test covers in CI, and together they would
+    take the suite past its time budget on 2 cores."""
+    if config.getoption("--extended") or os.environ.get("MM_BALANCE_EXTENDED") == "1":
+        return
+    skip = pytest.mark.skip(reason="extended: bash scripts/test.sh --extended")
+    for item in items:
+        if item.get_closest_marker("extended"):
+            item.add_marker(skip)
+
+
 _lowest_free = {"bytes": None, "after": "start"}
 
 

@@ -21,13 +21,13 @@ pytestmark = [pytest.mark.realpath, pytest.mark.timeout(3600)]
 
 REL_TOL = 1e-5          # bf16; the same bound as the Megatron-LM path
 ITERS = 6
-#: name -> launcher environment. bf16 layouts without expert parallelism; the MoE layout with
+#: name -> launcher environment. DP=2 in bf16, DP=4 in fp32 (shared with the images runs); the MoE layout with
 #: expert parallelism in fp32 (in bf16 its experts' weight gradients are rounded to bf16 per
 #: micro-step over the tokens of the micro-batches that meet there, so moving micro-batches
 #: changes that rounding: docs/bridge.md gives the bf16 figures).
 LAYOUTS = {
     "dp2": dict(nproc_per_node=2, ep=1, iters=3),
-    "dp4": dict(nproc_per_node=4, ep=1, iters=3),
+    "dp4": dict(nproc_per_node=4, ep=1, iters=3, precision="fp32", gbs=16),   # its off run is also images' off
     "dp2_ep2_fp32": dict(nproc_per_node=4, ep=2, iters=ITERS, precision="fp32"),   # DP=4 = expert DP=2 x EP=2
 }
 #: bf16 under expert parallelism: judged against the control run's band, not a fixed tolerance
@@ -133,6 +133,7 @@ def test_shadow_moves_nothing_trains_as_off(runner):
           f"would be {shadow.stat('imbalance_would_be')}")
 
 
+@pytest.mark.extended              # CI: the killed-rank test resumes this layout, and the images resume
 def test_resume_equals_uninterrupted(runner, bridge_runs_dir):
     """3 iterations (``train.exit_interval=3``: torch_dist checkpoint, exit 0), then the same
     command resumed to 6: every iteration's lm loss equals the uninterrupted run's, the energon
@@ -255,6 +256,7 @@ def cli_json(cli, argv) -> dict:
     return json.loads(out.getvalue())
 
 
+@pytest.mark.extended              # CI: resume is proven by the killed-rank and images tests
 def test_cost_auto_resume_restores_the_fit(runner, bridge_runs_dir):
     """Stopped after the fit took effect (``train.exit_interval=5``), resumed to the end: the
     second job restores the first job's fit (no second calibration), and its losses and final
@@ -368,8 +370,7 @@ IMAGES = ["mm_balance.vision=images"]
 #: runs are reused) and DP=4 without expert parallelism, fp32, 4 micro-batches per rank (the toy
 #: data set's samples rarely hold two large images; with GBS 8 its first 3 iterations at DP=4
 #: give no frame to move)
-IMAGE_LAYOUTS = {"dp2_ep2_fp32": LAYOUTS["dp2_ep2_fp32"],
-                 "dp4_fp32": dict(nproc_per_node=4, ep=1, iters=3, precision="fp32", gbs=16)}
+IMAGE_LAYOUTS = {"dp2_ep2_fp32": LAYOUTS["dp2_ep2_fp32"], "dp4": LAYOUTS["dp4"]}
 
 
 def _vision_lines(run) -> dict:

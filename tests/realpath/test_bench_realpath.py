@@ -15,7 +15,9 @@ import pytest
 
 import realpath_util as rp
 
-pytestmark = [pytest.mark.realpath, pytest.mark.timeout(1800)]
+#: extended: the Bridge native-resolution benchmark's smoke test (tests/bridge) runs the same
+#: benchmark code (bench/realpath.py) through the other framework in CI
+pytestmark = [pytest.mark.realpath, pytest.mark.extended, pytest.mark.timeout(1800)]
 
 ITERS, WARMUP, G = 3, 2, 4
 

@@ -90,7 +90,12 @@ RESUME = {"256-w1-on": ("256", 1, True), "256-w2-off": ("256", 2, False),
           "default-w1-off": ("default", 1, False), "default-w2-on": ("default", 2, True)}
 
 
-@pytest.mark.parametrize("name", list(RESUME))
+#: CI runs the two balanced configurations (both data sets, both worker counts); the two
+#: unbalanced ones with --extended
+RESUME_PARAMS = [pytest.param(n, marks=() if RESUME[n][2] else pytest.mark.extended) for n in RESUME]
+
+
+@pytest.mark.parametrize("name", RESUME_PARAMS)
 def test_resume_equals_uninterrupted(runner, runs_dir, request, name):
     """3 iterations, then resume to 6 from the same OUTPUT_DIR: iterations 4-6 equal the
     uninterrupted 6-iteration run's, in lm loss (also by ``mm-balance compare-logs``) and in

@@ -3,7 +3,7 @@ the user's launcher (``configs/bridge/qwen3_vl_moe_native_res_cpu.sh``, 2 micro-
 rank), the hold-out round on another data seed, the JSON report, the per-pack timing files
 (every micro-batch of every rank, with its grids) and equal losses.
 
-Four launcher runs of 3 iterations on a 48-sample native-res data set.
+Four launcher runs of 4 iterations on a 48-sample native-res data set.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import bridge_util as bu
 
 pytestmark = [pytest.mark.realpath, pytest.mark.timeout(1800)]
 
-ITERS, WARMUP, G = 1, 2, 2
+ITERS, WARMUP, G = 2, 2, 2      # 2 measured: a global batch is reported when the next one starts
 
 
 def test_bridge_bench_realpath_smoke(bridge_python, bridge_trees, bridge_runs_dir):

@@ -82,22 +82,28 @@ def test_the_plan_is_the_same_on_every_rank_and_frames_move(results):
 
 
 def test_the_patch_cap_binds(results):
-    """Step 2: without the cap, rank 0's second large frame would go to a light rank, which
-    would then hold more patches than any rank held before: it stays home."""
+    """Step 2: rank 0 holds two large frames; a light rank taking one as it stands would end
+    above the default cap (the most patches any rank held). The plan keeps every receiving
+    rank within the cap (by keeping the frame home or by the receiver's small frames making
+    room elsewhere), and it is not the plan the planner makes without the cap."""
     from megatron_mm_balance.runtime.frames import default_patch_cap
-    from megatron_mm_balance.solver.images import balance_images
+    from megatron_mm_balance.solver.frames import plan_frames
     s = results[0]["steps"][2]
     plan = {k: np.array(v) for k, v in s["plan"].items()}
-    owner, patches = plan["owner"], plan["patches"]
-    uncapped = balance_images(owner, plan["cost"], WORLD)
-    moved = np.flatnonzero(uncapped != owner)
-    assert moved.size, "the step does not need a move"
+    owner, patches, encoder = plan["owner"], plan["patches"], plan["encoder"]
     cap = default_patch_cap(owner, patches, WORLD)
-    for i in moved:                                       # each uncapped move breaks the cap
-        receiver = uncapped[i]
-        assert patches[owner == receiver].sum() + patches[i] > cap
-    assert (plan["encoder"] == owner).all() and s["figures"]["frames_moved"] == 0
+    smallest_large = patches[owner == 0].min()
+    for r in range(1, WORLD):                          # taking one as it stands breaks the cap
+        assert patches[owner == r].sum() + smallest_large > cap
+    after = np.bincount(encoder, weights=patches, minlength=WORLD)
+    for r in set(encoder[encoder != owner].tolist()):
+        assert after[r] <= cap, (r, after, cap)
     assert s["figures"]["patches_max_after"] <= cap and s["figures"]["cost_moved_min"] > 0
+    uncapped = plan_frames(owner, plan["cost"], WORLD, patches=patches).encoder
+    assert not np.array_equal(uncapped, encoder), "the cap did not change the plan"
+    print(f"\nstep 2, cap {cap} patches: frames moved {s['figures']['frames_moved']}, patches per rank after "
+          f"{after.astype(int).tolist()}, largest rank cost {s['figures']['cost_max_before']} -> "
+          f"{s['figures']['cost_max_after']}")
 
 
 def test_no_frame_anywhere_costs_one_collective_and_evaluation_none(results):

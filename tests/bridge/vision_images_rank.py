@@ -26,12 +26,13 @@ if __name__ == "__main__":
     RANK, WORLD, PORT, OUT = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
 
 #: per micro-step, each rank's images (t, h, w) and whether they are one video (t > 1 rows);
-#: merge units 2 x 2, so every h, w is even. Rank 2 holds no frame at step 0 (and encodes one
-#: of rank 0's); step 1 has a video (rank 3 none); at step 2 the default patch cap (the most
-#: patches any rank holds) keeps rank 0's second large frame home (any light rank would end
-#: above it); step 3 has no frame anywhere.
+#: merge units 2 x 2, so every h, w is even. Rank 2 holds no frame at step 0 and is the only
+#: rank with room under the target (the largest frame's cost), so it encodes rank 0's second
+#: frame; step 1 has a video (rank 3 none); at step 2 the default patch cap (the most patches
+#: any rank holds) binds: any light rank taking one of rank 0's large frames as it stands would
+#: end above it; step 3 has no frame anywhere.
 STEPS = (
-    {0: [(1, 32, 32), (1, 16, 16)], 1: [(1, 4, 4)], 2: [], 3: [(1, 8, 8)]},
+    {0: [(1, 32, 32), (1, 16, 16)], 1: [(1, 32, 32)], 2: [], 3: [(1, 32, 32)]},
     {0: [(4, 16, 16)], 1: [(1, 8, 8)], 2: [(1, 2, 2)], 3: []},
     {0: [(1, 24, 24), (1, 24, 24)], 1: [(1, 8, 8)] * 10, 2: [(1, 8, 8)] * 10, 3: [(1, 8, 8)] * 10},
     {0: [], 1: [], 2: [], 3: []},

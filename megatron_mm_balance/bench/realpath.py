@@ -203,7 +203,8 @@ class MegatronLMFramework:
             raise BenchError(f"{self.megatron_lm}: no examples/multimodal/train.py")
 
     def environment(self) -> dict:
-        return {"MEGATRON_LM_DIR": str(self.megatron_lm)}
+        """The launcher's tree variable, as an absolute path (the launcher runs elsewhere)."""
+        return {"MEGATRON_LM_DIR": os.path.abspath(self.megatron_lm)}
 
     def mode_args(self, mode: str) -> tuple:
         return mode_flags(mode, self.calibration_iters)

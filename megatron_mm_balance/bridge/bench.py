@@ -87,11 +87,12 @@ class BridgeFramework:
                 raise BenchError(f"{flag} {d}: no such directory")
 
     def environment(self) -> dict:
+        """The launcher's tree variables, as absolute paths (the launcher runs elsewhere)."""
         env = {}
         if self.bridge:
-            env["MEGATRON_BRIDGE_DIR"] = str(self.bridge)
+            env["MEGATRON_BRIDGE_DIR"] = os.path.abspath(self.bridge)
         if self.megatron_lm:
-            env["MEGATRON_LM_DIR"] = str(self.megatron_lm)
+            env["MEGATRON_LM_DIR"] = os.path.abspath(self.megatron_lm)
         return env
 
     def mode_args(self, mode: str) -> tuple:

@@ -207,3 +207,16 @@ def test_holdout_prediction_fits_one_run_and_predicts_another(tmp_path):
     rep = realpath.analyze(main, warmup=2, loss_tolerance=1e-5, frames=True)
     sim = realpath.simulate_against(main, rep, warmup=2, frames=True, simulated={"none": "off"})
     assert same["off"]["simulated_ms"] == pytest.approx(sim["off"]["simulated_ms"])
+
+
+def test_the_launcher_gets_absolute_tree_paths(tmp_path, monkeypatch):
+    """Relative --bridge / --megatron-lm paths reach the launcher (which runs in its own
+    directory) as absolute ones."""
+    import os
+    from megatron_mm_balance.bench.realpath import MegatronLMFramework
+    from megatron_mm_balance.bridge.bench import BridgeFramework
+    monkeypatch.chdir(tmp_path)
+    env = BridgeFramework(bridge="b", megatron_lm="m").environment()
+    assert env == {"MEGATRON_BRIDGE_DIR": os.path.join(str(tmp_path), "b"),
+                   "MEGATRON_LM_DIR": os.path.join(str(tmp_path), "m")}
+    assert MegatronLMFramework(megatron_lm="m").environment() == {"MEGATRON_LM_DIR": os.path.join(str(tmp_path), "m")}

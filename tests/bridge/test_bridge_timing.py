@@ -25,6 +25,10 @@ from megatron_mm_balance.cost.calibration import AutoCost, CalibrationConfig, Qw
 from megatron_mm_balance.megatron.checks import MMBalanceConfigError, checked_config
 from megatron_mm_balance.testing.cpu_megatron import launch
 
+#: slow: multi-process runs of Megatron-LM's or Megatron-Bridge's own code (the fast subset,
+#: -m "not realpath", leaves them to the whole suite)
+pytestmark = pytest.mark.realpath
+
 G, ITERS, HIDDEN, IMAGE_TOKEN = 3, 3, 16, 7
 
 

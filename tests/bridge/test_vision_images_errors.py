@@ -6,6 +6,11 @@ import os
 import sys
 
 from megatron_mm_balance.testing.ranks import run_rank_script
+import pytest
+
+#: slow: multi-process runs of Megatron-LM's or Megatron-Bridge's own code (the fast subset,
+#: -m "not realpath", leaves them to the whole suite)
+pytestmark = pytest.mark.realpath
 
 HERE = os.path.abspath(__file__)
 

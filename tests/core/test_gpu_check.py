@@ -5,11 +5,14 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from megatron_mm_balance.cost.model import load_cost_file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+@pytest.mark.realpath             # slow (about 40 s): the whole script on CPU
 def test_gpu_check_cpu_fallback_writes_results(tmp_path):
     env = dict(os.environ, OUT=str(tmp_path))
     proc = subprocess.run(["bash", os.path.join(ROOT, "scripts", "gpu_check.sh"), "--cpu"],

@@ -15,6 +15,10 @@ from pathlib import Path
 
 import pytest
 
+#: slow: multi-process runs of Megatron-LM's or Megatron-Bridge's own code (the fast subset,
+#: -m "not realpath", leaves them to the whole suite)
+pytestmark = pytest.mark.realpath
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

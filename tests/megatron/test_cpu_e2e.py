@@ -27,6 +27,10 @@ pytest.importorskip("megatron.core")
 
 from megatron_mm_balance.testing.train_demo import DemoConfig, report, run_layouts, summarize  # noqa: E402
 
+#: slow: multi-process runs of Megatron-LM's or Megatron-Bridge's own code (the fast subset,
+#: -m "not realpath", leaves them to the whole suite)
+pytestmark = pytest.mark.realpath
+
 LAYOUTS = ["dp4", "dp2_ep2", "pp2_dp2", "tp2_dp2", "ep4"]
 CONTROL = "dp2_ep2_global_aux"
 STEPS = 5

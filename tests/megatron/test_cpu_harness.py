@@ -12,6 +12,10 @@ pytest.importorskip("megatron.core")
 from megatron_mm_balance.testing import cpu_megatron  # noqa: E402
 from megatron_mm_balance.testing.cpu_megatron import LaunchError, launch  # noqa: E402
 
+#: slow: multi-process runs of Megatron-LM's or Megatron-Bridge's own code (the fast subset,
+#: -m "not realpath", leaves them to the whole suite)
+pytestmark = pytest.mark.realpath
+
 
 def _patched_world(rank, world):
     # Runs in a launched process, where install() is active.

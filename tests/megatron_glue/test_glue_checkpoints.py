@@ -11,6 +11,10 @@ import torch.distributed.checkpoint as dcp
 
 from megatron_mm_balance.megatron import checkpoints
 
+#: slow: multi-process runs of Megatron-LM's or Megatron-Bridge's own code (the fast subset,
+#: -m "not realpath", leaves them to the whole suite)
+pytestmark = pytest.mark.realpath
+
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[2]
 
 

@@ -12,6 +12,10 @@ pytest.importorskip("megatron.core", reason="megatron-core 0.16.1 not installed"
 
 from megatron_mm_balance.testing.cpu_megatron import launch  # noqa: E402
 
+#: slow: multi-process runs of Megatron-LM's or Megatron-Bridge's own code (the fast subset,
+#: -m "not realpath", leaves them to the whole suite)
+pytestmark = pytest.mark.realpath
+
 G, STEPS = 4, 3
 
 

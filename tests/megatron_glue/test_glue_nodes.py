@@ -18,6 +18,10 @@ from megatron_mm_balance.solver.placement import plan_placement  # noqa: E402
 from megatron_mm_balance.solver.topology import traffic  # noqa: E402
 from megatron_mm_balance.testing.cpu_megatron import launch  # noqa: E402
 
+#: slow: multi-process runs of Megatron-LM's or Megatron-Bridge's own code (the fast subset,
+#: -m "not realpath", leaves them to the whole suite)
+pytestmark = pytest.mark.realpath
+
 WORLD, G = 4, 2
 #: rank r draws packs of these image tokens: equal node totals for the cyclic assignment,
 #: so node-aware placement can even the ranks without a pack crossing (tests/core/test_topology.py)

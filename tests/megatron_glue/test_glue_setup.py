@@ -11,6 +11,11 @@ import subprocess
 import sys
 
 from megatron_trees import ROOT
+import pytest
+
+#: slow: multi-process runs of Megatron-LM's or Megatron-Bridge's own code (the fast subset,
+#: -m "not realpath", leaves them to the whole suite)
+pytestmark = pytest.mark.realpath
 
 CHECK = ROOT / "scripts" / "check_training_imports.py"
 

@@ -16,6 +16,10 @@ import pytest
 
 from megatron_mm_balance.testing.cpu_megatron import launch
 
+#: slow: multi-process runs of Megatron-LM's or Megatron-Bridge's own code (the fast subset,
+#: -m "not realpath", leaves them to the whole suite)
+pytestmark = pytest.mark.realpath
+
 G, ITERS = 4, 3
 TILE_TOKENS = 4           # the toy encoder's tokens per tile (LLaVA's img_seq_len)
 

@@ -30,6 +30,7 @@ packs, permuted across micro-steps in balancing's order: ``packs_moved`` is 0 an
 """
 from __future__ import annotations
 
+import sys
 from typing import Dict, Iterable, Optional
 
 #: the per-rank transfer figures (exchange and shadow mode; nothing travels in sampler mode)
@@ -129,10 +130,15 @@ def resume_note(loaded_iteration: int) -> str:
 
 
 def emit(line: str) -> None:
-    """Write one log line once: printed (flushed), as Megatron prints its own iteration
-    lines, so it reads the same in every log; not also sent through ``logging`` (Megatron
-    installs a root handler, which printed every line a second time)."""
-    print(line, flush=True)
+    """Write one log line once, to stdout as Megatron prints its own iteration lines, so it
+    reads the same in every log; not also sent through ``logging`` (Megatron installs a root
+    handler, which printed every line a second time).
+
+    The line and its newline go out in one write: ``print`` writes them separately, and
+    with unbuffered output (``PYTHONUNBUFFERED``) another rank's line sharing the pipe could
+    land between them and glue itself onto ours."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
 
 
 def _megatron_writers():

@@ -36,6 +36,8 @@ PATCHES = REPO / "patches" / "megatron-bridge-v0.6.0"
 ITER_RE = re.compile(r"\biteration\s+(\d+)/\s*\d+ \|.*?\blm loss: ([0-9.Ee+-]+)")
 #: our telemetry line, as printed (the logger's copy has a prefix and is not counted)
 TELEMETRY_RE = re.compile(r"^\[mm-balance\] iteration (\d+) \|(.*)$", re.M)
+#: a telemetry figure: the leading number of its field
+NUMBER_RE = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
 
 
 def archive_dir() -> Path:
@@ -109,8 +111,16 @@ class Run:
         return "\n".join(self.log.splitlines()[-n:])
 
     def stat(self, key: str) -> Dict[int, float]:
-        """One telemetry figure per logged iteration (``packs_moved``, ``prefetched``, ...)."""
-        return {i: float(t[key]) for i, t in self.telemetry.items() if key in t}
+        """One telemetry figure per logged iteration (``packs_moved``, ``prefetched``, ...).
+
+        A field is read by its leading number: should another rank's output ever share the
+        line, the figure is still the one we printed."""
+        out = {}
+        for i, t in self.telemetry.items():
+            m = NUMBER_RE.match(t.get(key, ""))
+            if m:
+                out[i] = float(m.group(0))
+        return out
 
 
 def timing_records(directory: Path) -> Dict[int, List[dict]]:

@@ -521,3 +521,14 @@ def test_gloo_uneven_all_gather_stand_in():
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, err[-2000:]
         assert "plain gloo refuses: True" in out and "gathered True" in out and "even [1.0, 1.0, 1.0]" in out
+
+
+def test_a_telemetry_figure_is_read_by_its_leading_number():
+    """Should another rank's output share a telemetry line, the figure is still ours."""
+    log = ("[mm-balance] iteration 4 | packs_moved: 4 | prefetched: 0\n"
+           "[mm-balance] iteration 5 | packs_moved: 2.5e0 | prefetched: 1 [2026-12-03 03:01:19] "
+           "iteration        5/       6 | lm loss: 6.305675E+00 |\n")
+    run = bu.parse(log)
+    assert run.stat("prefetched") == {4: 0.0, 5: 1.0}
+    assert run.stat("packs_moved") == {4: 4.0, 5: 2.5}
+    assert run.losses == {5: 6.305675}

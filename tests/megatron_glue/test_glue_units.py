@@ -513,3 +513,28 @@ def test_importing_the_glue_pulls_in_no_megatron_energon_te_or_apex():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_a_telemetry_line_goes_out_in_one_write(monkeypatch):
+    """The line and its newline in one write: with unbuffered output another rank's line
+    could otherwise land between them (a Bridge log once read ``prefetched: 1 [date] iteration
+    5/ 6``)."""
+    import sys
+
+    from megatron_mm_balance.megatron import telemetry
+
+    class Recorder:
+        def __init__(self):
+            self.writes = []
+
+        def write(self, s):
+            self.writes.append(s)
+            return len(s)
+
+        def flush(self):
+            pass
+
+    rec = Recorder()
+    monkeypatch.setattr(sys, "stdout", rec)
+    telemetry.emit("[mm-balance] iteration 5 | packs_moved: 4 | prefetched: 1")
+    assert rec.writes == ["[mm-balance] iteration 5 | packs_moved: 4 | prefetched: 1\n"]

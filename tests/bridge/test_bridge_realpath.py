@@ -82,15 +82,17 @@ FP32_CHECKPOINT_FLOOR = 1e-8
 
 def test_fp32_off_on_checkpoints_within_the_control_band(runner):
     """fp32 DP=2 x EP=2 (the layout test's off and on runs, and a control run): compare-logs
-    says EQUAL (every printed loss identical), and on the bits of the final torch_dist
-    checkpoints (``mm-balance compare-checkpoints``, every model tensor) balancing is within
-    the control's band. Not bit-identical: under expert parallelism an expert's weight
-    gradient sums the tokens that met there in another order, which fp32 rounds too."""
+    is not DIFFERENT (the printed losses are identical in most runs; a last printed digit may
+    differ, e.g. ``load_balancing_loss`` by 8.8e-7 at iteration 5 on one machine, which the
+    band's floor admits), and on the bits of the final torch_dist checkpoints (``mm-balance
+    compare-checkpoints``, every model tensor) balancing is within the control's band. Not
+    bit-identical: under expert parallelism an expert's weight gradient sums the tokens that
+    met there in another order, which fp32 rounds too."""
     from megatron_mm_balance.megatron.band import DEFAULT_K
     from megatron_mm_balance.megatron.checkpoints import compare_checkpoints
     off, on = runner("dp2_ep2_fp32-off", "dp2_ep2_fp32", False), runner("dp2_ep2_fp32-on", "dp2_ep2_fp32", True)
     ctl = runner("dp2_ep2_fp32-control", "dp2_ep2_fp32", True, extra=["mm_balance.mode=control"])
-    bu.check_band(off, on, ctl, "Bridge fp32 dp2_ep2", verdict="EQUAL")
+    bu.check_band(off, on, ctl, "Bridge fp32 dp2_ep2")
     ckpt = {name: str(r.output_dir / "checkpoints") for name, r in (("off", off), ("on", on), ("control", ctl))}
     on_off = compare_checkpoints(ckpt["off"], ckpt["on"])
     ctl_off = compare_checkpoints(ckpt["off"], ckpt["control"])
@@ -188,7 +190,7 @@ RANKS, MICROBATCHES = 4, 2            # GBS 8 over data-parallel size 4
 
 def test_cost_auto_trains_as_off_and_writes_the_fit(runner, bridge_runs_dir):
     """``mm_balance.cost=auto`` with the timing hooks writing their records: the printed losses
-    equal the off run's exactly; on the bits of the final checkpoint (every model tensor,
+    within the control run's band of the off run's (compare-logs; identical in most runs); on the bits of the final checkpoint (every model tensor,
     ``megatron/checkpoints.py``) it is within the control run's band of the off run (fp32 under
     expert parallelism is not bit-identical when micro-batches regroup, section 5.1 of
     docs/bridge.md), and where the calibration kept image tokens it is bit for bit the
@@ -204,7 +206,8 @@ def test_cost_auto_trains_as_off_and_writes_the_fit(runner, bridge_runs_dir):
     auto = runner("auto", AUTO_LAYOUT, True, extra=AUTO + [f"mm_balance.timing_dir={timing_dir}"])
     table = bu.loss_table({"off": off, "cost=auto": auto})
     assert off.rc == 0 and auto.rc == 0 and on.rc == 0 and ctl.rc == 0, f"exit {off.rc}/{auto.rc}\n{auto.tail()}"
-    assert sorted(auto.losses) == list(range(1, ITERS + 1)) and auto.losses == off.losses, table
+    assert sorted(auto.losses) == list(range(1, ITERS + 1)), table
+    bu.check_band(off, auto, ctl, f"Bridge fp32 {AUTO_LAYOUT}, cost=auto")
     ckpt = lambda name: str(bridge_runs_dir / name / "checkpoints")  # noqa: E731
     same = compare_checkpoints(ckpt(f"{AUTO_LAYOUT}-off"), ckpt("auto"))
     band = compare_checkpoints(ckpt(f"{AUTO_LAYOUT}-off"), ckpt(f"{AUTO_LAYOUT}-control"))
@@ -292,7 +295,8 @@ def test_cost_auto_resume_restores_the_fit(runner, bridge_runs_dir):
 
 def test_cost_model_from_flops_trains_within_the_control_band(runner, bridge_runs_dir):
     """``mm_balance.cost=model`` without a cost file: the FLOP-derived model of the provider's
-    tower and language model (cost/flops.py) is the cost. Printed losses equal off's; the final
+    tower and language model (cost/flops.py) is the cost. Printed losses within the control's
+    band of off's (compare-logs; identical in most runs); the final
     checkpoint is bit for bit the image-token balanced run's where it placed the same, else
     within the fp32 control's band of off (the layout test's off, on and control runs)."""
     from megatron_mm_balance.megatron.band import DEFAULT_K
@@ -303,7 +307,8 @@ def test_cost_model_from_flops_trains_within_the_control_band(runner, bridge_run
     model = runner("model", AUTO_LAYOUT, True, extra=["mm_balance.cost=model"])
     table = bu.loss_table({"off": off, "cost=model": model})
     assert off.rc == 0 and on.rc == 0 and ctl.rc == 0 and model.rc == 0, f"exit {model.rc}\n{model.tail()}"
-    assert sorted(model.losses) == list(range(1, ITERS + 1)) and model.losses == off.losses, table
+    assert sorted(model.losses) == list(range(1, ITERS + 1)), table
+    bu.check_band(off, model, ctl, f"Bridge fp32 {AUTO_LAYOUT}, cost=model")
     # costs in the model's microseconds, not patches: the FLOP model was the cost
     assert model.stat("cost_step_mean") and model.stat("cost_step_mean") != on.stat("cost_step_mean"), model.tail()
     assert sum(model.stat("packs_moved").values()) > 0, model.tail()

@@ -1,105 +1,50 @@
 """The native-resolution benchmark's toy Qwen3-VL MoE for Megatron-Bridge on CPU (``mm-balance
 bench-realpath --bridge``, docs/real_speed.md).
 
-The tiny config (``qwen3_vl_moe_tiny_cpu.py``: the same recipe steps, 2-layer MoE language
-model of hidden 128 with 4 experts top-2, sequence length 1024) with a vision tower sized so
+The tiny config (``qwen3_vl_moe_tiny_cpu.py``, loaded from beside this file: its recipe steps,
+2-layer MoE language model of hidden 128 with 4 experts top-2, not gated here, sequence length
+1024) with a vision tower sized so
 that its share of a micro-batch's training FLOPs at the mean pack of the native-res mix
 (``make-dataset --format bridge-qwen-vl --mix native-res``) matches Qwen3-VL-30B-A3B's at 8K
 (29%): one layer of hidden 48 (3 heads), ffn 256, one deepstack merger.
 ``python -m megatron_mm_balance.bench.native_share`` prints the computation (it reads
 ``VISION_CONFIG``, ``LANGUAGE_CONFIG`` and ``SEQ_LENGTH`` below, which ``model_provider``
 builds the model from). The processor's pixel bounds keep every image and video of the mix
-at its own grid.
+at its own grid; 8 micro-batches per rank (GBS 16 at DP=2).
 """
 from __future__ import annotations
 
-import os
+import importlib.util
+from pathlib import Path
 
-import torch
-
-from megatron_mm_balance.bridge.dataset import PATCH, SPECIAL_TOKENS
+from megatron_mm_balance.bridge.dataset import PATCH
 from megatron_mm_balance.bridge.native_dataset import MAX_PIXELS, MIN_PIXELS
 
-SEQ_LENGTH = 1024
+
+def _tiny():
+    """``qwen3_vl_moe_tiny_cpu.py`` beside this file (recipes are loaded by path, not as a package)."""
+    path = Path(__file__).resolve().with_name("qwen3_vl_moe_tiny_cpu.py")
+    spec = importlib.util.spec_from_file_location("_mm_balance_recipe_qwen3_vl_moe_tiny_cpu", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+TINY = _tiny()
+SEQ_LENGTH = TINY.SEQ_LENGTH
 #: Qwen3VLVisionConfig fields of the tower.
 VISION_CONFIG = dict(depth=1, hidden_size=48, intermediate_size=256, num_heads=3, patch_size=PATCH,
                      spatial_merge_size=2, temporal_patch_size=2, in_channels=3, out_hidden_size=128,
                      num_position_embeddings=256, deepstack_visual_indexes=[0], hidden_act="gelu_pytorch_tanh")
 #: The language model's shapes (provider fields; ``vocab_size``: the processor's 2,048 tokens).
-LANGUAGE_CONFIG = dict(num_layers=2, hidden_size=128, ffn_hidden_size=256, num_attention_heads=4,
-                       num_query_groups=2, kv_channels=32, num_moe_experts=4, moe_router_topk=2,
-                       moe_ffn_hidden_size=128, gated_linear_unit=False, vocab_size=2048)
-
-
-def _token_ids() -> dict:
-    at = SPECIAL_TOKENS.index
-    return dict(image_token_id=at("<|image_pad|>"), video_token_id=at("<|video_pad|>"),
-                vision_start_token_id=at("<|vision_start|>"), vision_end_token_id=at("<|vision_end|>"),
-                bos_token_id=at("<|endoftext|>"), eos_token_id=at("<|im_end|>"))
+LANGUAGE_CONFIG = dict(TINY.LANGUAGE, gated_linear_unit=False, vocab_size=2048)
 
 
 def model_provider():
-    from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionConfig
-
-    from megatron.bridge.models.qwen_vl.qwen3_vl_provider import Qwen3VLMoEModelProvider
-
     language = {k: v for k, v in LANGUAGE_CONFIG.items() if k != "vocab_size"}
-    return Qwen3VLMoEModelProvider(
-        **language, head_dim=LANGUAGE_CONFIG["kv_channels"], mrope_section=[4, 6, 6],
-        moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-2,
-        moe_token_dispatcher_type="allgather", moe_grouped_gemm=False, moe_permute_fusion=False,
-        moe_router_dtype="fp32",
-        seq_length=SEQ_LENGTH, language_max_sequence_length=SEQ_LENGTH, make_vocab_size_divisible_by=128,
-        vision_config=Qwen3VLVisionConfig(**VISION_CONFIG), **_token_ids(),
-        freeze_language_model=False, freeze_vision_model=False, freeze_vision_projection=False,
-        add_bias_linear=False, init_method_std=0.02,
-        hidden_dropout=0.0, attention_dropout=0.0,
-        persist_layer_norm=False, bias_activation_fusion=False, bias_dropout_fusion=False,
-        apply_rope_fusion=False, gradient_accumulation_fusion=False, masked_softmax_fusion=False,
-        cross_entropy_loss_fusion=False, deallocate_pipeline_outputs=False,
-        tensor_model_parallel_size=1, pipeline_model_parallel_size=1, expert_model_parallel_size=2,
-        context_parallel_size=1, sequence_parallel=False,
-    )
+    return TINY.model_provider(vision=VISION_CONFIG, language=language)
 
 
 def config():
-    from megatron.bridge.data.builders.energon import EnergonDatasetConfig, QwenVLEnergonTaskEncoderConfig
-    from megatron.bridge.recipes.common import _pretrain_common
-    from megatron.bridge.recipes.utils.optimizer_utils import distributed_fused_adam_with_cosine_annealing
-    from megatron.bridge.training.tokenizers.config import TokenizerConfig
-
-    out = os.path.join(os.getcwd(), "runs", "qwen3_vl_moe_native_res_cpu")
-    cfg = _pretrain_common()
-    cfg.model = model_provider()
-    cfg.train.train_iters = 20
-    cfg.train.global_batch_size = 16
-    cfg.train.micro_batch_size = 1
-    cfg.train.manual_gc = False
-    cfg.validation.eval_iters = 0
-    cfg.validation.eval_interval = 1000
-    opt, sched = distributed_fused_adam_with_cosine_annealing(lr_warmup_iters=1, lr_decay_iters=None,
-                                                              max_lr=1e-4, min_lr=1e-5)
-    opt.use_precision_aware_optimizer = False
-    cfg.optimizer, cfg.scheduler = opt, sched
-    cfg.ddp.overlap_grad_reduce = False
-    cfg.ddp.overlap_param_gather = False
-    cfg.ddp.use_distributed_optimizer = True
-    cfg.mixed_precision = "bf16_mixed"
-    cfg.tokenizer = TokenizerConfig(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=None,
-                                    use_tokenizer_vocab_size=True)
-    cfg.dataset = EnergonDatasetConfig(
-        path=None, seq_length=SEQ_LENGTH, micro_batch_size=1, num_workers=1,
-        task_encoder=QwenVLEnergonTaskEncoderConfig(hf_processor_path="processor", patch_size=PATCH,
-                                                    min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS,
-                                                    max_visual_tokens=None, trust_remote_code=False),
-        shuffle_buffer_size=100, pin_memory=False, do_validation=False)
-    cfg.logger.log_interval = 1
-    cfg.logger.tensorboard_dir = os.path.join(out, "tensorboard")
-    cfg.checkpoint.save = cfg.checkpoint.load = os.path.join(out, "checkpoints")
-    cfg.checkpoint.save_interval = 1000
-    cfg.checkpoint.ckpt_format = "torch_dist"
-    cfg.checkpoint.async_save = False
-    cfg.rng.seed = 1234
-    cfg.model.bf16 = True
-    cfg.model.params_dtype = torch.bfloat16
-    return cfg
+    return TINY.config(provider=model_provider, name="qwen3_vl_moe_native_res_cpu", global_batch_size=16,
+                       min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)

@@ -25,6 +25,14 @@ import torch
 from megatron_mm_balance.bridge.dataset import MAX_PIXELS, MIN_PIXELS, PATCH, SPECIAL_TOKENS
 
 SEQ_LENGTH = 1024
+#: ``Qwen3VLVisionConfig`` fields of the tower (``out_hidden_size``: the language model's hidden).
+VISION = dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=4, patch_size=PATCH,
+              spatial_merge_size=2, temporal_patch_size=2, in_channels=3, out_hidden_size=128,
+              num_position_embeddings=256, deepstack_visual_indexes=[0], hidden_act="gelu_pytorch_tanh")
+#: The language model's shapes (``Qwen3VLMoEModelProvider`` fields; ``head_dim`` is ``kv_channels``).
+LANGUAGE = dict(num_layers=2, hidden_size=128, ffn_hidden_size=256, num_attention_heads=4,
+                num_query_groups=2, kv_channels=32, num_moe_experts=4, moe_router_topk=2,
+                moe_ffn_hidden_size=128)
 
 
 def _token_ids() -> dict:
@@ -34,25 +42,19 @@ def _token_ids() -> dict:
                 bos_token_id=at("<|endoftext|>"), eos_token_id=at("<|im_end|>"))
 
 
-def model_provider():
+def model_provider(vision: dict = VISION, language: dict = LANGUAGE):
+    """The provider of this toy model; other configs pass their own tower and language shapes."""
     from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionConfig
 
     from megatron.bridge.models.qwen_vl.qwen3_vl_provider import Qwen3VLMoEModelProvider
 
-    hidden = 128
-    vision = Qwen3VLVisionConfig(depth=2, hidden_size=64, intermediate_size=128, num_heads=4,
-                                 patch_size=PATCH, spatial_merge_size=2, temporal_patch_size=2,
-                                 in_channels=3, out_hidden_size=hidden, num_position_embeddings=256,
-                                 deepstack_visual_indexes=[0], hidden_act="gelu_pytorch_tanh")
     return Qwen3VLMoEModelProvider(
-        num_layers=2, hidden_size=hidden, ffn_hidden_size=256, num_attention_heads=4,
-        num_query_groups=2, kv_channels=32, head_dim=32, mrope_section=[4, 6, 6],
-        num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=128,
+        **language, head_dim=language["kv_channels"], mrope_section=[4, 6, 6],
         moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-2,
         moe_token_dispatcher_type="allgather", moe_grouped_gemm=False, moe_permute_fusion=False,
         moe_router_dtype="fp32",
         seq_length=SEQ_LENGTH, language_max_sequence_length=SEQ_LENGTH, make_vocab_size_divisible_by=128,
-        vision_config=vision, **_token_ids(),
+        vision_config=Qwen3VLVisionConfig(**vision), **_token_ids(),
         freeze_language_model=False, freeze_vision_model=False, freeze_vision_projection=False,
         add_bias_linear=False, init_method_std=0.02,
         hidden_dropout=0.0, attention_dropout=0.0,
@@ -64,17 +66,21 @@ def model_provider():
     )
 
 
-def config():
+def config(provider=model_provider, name: str = "qwen3_vl_moe_tiny_cpu", global_batch_size: int = 8,
+           min_pixels: int = MIN_PIXELS, max_pixels: int = MAX_PIXELS):
+    """The ``ConfigContainer``: ``provider()`` as the model, outputs under ``runs/NAME``, the
+    processor's pixel bounds; the rest (optimizer, precision, checkpoints) shared by every
+    config built on this one."""
     from megatron.bridge.data.builders.energon import EnergonDatasetConfig, QwenVLEnergonTaskEncoderConfig
     from megatron.bridge.recipes.common import _pretrain_common
     from megatron.bridge.recipes.utils.optimizer_utils import distributed_fused_adam_with_cosine_annealing
     from megatron.bridge.training.tokenizers.config import TokenizerConfig
 
-    out = os.path.join(os.getcwd(), "runs", "qwen3_vl_moe_tiny_cpu")
+    out = os.path.join(os.getcwd(), "runs", name)
     cfg = _pretrain_common()
-    cfg.model = model_provider()
+    cfg.model = provider()
     cfg.train.train_iters = 20
-    cfg.train.global_batch_size = 8
+    cfg.train.global_batch_size = global_batch_size
     cfg.train.micro_batch_size = 1
     cfg.train.manual_gc = False
     cfg.validation.eval_iters = 0
@@ -92,7 +98,7 @@ def config():
     cfg.dataset = EnergonDatasetConfig(
         path=None, seq_length=SEQ_LENGTH, micro_batch_size=1, num_workers=1,
         task_encoder=QwenVLEnergonTaskEncoderConfig(hf_processor_path="processor", patch_size=PATCH,
-                                                    min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS,
+                                                    min_pixels=min_pixels, max_pixels=max_pixels,
                                                     max_visual_tokens=None, trust_remote_code=False),
         shuffle_buffer_size=100, pin_memory=False, do_validation=False)
     cfg.logger.log_interval = 1

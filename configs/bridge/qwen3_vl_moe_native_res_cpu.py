@@ -17,7 +17,6 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from megatron_mm_balance.bridge.dataset import PATCH
 from megatron_mm_balance.bridge.native_dataset import MAX_PIXELS, MIN_PIXELS
 
 
@@ -32,10 +31,8 @@ def _tiny():
 
 TINY = _tiny()
 SEQ_LENGTH = TINY.SEQ_LENGTH
-#: Qwen3VLVisionConfig fields of the tower.
-VISION_CONFIG = dict(depth=1, hidden_size=48, intermediate_size=256, num_heads=3, patch_size=PATCH,
-                     spatial_merge_size=2, temporal_patch_size=2, in_channels=3, out_hidden_size=128,
-                     num_position_embeddings=256, deepstack_visual_indexes=[0], hidden_act="gelu_pytorch_tanh")
+#: Qwen3VLVisionConfig fields of the tower: the tiny config's, one narrower layer with a wider MLP.
+VISION_CONFIG = dict(TINY.VISION, depth=1, hidden_size=48, intermediate_size=256, num_heads=3)
 #: The language model's shapes (provider fields; ``vocab_size``: the processor's 2,048 tokens).
 LANGUAGE_CONFIG = dict(TINY.LANGUAGE, gated_linear_unit=False, vocab_size=2048)
 

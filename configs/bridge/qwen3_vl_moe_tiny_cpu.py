@@ -25,14 +25,15 @@ import torch
 from megatron_mm_balance.bridge.dataset import MAX_PIXELS, MIN_PIXELS, PATCH, SPECIAL_TOKENS
 
 SEQ_LENGTH = 1024
-#: ``Qwen3VLVisionConfig`` fields of the tower (``out_hidden_size``: the language model's hidden).
-VISION = dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=4, patch_size=PATCH,
-              spatial_merge_size=2, temporal_patch_size=2, in_channels=3, out_hidden_size=128,
-              num_position_embeddings=256, deepstack_visual_indexes=[0], hidden_act="gelu_pytorch_tanh")
 #: The language model's shapes (``Qwen3VLMoEModelProvider`` fields; ``head_dim`` is ``kv_channels``).
 LANGUAGE = dict(num_layers=2, hidden_size=128, ffn_hidden_size=256, num_attention_heads=4,
                 num_query_groups=2, kv_channels=32, num_moe_experts=4, moe_router_topk=2,
                 moe_ffn_hidden_size=128)
+#: ``Qwen3VLVisionConfig`` fields of the tower (``out_hidden_size``: the language model's hidden).
+VISION = dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=4, patch_size=PATCH,
+              spatial_merge_size=2, temporal_patch_size=2, in_channels=3,
+              out_hidden_size=LANGUAGE["hidden_size"], num_position_embeddings=256,
+              deepstack_visual_indexes=[0], hidden_act="gelu_pytorch_tanh")
 
 
 def _token_ids() -> dict:

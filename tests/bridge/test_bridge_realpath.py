@@ -190,8 +190,8 @@ RANKS, MICROBATCHES = 4, 2            # GBS 8 over data-parallel size 4
 
 def test_cost_auto_trains_as_off_and_writes_the_fit(runner, bridge_runs_dir):
     """``mm_balance.cost=auto`` with the timing hooks writing their records: the printed losses
-    within the control run's band of the off run's (compare-logs; identical in most runs); on the bits of the final checkpoint (every model tensor,
-    ``megatron/checkpoints.py``) it is within the control run's band of the off run (fp32 under
+    within the control run's band of the off run's (compare-logs; identical in most runs); on
+    the bits of the final checkpoint (every model tensor, ``megatron/checkpoints.py``) it is within the control run's band of the off run (fp32 under
     expert parallelism is not bit-identical when micro-batches regroup, section 5.1 of
     docs/bridge.md), and where the calibration kept image tokens it is bit for bit the
     image-token balanced run; every micro-batch of every rank is recorded with its grids, and

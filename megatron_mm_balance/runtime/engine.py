@@ -353,7 +353,7 @@ class Engine:
                 if dst != me and int(P.src_rank[dst, k]) == me:
                     idx = int(P.src_index[dst, k])
                     pack, plan.packs[idx] = plan.packs[idx], None
-                    sends.append(self.transport.send(pack, dst))
+                    sends.append(self.transport.send(pack, dst, gb, k))
                     t.packs_sent += 1
                     t.bytes_sent += sends[-1].nbytes
                     if self.traffic_nodes is not None and self.traffic_nodes[dst] != self.traffic_nodes[me]:

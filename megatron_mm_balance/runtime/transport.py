@@ -92,35 +92,50 @@ class PackTransport:
         try:
             work.wait(datetime.timedelta(seconds=self.timeout))
         except Exception as e:
-            where = self.name_batch(gb) + (f", micro-step {step}" if step is not None else "")
-            peer_txt = (" with rank " + ", ".join(str(p) for p in peers)) if peers else ""
-            me = self.my_rank
-            diag = self.board.diagnose(me, gb) if self.board else ""
-            first = (str(e).splitlines() or [""])[0][:300]
-            msg = (f"rank {me}: {what}{peer_txt} failed at {where} after "
-                   f"{time.monotonic() - t0:.1f}s ({type(e).__name__}: {first}); {diag}")
-            if self.board:                           # lets peers name the root cause
-                self.board.post_error(me, f"{what}{peer_txt} failed at {where}")
-            raise PeerFailure(msg, global_batch=gb, peers=peers) from e
+            raise self._failure(e, what, gb, peers, step, time.monotonic() - t0) from e
+
+    def post(self, start: Callable[[], object], what: str, gb: int, peers=(), step=None):
+        """``start()``: post an asynchronous operation and return its work. A peer that is
+        already gone makes gloo refuse the post itself (\"Connection closed by peer\"), not
+        the wait; that too is a :class:`PeerFailure` naming the peer and the micro-step."""
+        try:
+            return start()
+        except Exception as e:
+            raise self._failure(e, what, gb, peers, step, 0.0) from e
+
+    def _failure(self, e: Exception, what: str, gb: int, peers, step, waited: float) -> PeerFailure:
+        where = self.name_batch(gb) + (f", micro-step {step}" if step is not None else "")
+        peer_txt = (" with rank " + ", ".join(str(p) for p in peers)) if peers else ""
+        me = self.my_rank
+        diag = self.board.diagnose(me, gb) if self.board else ""
+        first = (str(e).splitlines() or [""])[0][:300]
+        msg = (f"rank {me}: {what}{peer_txt} failed at {where} after "
+               f"{waited:.1f}s ({type(e).__name__}: {first}); {diag}")
+        if self.board:                               # lets peers name the root cause
+            self.board.post_error(me, f"{what}{peer_txt} failed at {where}")
+        return PeerFailure(msg, global_batch=gb, peers=peers)
 
     # -- collectives ----------------------------------------------------------------
     def all_gather(self, t: torch.Tensor, what: str, gb: int) -> torch.Tensor:
         """``[world, t.numel()]``: every rank's ``t`` (same size on every rank)."""
         out = torch.empty(self.world * t.numel(), dtype=t.dtype)
         outs = list(out.view(self.world, -1).unbind(0))
-        work = dist.all_gather(outs, t, group=self.group, async_op=True)
+        work = self.post(lambda: dist.all_gather(outs, t, group=self.group, async_op=True), what, gb)
         self.wait(work, what, gb)
         return out.view(self.world, -1)
 
     # -- point to point ---------------------------------------------------------------
-    def send(self, pack, peer: int) -> PendingSend:
-        """Post the messages of ``pack`` to group rank ``peer`` (see module docstring)."""
+    def send(self, pack, peer: int, gb: int, step: int) -> PendingSend:
+        """Post the messages of ``pack`` to group rank ``peer`` at micro-step ``step`` of
+        global batch ``gb`` (see module docstring)."""
         sp = wire.split(pack)
         parts = [p.cpu() if p.is_cuda else p for p in sp.parts if p.numel()]
         header = torch.frombuffer(bytearray(sp.header), dtype=torch.uint8)
         meta = torch.tensor([len(sp.header), sp.data_nbytes, len(parts)], dtype=torch.int64)
         dst = self.ranks[peer]
-        works = [dist.isend(t, dst=dst, group=self.group) for t in [meta, header] + parts]
+        works = [self.post(lambda t=t: dist.isend(t, dst=dst, group=self.group), "sending a pack",
+                           gb, (dst,), step)
+                 for t in [meta, header] + parts]
         nbytes = PACK_RECORD_BYTES + len(sp.header) + sum(p.numel() for p in parts)
         return PendingSend(dst, works, (meta, header, parts), nbytes)
 
@@ -134,7 +149,8 @@ class PackTransport:
         src = self.ranks[peer]
 
         def recv(t, what):
-            self.wait(dist.irecv(t, src=src, group=self.group), what, gb, (src,), step)
+            work = self.post(lambda: dist.irecv(t, src=src, group=self.group), what, gb, (src,), step)
+            self.wait(work, what, gb, (src,), step)
 
         meta = torch.empty(3, dtype=torch.int64)
         recv(meta, "receiving a pack record")
@@ -152,7 +168,9 @@ class PackTransport:
                               f"its record at {self.name_batch(gb)}, micro-step {step}",
                               global_batch=gb, peers=(src,))
         data = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.cuda_mover is not None)
-        works = [dist.irecv(data[r.offset: r.offset + r.nbytes], src=src, group=self.group)
+        works = [self.post(lambda r=r: dist.irecv(data[r.offset: r.offset + r.nbytes], src=src,
+                                                  group=self.group),
+                           "receiving a pack", gb, (src,), step)
                  for r in refs]
         for w in works:
             self.wait(w, "receiving a pack", gb, (src,), step)

@@ -649,6 +649,25 @@ def scenario_fault_kill(rank, world, G=2, timeout=5.0):
     return res
 
 
+def scenario_post_to_a_dead_peer(rank, world, timeout=5.0):
+    """Rank 1 exits after a first collective; rank 0 then posts a send, a receive and an
+    all-gather. gloo refuses each post itself ("Connection closed by peer"), before any
+    wait: what the transport raises for each."""
+    import torch
+    import torch.distributed as dist
+    from megatron_mm_balance.runtime.transport import PackTransport
+    dist.all_reduce(torch.zeros(1))
+    if rank == 1:
+        os._exit(0)
+    time.sleep(1.0)                                  # the peer's socket is closed by now
+    tr = PackTransport(dist.group.WORLD, list(range(world)), rank, timeout=timeout)
+    res = {"skip_teardown": True}
+    res["send"] = _outcome(lambda: tr.finish(tr.send(make_pack(0, 0), 1, 3, 1), 3, 1))
+    res["receive"] = _outcome(lambda: tr.receive(1, 3, 1))
+    res["all_gather"] = _outcome(lambda: tr.all_gather(torch.zeros(2, dtype=torch.int64), "all-gather of pack costs", 3).tolist())
+    return res
+
+
 def scenario_die(rank, world, G=4, timeout=5.0):
     """Rank ``world-1`` exits abruptly in the middle of global batch 1."""
     from megatron_mm_balance.runtime import BalancedDataIterator

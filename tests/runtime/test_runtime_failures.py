@@ -129,6 +129,21 @@ def test_peer_dies():
     _assert_named(res, 2, 5.0)
 
 
+def test_a_post_to_a_dead_peer_is_a_peer_failure():
+    """gloo refuses to post a send or a receive to a peer whose process is gone (before any
+    wait): the transport turns that into a PeerFailure naming the peer, the global batch and
+    the micro-step too, not a bare RuntimeError from gloo."""
+    res = harness.launch(2, "post_to_a_dead_peer", hard_timeout=60)
+    x = res[0]
+    assert not x.get("killed") and "error" not in x, x
+    for what, text in (("send", "sending a pack with rank 1 failed at global batch 3, micro-step 1"),
+                       ("receive", "with rank 1 failed at global batch 3, micro-step 1"),
+                       ("all_gather", "all-gather of pack costs failed at global batch 3")):
+        out = x[what]
+        assert out["type"] == "PeerFailure", (what, out)
+        assert text in out["msg"] and "Connection closed by peer" in out["msg"], (what, out)
+
+
 def test_peer_stalls():
     res = harness.launch(3, "stall", hard_timeout=60, timeout=3.0, stall=6.0)
     _assert_named(res, 2, 3.0)

@@ -74,6 +74,14 @@ class MMBalanceBridgeConfig:
     #: ``vision=images``: no rank receiving frames ends above this many patches (None: the
     #: most any rank held before balancing, per micro-step)
     image_patch_cap: Optional[int] = None
+    #: ``vision=images``: the data-parallel link's bandwidth in GB/s; a moved frame's
+    #: transfer time counts on its receiver, so a frame whose move costs more than it saves
+    #: stays (None: a nominal figure for the device, :data:`~.vision.NOMINAL_RATES`;
+    #: ``inf``: moves are free)
+    image_link_gbps: Optional[float] = None
+    #: ``vision=images``: the vision tower's achieved TFLOP/s, which turns a transfer time
+    #: into frame cost (None: a nominal figure for the device, :data:`~.vision.NOMINAL_RATES`)
+    vision_tflops: Optional[float] = None
 
     @property
     def wraps_train_iterator(self) -> bool:

@@ -61,6 +61,12 @@ import numpy as np
 from .cp_split import QWEN3_VL_MODEL
 
 CHOICES = ("packs", "images")
+#: nominal ``(link GB/s, vision tower TFLOP/s)`` by device type, used where
+#: ``mm_balance.image_link_gbps`` / ``vision_tflops`` are not set: on GPUs one 200 Gb/s NIC
+#: per GPU (the inter-node link a data-parallel group crosses) and bf16 dense at about 40% of
+#: an H100's peak; on CPU gloo between processes and fp32 GEMMs on one core
+#: (benchmarks/bench_cpu_transfer_rates.py; docs/bridge.md §9)
+NOMINAL_RATES = {"cuda": (25.0, 400.0), "cpu": (2.0, 0.05)}
 GATHER_NAME = "AllGatherVisionEmbeddings"
 #: dtype codes of the per-micro-step header (the same table on every rank)
 DTYPES = ("float32", "bfloat16", "float16", "float64")
@@ -78,6 +84,11 @@ def checked_vision(mm, model_cfg) -> str:
     cap = getattr(mm, "image_patch_cap", None)
     if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
         raise MMBalanceConfigError(f"mm_balance.image_patch_cap must be a positive integer (patches), got {cap!r}")
+    for name, unit in (("image_link_gbps", "GB/s"), ("vision_tflops", "TFLOP/s")):
+        value = getattr(mm, name, None)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not value > 0 or (name == "vision_tflops" and value == float("inf"))):
+            raise MMBalanceConfigError(f"mm_balance.{name} must be a positive number ({unit}), got {value!r}")
     if vision == "packs":
         return vision
     refusal = _refusal(mm, model_cfg)
@@ -107,6 +118,27 @@ def _refusal(mm, model_cfg) -> Optional[str]:
         return ("cannot be combined with model.dist_train.use_dist_train (the vision tower on ranks of "
                 "its own); turn one off")
     return None
+
+
+def transfer_rates(mm, device_type: str) -> tuple:
+    """``(link GB/s, tower TFLOP/s)``: the settings, else :data:`NOMINAL_RATES` of the device."""
+    link, tflops = NOMINAL_RATES.get(device_type, NOMINAL_RATES["cuda"])
+    given_link, given_tflops = getattr(mm, "image_link_gbps", None), getattr(mm, "vision_tflops", None)
+    return (float(link if given_link is None else given_link),
+            float(tflops if given_tflops is None else given_tflops))
+
+
+def tower_flops_per_unit(model_cfg) -> float:
+    """Forward FLOPs of one unit of the frame cost ``p * (p + 2*hidden + ffn)``: a layer
+    multiplies and adds ``2*hidden*p*(p + 2*hidden + ffn)`` times (QKV and output
+    projections, scores and values over the frame, a two-matrix MLP), so ``4 * hidden *
+    depth`` FLOPs per unit over the tower."""
+    vision = getattr(model_cfg, "vision_config", None)
+    hidden, depth = getattr(vision, "hidden_size", None), getattr(vision, "depth", None)
+    if not hidden or not depth:
+        raise ValueError("mm_balance.vision=images needs model.vision_config.hidden_size and depth "
+                         "(the vision tower's sizes)")
+    return 4.0 * int(hidden) * int(depth)
 
 
 # -- frames of Qwen3-VL grids -----------------------------------------------------------------
@@ -153,9 +185,13 @@ class BalancedFrames:
     """The hooks of one model chunk (a Bridge ``Qwen3VLModel``); :meth:`remove` takes them off."""
 
     def __init__(self, model, group, *, frame_cost: Callable[[int], int], patch_cap: Optional[int] = None,
-                 report: Optional["FrameReport"] = None):
+                 report: Optional["FrameReport"] = None, rates: Optional[tuple] = None,
+                 flops_per_unit: Optional[float] = None):
         self.model, self.group, self.frame_cost = model, group, frame_cost
         self.patch_cap, self.report = patch_cap, report
+        #: ``(link GB/s, tower TFLOP/s)`` and the forward FLOPs of a unit of frame cost: a
+        #: moved frame's transfer time in the plan (None: moves are free)
+        self.rates, self.flops_per_unit = rates, flops_per_unit
         self.vision = model.vision_model
         self.merge = int(self.vision.spatial_merge_size)
         self.width = int(model.config.hidden_size)
@@ -238,10 +274,12 @@ class BalancedFrames:
         if np.any(patches % (self.merge * self.merge)):
             raise ValueError(f"mm_balance.vision=images: a frame's patches are not a multiple of the "
                              f"{self.merge}x{self.merge} merge")
+        transfer = self._transfer(patches, in_dim, dtype, pixel_grad)
         encoder = plan_frame_encoders(table.owner, cost, table.num_ranks, patches=patches,
-                                      patch_cap=self.patch_cap)
-        self.last_plan = dict(owner=table.owner, cost=cost, patches=patches, encoder=encoder)
-        self._account(frame_figures(table.owner, encoder, cost, patches, table.num_ranks))
+                                      patch_cap=self.patch_cap, transfer=transfer)
+        self.last_plan = dict(owner=table.owner, cost=cost, patches=patches, encoder=encoder,
+                              transfer=np.zeros_like(cost) if transfer is None else transfer)
+        self._account(frame_figures(table.owner, encoder, cost, patches, table.num_ranks, transfer))
         route = UnitExchange(table.owner, encoder, patches, patches // (self.merge * self.merge),
                              self.group, table.num_ranks)
         local = pixels if has_rows else torch.empty((0, in_dim), dtype=dtype, device=device)
@@ -266,6 +304,26 @@ class BalancedFrames:
                              f"({sorted(kinds)})")
         in_dim, code = kinds.pop()
         return in_dim, getattr(torch, DTYPES[code]), bool(held[:, 2].any())
+
+    def _transfer(self, patches, in_dim: int, dtype, pixel_grad: bool):
+        """Each frame's transfer cost (:class:`~megatron_mm_balance.runtime.frames.FrameTransfer`),
+        from numbers every rank holds alike: the agreed pixel rows, this tower's output width
+        and dtype, and whether backward crosses the exchange; None without rates."""
+        import torch
+
+        from ..runtime.frames import FrameTransfer
+        if self.rates is None or self.flops_per_unit is None:
+            return None
+        params = [p for p in self.vision.parameters() if p.is_floating_point()]
+        trains = any(p.requires_grad for p in params)
+        pixel_bytes = in_dim * torch.empty((), dtype=dtype).element_size()
+        out_bytes = (1 + self.deepstack) * self.width * params[0].element_size() / (self.merge * self.merge)
+        # forward: pixels out, embeddings back; backward: their gradients in, pixels' back
+        per_patch = pixel_bytes * (2 if pixel_grad else 1) + out_bytes * (2 if trains or pixel_grad else 1)
+        passes = 3 if trains else 2 if pixel_grad else 1
+        link, tflops = self.rates
+        unit_seconds = self.flops_per_unit * passes / (tflops * 1e12)
+        return FrameTransfer(per_patch, link, unit_seconds).cost(patches)
 
     def _encode(self, rows, table, units, device, pixel_grad):
         """The real tower on the frames this rank encodes, main and deepstack outputs side by
@@ -438,7 +496,9 @@ def install_frame_balance(model, cfg, core_cfg, args, pg_collection, state=None)
         if not hasattr(inner, "vision_transformer_config") or getattr(inner, "language_model", None) is None:
             raise RuntimeError(f"mm_balance.vision=images needs Bridge's Qwen3-VL model; this rank's model "
                                f"is a {type(inner).__name__}")
+        device = next(inner.vision_model.parameters()).device
         installed.append(BalancedFrames(inner, group, frame_cost=frame_cost_for(cfg.model),
                                         patch_cap=getattr(cfg.mm_balance, "image_patch_cap", None),
-                                        report=report))
+                                        report=report, rates=transfer_rates(cfg.mm_balance, device.type),
+                                        flops_per_unit=tower_flops_per_unit(cfg.model)))
     return installed

@@ -21,6 +21,7 @@ interval. Pure numpy: knows nothing of torch or Megatron.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from typing import Dict, Optional
 
@@ -36,6 +37,38 @@ def plan_frame_encoders(owner, cost, num_ranks: int, *, patches, patch_cap: Opti
     the time moving frame ``i`` costs its receiver, in the unit of ``cost`` (None: 0)."""
     patch_cap = default_patch_cap(owner, patches, num_ranks) if patch_cap is None else int(patch_cap)
     return plan_frames(owner, cost, num_ranks, patches=patches, patch_cap=patch_cap, transfer=transfer).encoder
+
+
+@dataclass(frozen=True)
+class FrameTransfer:
+    """What moving a frame costs the rank that receives it, in the frame cost's unit.
+
+    A moved frame's pixel rows travel to its encoder, its embeddings (main and deepstack)
+    back, and in backward their gradients to the encoder again (and the pixels' gradients
+    back when the pixels need them): ``bytes_per_patch`` per patch of the frame. Over a link
+    of ``link_gbps`` GB/s that takes ``patches * bytes_per_patch / link`` seconds, which is
+    ``/ unit_seconds`` units of cost (the seconds of compute one unit of the frame cost
+    takes). Rounded up, so a move is never charged less than it costs. Pure arithmetic on
+    numbers every rank holds alike: the same integers on every rank. ``link_gbps`` infinite:
+    moves are free (0)."""
+
+    bytes_per_patch: float
+    link_gbps: float
+    unit_seconds: float
+
+    def __post_init__(self):
+        for name in ("bytes_per_patch", "link_gbps", "unit_seconds"):
+            value = getattr(self, name)
+            if not value > 0 or math.isnan(value):
+                raise ValueError(f"FrameTransfer.{name} must be positive, got {value!r}")
+
+    def cost(self, patches) -> np.ndarray:
+        """The integer transfer cost of frames of ``patches`` patches each."""
+        patches = np.asarray(patches, dtype=np.float64)
+        if math.isinf(self.link_gbps):
+            return np.zeros(patches.shape, dtype=np.int64)
+        seconds = patches * self.bytes_per_patch / (self.link_gbps * 1e9)
+        return np.ceil(seconds / self.unit_seconds).astype(np.int64)
 
 
 def within_patch_cap(owner, encoder, cost, patches, cap: int, num_ranks: int) -> np.ndarray:
@@ -82,12 +115,16 @@ class FrameFigures:
     cost_mean: float
     patches_max_before: int
     patches_max_after: int
+    #: the moved frames' transfer cost (:class:`FrameTransfer`; 0 when none was charged)
+    transfer_moved: int = 0
 
 
-def frame_figures(owner, encoder, cost, patches, num_ranks: int) -> FrameFigures:
-    """The figures of one micro-step's assignment (see :class:`FrameFigures`)."""
+def frame_figures(owner, encoder, cost, patches, num_ranks: int, transfer=None) -> FrameFigures:
+    """The figures of one micro-step's assignment (see :class:`FrameFigures`);
+    ``transfer[i]``: what moving frame ``i`` costs (None: nothing)."""
     owner, encoder = np.asarray(owner, dtype=np.int64), np.asarray(encoder, dtype=np.int64)
     cost, patches = np.asarray(cost, dtype=np.int64), np.asarray(patches, dtype=np.int64)
+    transfer = np.zeros_like(cost) if transfer is None else np.asarray(transfer, dtype=np.int64)
     load = lambda where, what: np.bincount(where, weights=what, minlength=num_ranks).astype(np.int64)  # noqa: E731
     before, after = load(owner, cost), load(encoder, cost)
     total = int(cost.sum())
@@ -99,7 +136,8 @@ def frame_figures(owner, encoder, cost, patches, num_ranks: int) -> FrameFigures
         cost_moved_min=int(np.maximum(before - target, 0).sum()),
         cost_max_before=int(before.max()), cost_max_after=int(after.max()),
         cost_mean=total / num_ranks,
-        patches_max_before=int(load(owner, patches).max()), patches_max_after=int(load(encoder, patches).max()))
+        patches_max_before=int(load(owner, patches).max()), patches_max_after=int(load(encoder, patches).max()),
+        transfer_moved=int(transfer[moved].sum()))
 
 
 @dataclass
@@ -119,6 +157,7 @@ class FrameWindow:
     cost_mean: float = 0.0
     patches_max_before: int = 0
     patches_max_after: int = 0
+    transfer_moved: int = 0
 
     def add(self, figures: Optional[FrameFigures]) -> None:
         self.micro_steps += 1
@@ -137,7 +176,7 @@ class FrameWindow:
             "micro_steps": float(self.micro_steps), "frames": float(self.frames),
             "patches": float(self.patches), "frames_moved": float(self.frames_moved),
             "patches_moved": float(self.patches_moved), "cost_moved": float(self.cost_moved),
-            "cost_moved_min": float(self.cost_moved_min),
+            "cost_moved_min": float(self.cost_moved_min), "transfer_moved": float(self.transfer_moved),
             "vision_max_before": self.cost_max_before / n, "vision_max_after": self.cost_max_after / n,
             "vision_mean": self.cost_mean / n,
             "imbalance_before": ratio(self.cost_max_before), "imbalance_after": ratio(self.cost_max_after),

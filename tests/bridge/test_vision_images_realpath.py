@@ -14,6 +14,7 @@ import pytest
 from megatron_mm_balance.testing.ranks import run_rank_script
 
 RANK_SCRIPT = Path(__file__).with_name("vision_images_rank.py")
+VIDEO_STEP = 1                     # vision_images_rank.VIDEO_STEP
 WORLD = 4
 #: fp32: largest difference / largest entry. Not bit-identical: a rank encodes other frames
 #: than in the unbalanced run, so the CPU GEMMs get other row counts (their blocking and
@@ -104,6 +105,28 @@ def test_the_patch_cap_binds(results):
     print(f"\nstep 2, cap {cap} patches: frames moved {s['figures']['frames_moved']}, patches per rank after "
           f"{after.astype(int).tolist()}, largest rank cost {s['figures']['cost_max_before']} -> "
           f"{s['figures']['cost_max_after']}")
+
+
+def test_a_moved_frames_transfer_time_is_in_the_plan(results):
+    """The glue charges a moved frame's transfer (pixels there, embeddings back, their
+    gradients) to its receiver at the device's nominal rates: every frame has a positive
+    transfer cost, the same on every rank, and the figures count the moved frames'. Over a
+    link a millionth as fast, moving costs more than it saves: nothing moves, and the
+    outputs are still the unbalanced tower's."""
+    from megatron_mm_balance.bridge.vision import NOMINAL_RATES
+    assert results[0]["rates"] == list(NOMINAL_RATES["cpu"])
+    for step in range(3):
+        plan = results[0]["steps"][step]["plan"]
+        assert all(t > 0 for t in plan["transfer"]), (step, plan)
+        moved = [t for t, o, e in zip(plan["transfer"], plan["owner"], plan["encoder"]) if o != e]
+        assert results[0]["steps"][step]["figures"]["transfer_moved"] == sum(moved) > 0, step
+    for r in results:
+        slow = r["slow_link"]
+        assert slow["figures"]["frames_moved"] == 0 and slow["plan"]["encoder"] == slow["plan"]["owner"], slow
+        _check(slow["diffs"], ("fp32", r["rank"], "slow link"))
+    video = results[0]["steps"][VIDEO_STEP]["plan"]
+    print(f"\nvideo step: frame cost {video['cost']}, transfer {video['transfer']} (nominal CPU rates "
+          f"{results[0]['rates']} GB/s, TFLOP/s)")
 
 
 def test_no_frame_anywhere_costs_one_collective_and_evaluation_none(results):

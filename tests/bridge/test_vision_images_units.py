@@ -37,6 +37,11 @@ def test_defaults_keep_todays_behaviour():
     (dict(vision="frames"), {}, "mm_balance.vision must be one of packs, images, got 'frames'"),
     (dict(image_patch_cap=0), {}, "mm_balance.image_patch_cap must be a positive integer"),
     (dict(image_patch_cap=2.5), {}, "mm_balance.image_patch_cap must be a positive integer"),
+    (dict(image_link_gbps=0), {}, r"mm_balance.image_link_gbps must be a positive number \(GB/s\)"),
+    (dict(image_link_gbps="fast"), {}, "mm_balance.image_link_gbps must be a positive number"),
+    (dict(image_link_gbps=float("nan")), {}, "mm_balance.image_link_gbps must be a positive number"),
+    (dict(vision_tflops=-1.0), {}, r"mm_balance.vision_tflops must be a positive number \(TFLOP/s\)"),
+    (dict(vision_tflops=float("inf")), {}, "mm_balance.vision_tflops must be a positive number"),
     (dict(vision="images", enabled=False), {}, "vision=images needs mm_balance.enabled=true"),
     (dict(vision="images", mode="shadow"), {}, "mm_balance.mode=shadow moves nothing"),
     (dict(vision="images", mode="control"), {}, "mm_balance.mode=control moves nothing"),
@@ -53,6 +58,27 @@ def test_refusals_name_the_setting_in_one_line(mm, model, match):
     with pytest.raises(MMBalanceConfigError, match=match) as err:
         as_args(MMBalanceBridgeConfig(**values), _cfg(**model))
     assert "\n" not in str(err.value)
+
+
+def test_transfer_rates_are_the_settings_else_the_devices_nominal_ones():
+    from megatron_mm_balance.bridge.vision import NOMINAL_RATES, transfer_rates
+    assert transfer_rates(MMBalanceBridgeConfig(), "cuda") == NOMINAL_RATES["cuda"] == (25.0, 400.0)
+    assert transfer_rates(MMBalanceBridgeConfig(), "cpu") == NOMINAL_RATES["cpu"]
+    assert transfer_rates(MMBalanceBridgeConfig(image_link_gbps=450, vision_tflops=300.0), "cuda") == (450.0, 300.0)
+    assert transfer_rates(MMBalanceBridgeConfig(image_link_gbps=float("inf")), "cuda")[0] == float("inf")
+    as_args(MMBalanceBridgeConfig(enabled=True, vision="images", image_link_gbps=float("inf")), _cfg())
+
+
+def test_a_unit_of_frame_cost_is_four_hidden_depth_flops():
+    """Per layer a frame of p patches takes 2*h*p*(p + 2h + ffn) multiply-adds (QKV 3ph^2,
+    output ph^2, scores and values 2p^2h, MLP 2ph*ffn): 4*h FLOPs per unit of p*(p + 2h + ffn)."""
+    from megatron_mm_balance.bridge.vision import tower_flops_per_unit
+    h, ffn, depth, p = 1152, 4304, 27, 1000
+    macs = depth * (3 * p * h * h + p * h * h + 2 * p * p * h + 2 * p * h * ffn)
+    cfg = types.SimpleNamespace(vision_config=types.SimpleNamespace(hidden_size=h, depth=depth))
+    assert tower_flops_per_unit(cfg) * p * (p + 2 * h + ffn) == 2 * macs
+    with pytest.raises(ValueError, match="hidden_size and depth"):
+        tower_flops_per_unit(types.SimpleNamespace(vision_config=types.SimpleNamespace(hidden_size=h)))
 
 
 def test_frames_of_grids_and_back():

@@ -82,8 +82,9 @@ def main() -> None:
     first = hooks[0]
     first.remove()                                       # on only for the balanced runs
 
-    def hooked():
-        return BalancedFrames(model, first.group, frame_cost=first.frame_cost, report=first.report)
+    def hooked(rates=first.rates):
+        return BalancedFrames(model, first.group, frame_cost=first.frame_cost, report=first.report,
+                              rates=rates, flops_per_unit=first.flops_per_unit)
 
     ids = provider.image_token_id, provider.video_token_id, provider.vision_start_token_id, \
         provider.vision_end_token_id
@@ -111,11 +112,26 @@ def main() -> None:
                     vision_calls=dict(ref=ref["vision_calls"], balanced=got["vision_calls"]))
         result["steps"].append(entry)
     model.to(torch.float32)
+    result["rates"] = list(first.rates)
+    result["slow_link"] = _slow_link(model, hooked, first.rates, ids)
     result["eval"] = _evaluation(model, hooked, _batch(STEPS[0][RANK], 0, ids, video=False))
     result["report_lines"] = first.report.lines
     result["per_frame"] = _per_frame_claim(model.vision_model)
     result["cp"] = _context_parallel(model, provider, cfg, core, args)
     json.dump(result, open(os.path.join(OUT, f"rank{RANK}.json"), "w"))
+
+
+def _slow_link(model, hooked, rates, ids):
+    """The video step over a link a millionth as fast: every move would cost more than it
+    saves, so no frame moves, and the outputs are the unbalanced tower's."""
+    import torch
+    batch = _batch(STEPS[VIDEO_STEP][RANK], VIDEO_STEP, ids, video=True)
+    ref = _run(model, batch, torch.float32, VIDEO_STEP)
+    balanced = hooked(rates=(rates[0] * 1e-6, rates[1]))
+    got = _run(model, batch, torch.float32, VIDEO_STEP)
+    balanced.remove()
+    return dict(figures=balanced.last_figures.__dict__, diffs=_diffs(ref, got),
+                plan={k: [int(x) for x in v] for k, v in balanced.last_plan.items()})
 
 
 def _provider():

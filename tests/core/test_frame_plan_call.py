@@ -3,7 +3,7 @@ patch cap, the micro-step figures and their interval sums. Pure, fast."""
 import numpy as np
 import pytest
 
-from megatron_mm_balance.runtime.frames import (FrameWindow, default_patch_cap, frame_figures,
+from megatron_mm_balance.runtime.frames import (FrameTransfer, FrameWindow, default_patch_cap, frame_figures,
                                                 plan_frame_encoders, within_patch_cap)
 
 
@@ -51,6 +51,31 @@ def test_a_transfer_time_counts_on_the_receiver():
     owner, cost, patches = np.array([0, 0]), np.array([10, 10]), np.array([4, 4])
     assert plan_frame_encoders(owner, cost, 2, patches=patches).tolist() in ([0, 1], [1, 0])
     assert plan_frame_encoders(owner, cost, 2, patches=patches, transfer=[12, 12]).tolist() == [0, 0]
+
+
+def test_a_frames_transfer_cost_is_its_bytes_over_the_link_in_units_of_compute():
+    """1,000 patches of 10 kB over 25 GB/s: 400 us; a unit of cost taking 1 ns of compute:
+    400,000 units. Rounded up (never charged less than it costs); an infinite link is free."""
+    t = FrameTransfer(bytes_per_patch=10_000.0, link_gbps=25.0, unit_seconds=1e-9)
+    assert t.cost([1000, 1, 0]).tolist() == [400_000, 400, 0]
+    assert FrameTransfer(3.0, 1.0, 1.0).cost([1]).tolist() == [1]          # 3 ns: rounds up to 1 unit
+    assert FrameTransfer(1.0, float("inf"), 1.0).cost([5, 7]).tolist() == [0, 0]
+    for bad in (dict(bytes_per_patch=0.0), dict(link_gbps=-1.0), dict(unit_seconds=float("nan"))):
+        values = dict(bytes_per_patch=1.0, link_gbps=1.0, unit_seconds=1.0)
+        values.update(bad)
+        with pytest.raises(ValueError, match=f"FrameTransfer.{next(iter(bad))} must be positive"):
+            FrameTransfer(**values)
+
+
+def test_the_figures_count_the_moved_frames_transfer():
+    owner, encoder = np.array([0, 0, 1]), np.array([0, 1, 1])
+    cost, patches, transfer = np.array([6, 6, 0]), np.array([4, 4, 1]), np.array([3, 5, 7])
+    f = frame_figures(owner, encoder, cost, patches, 2, transfer)
+    assert f.transfer_moved == 5 and frame_figures(owner, encoder, cost, patches, 2).transfer_moved == 0
+    window = FrameWindow()
+    window.add(f)
+    window.add(f)
+    assert window.summary()["transfer_moved"] == 10
 
 
 def test_the_default_cap_is_the_most_any_rank_held():

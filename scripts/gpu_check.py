@@ -311,16 +311,15 @@ def bridge_plan(ranks: int, *, out: str, iters: int = 6) -> list:
 def parse_bridge_log(text: str) -> dict:
     """Per-iteration elapsed ms and lm loss (Bridge prints each iteration's own loss), and
     the packs our telemetry line says were moved."""
-    from megatron_mm_balance.bench.realpath import ITER_RE, TELEMETRY_RE
+    from megatron_mm_balance.bench.realpath import ITER_RE
+    from megatron_mm_balance.runtime.log_line import read_lines
 
-    elapsed, losses, moved = {}, {}, {}
+    elapsed, losses = {}, {}
     for m in ITER_RE.finditer(text):
         elapsed[int(m.group(1))] = float(m.group(2))
         losses[int(m.group(1))] = float(m.group(3))
-    for m in TELEMETRY_RE.finditer(text):
-        for part in m.group(2).split(" | "):
-            if part.startswith("packs_moved: "):
-                moved[int(m.group(1))] = int(float(part.split(": ", 1)[1]))
+    moved = {it: int(fields["packs_moved"]) for it, chunk, fields in read_lines(text)
+             if chunk == 0 and "packs_moved" in fields}
     return {"elapsed_ms": elapsed, "losses": losses, "packs_moved": moved}
 
 

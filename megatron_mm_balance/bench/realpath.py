@@ -71,8 +71,6 @@ DEFAULTS = dict(rounds=3, iters=6, warmup=2, calibration_iters=3, samples=512, s
 #: Megatron's per-iteration log line.
 ITER_RE = re.compile(r"\biteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([0-9.]+)"
                      r".*?\blm loss: ([0-9.Ee+-]+)")
-#: Our telemetry line: "[mm-balance] iteration 3 | key: value | ...".
-TELEMETRY_RE = re.compile(r"^\[mm-balance\] iteration (\d+) \| (.*)$", re.M)
 #: The cost-fit line of --mm-balance-cost auto.
 FIT_RE = re.compile(r"^\[mm-balance\] cost auto: (.*)$", re.M)
 #: The tile-balance line of --mm-balance-vision images (megatron/vision.py).
@@ -119,6 +117,7 @@ def parse_log(text: str, *, first_two_averaged: bool = True):
     ``2 * printed - first`` (its elapsed time stays the mean: warm-up drops it).
     Megatron-Bridge resets them at every line (``first_two_averaged=False``): each line is
     its iteration's own loss and time."""
+    from ..runtime.log_line import read_lines
     elapsed, losses = {}, {}
     for m in ITER_RE.finditer(text):
         elapsed[int(m.group(1))] = float(m.group(2))
@@ -126,17 +125,7 @@ def parse_log(text: str, *, first_two_averaged: bool = True):
     its = sorted(losses)
     if first_two_averaged and len(its) >= 2 and its[1] == its[0] + 1:
         losses[its[1]] = 2 * losses[its[1]] - losses[its[0]]
-    tele = {}
-    for m in TELEMETRY_RE.finditer(text):
-        rec = {}
-        for part in m.group(2).split(" | "):
-            if ": " in part:
-                k, v = part.split(": ", 1)
-                try:
-                    rec[k.strip()] = float(v)
-                except ValueError:
-                    pass
-        tele[int(m.group(1))] = rec
+    tele = {it: fields for it, chunk, fields in read_lines(text) if chunk == 0}
     fit = FIT_RE.findall(text)
     return elapsed, losses, tele, (fit[-1] if fit else "")
 

@@ -30,7 +30,6 @@ Imports nothing from Megatron or torch.
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -44,27 +43,12 @@ DEFAULT_K = 8.0
 #: 7th digit (Megatron prints losses as ``%.6E``: one unit is 1e-7 to 1e-6 relative)
 DEFAULT_FLOOR = 1e-6
 
-#: our telemetry line: ``[mm-balance] iteration N[ chunk C] | name: value | ...``
-TELEMETRY_RE = re.compile(r"^\[mm-balance\] iteration (\d+)( chunk \d+)? \|(.*)$", re.M)
-
-
 def read_telemetry(texts: Sequence[str]) -> List[Dict[str, float]]:
-    """Every chunk-0 telemetry line of the logs, as ``{field: value}`` (numeric fields)."""
-    out = []
-    for text in texts:
-        for m in TELEMETRY_RE.finditer(text):
-            if m.group(2):
-                continue
-            fields = {}
-            for part in m.group(3).split("|"):
-                name, sep, value = part.partition(":")
-                try:
-                    fields[name.strip()] = float(value) if sep else None
-                except ValueError:
-                    continue
-            fields["iteration"] = float(m.group(1))
-            out.append(fields)
-    return out
+    """Every chunk-0 telemetry line of the logs, as ``{field: value}`` (numeric fields) with
+    its ``iteration`` (:func:`~.telemetry.read_lines`)."""
+    from ..runtime.log_line import read_lines
+    return [dict(fields, iteration=float(it)) for text in texts for it, chunk, fields in read_lines(text)
+            if chunk == 0]
 
 
 @dataclass(frozen=True)

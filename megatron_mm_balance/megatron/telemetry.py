@@ -33,6 +33,8 @@ from __future__ import annotations
 import sys
 from typing import Dict, Iterable, Optional
 
+from ..runtime.log_line import format_line, read_lines  # noqa: F401  (read_lines: re-exported)
+
 #: the per-rank transfer figures (exchange and shadow mode; nothing travels in sampler mode)
 _TRANSFER = ("packs_sent", "packs_received", "bytes_sent", "bytes_received")
 #: the node figures, reported only where the nodes are known (found at start-up, or given)
@@ -108,12 +110,6 @@ def summarize(entries: Iterable) -> Dict[str, float]:
     else:
         out["solver_ms"] = sum(e.solver_ms for e in entries) / n
     return out
-
-
-def format_line(iteration: int, summary: Dict[str, float], chunk: int = 0) -> str:
-    parts = [f"{k}: {v:.6g}" for k, v in summary.items()]
-    where = f" chunk {chunk}" if chunk else ""
-    return f"[mm-balance] iteration {iteration}{where} | " + " | ".join(parts)
 
 
 def resume_note(loaded_iteration: int) -> str:

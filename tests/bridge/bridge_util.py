@@ -35,9 +35,6 @@ PATCHES = REPO / "patches" / "megatron-bridge-v0.6.0"
 #: (Bridge resets its loss accumulators at every print: each line is that iteration's loss).
 ITER_RE = re.compile(r"\biteration\s+(\d+)/\s*\d+ \|.*?\blm loss: ([0-9.Ee+-]+)")
 #: our telemetry line, as printed (the logger's copy has a prefix and is not counted)
-TELEMETRY_RE = re.compile(r"^\[mm-balance\] iteration (\d+) \|(.*)$", re.M)
-#: a telemetry figure: the leading number of its field
-NUMBER_RE = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
 
 
 def archive_dir() -> Path:
@@ -103,7 +100,7 @@ class Run:
     wall_s: float
     log: str
     losses: Dict[int, float] = field(default_factory=dict)
-    telemetry: Dict[int, Dict[str, str]] = field(default_factory=dict)
+    telemetry: Dict[int, Dict[str, float]] = field(default_factory=dict)
     log_path: Optional[Path] = None
     output_dir: Optional[Path] = None
 
@@ -111,16 +108,11 @@ class Run:
         return "\n".join(self.log.splitlines()[-n:])
 
     def stat(self, key: str) -> Dict[int, float]:
-        """One telemetry figure per logged iteration (``packs_moved``, ``prefetched``, ...).
-
-        A field is read by its leading number: should another rank's output ever share the
-        line, the figure is still the one we printed."""
-        out = {}
-        for i, t in self.telemetry.items():
-            m = NUMBER_RE.match(t.get(key, ""))
-            if m:
-                out[i] = float(m.group(0))
-        return out
+        """One telemetry figure per logged iteration (``packs_moved``, ``prefetched``, ...),
+        as :func:`~megatron_mm_balance.megatron.telemetry.read_lines` reads it (the field's
+        leading number: should another rank's output ever share the line, the figure is
+        still the one we printed)."""
+        return {i: t[key] for i, t in self.telemetry.items() if key in t}
 
 
 def timing_records(directory: Path) -> Dict[int, List[dict]]:
@@ -133,10 +125,8 @@ def timing_records(directory: Path) -> Dict[int, List[dict]]:
 
 def parse(log: str) -> Run:
     losses = {int(m.group(1)): float(m.group(2)) for m in ITER_RE.finditer(log)}
-    telemetry = {}
-    for m in TELEMETRY_RE.finditer(log):
-        fields = dict(p.strip().split(": ", 1) for p in m.group(2).split("|") if ": " in p)
-        telemetry[int(m.group(1))] = fields
+    from megatron_mm_balance.runtime.log_line import read_lines
+    telemetry = {it: fields for it, chunk, fields in read_lines(log) if chunk == 0}
     return Run(0, 0.0, log, losses, telemetry)
 
 

@@ -515,11 +515,6 @@ def format_report(rep: dict) -> str:
                 lines.append(f"  {mode:<8} simulated {v['simulated_ms']:.0f} ms ({v['strategy']}), measured "
                              f"{f(v['measured_ms'], '.0f')} ms ({v['iterations']} iterations): "
                              f"{f(None if v['rel_error'] is None else 100 * v['rel_error'], '+.1f')}%")
-                own = v.get("own_fit")
-                if own:
-                    lines.append(f"  {'':<8} fitted on the main {mode} runs instead: simulated "
-                                 f"{own['simulated_ms']:.0f} ms: "
-                                 f"{f(None if own['rel_error'] is None else 100 * own['rel_error'], '+.1f')}%")
     elif h.get("error"):
         lines.append(f"hold-out prediction: {h['error']}")
     if rep.get("losses"):
@@ -536,31 +531,21 @@ def predict_holdout(main: List[RunResult], holdout: List[RunResult], *, warmup: 
     (:func:`~megatron_mm_balance.sim.run_trace.fit_timing_model`), run on the hold-out
     ``off`` run's own global batches (another data seed): ``none`` against the hold-out
     ``off`` run's measured median iteration time, the balanced strategy against the
-    hold-out balanced run's (both read the same global batches). Medians over the fits.
-
-    Each balanced mode also gets ``own_fit``: the same prediction with the timing model
-    fitted on that mode's own main runs. Its per-pack times are those of the ranks computing
-    together, which an ``off`` run's are not where ranks share cores (on 2 CPU cores the
-    language phase of a balanced run is 11-16% slower: docs/real_speed.md)."""
+    hold-out balanced run's (both read the same global batches). Medians over the fits."""
     from ..sim.run_trace import fit_timing_model, load_run, simulate_layout
     off_b = [r for r in holdout if r.mode == "off"]
     if not off_b:
         return {}
     trace_b = load_run(off_b[0].timing_dir, skip_iterations=warmup, frames=frames)
-
-    def predictions(mode: str, strategies) -> tuple:
-        sims: Dict[str, List[float]] = {k: [] for k in strategies}
-        fitted = []
-        for r in main:
-            if r.mode != mode:
-                continue
-            t, _ = fit_timing_model(load_run(r.timing_dir, skip_iterations=warmup, frames=frames))
-            fitted.append(r.out_dir)
-            for run in simulate_layout(trace_b, t, strategies=tuple(strategies)):
-                sims[run["strategy"]].append(run["time_per_batch_ms"])
-        return sims, fitted
-
-    sims, fitted_on = predictions("off", simulated)
+    sims: Dict[str, List[float]] = {k: [] for k in simulated}
+    fitted_on = []
+    for r in main:
+        if r.mode != "off":
+            continue
+        t, _ = fit_timing_model(load_run(r.timing_dir, skip_iterations=warmup, frames=frames))
+        fitted_on.append(r.out_dir)
+        for run in simulate_layout(trace_b, t, strategies=tuple(simulated)):
+            sims[run["strategy"]].append(run["time_per_batch_ms"])
     out = {"fitted_on": fitted_on, "predicted_run": off_b[0].out_dir}
     for strategy, mode in simulated.items():
         runs = [r for r in holdout if r.mode == mode]
@@ -571,12 +556,6 @@ def predict_holdout(main: List[RunResult], holdout: List[RunResult], *, warmup: 
         pred = statistics.median(sims[strategy])
         out[mode] = {"strategy": strategy, "simulated_ms": pred, "measured_ms": meas,
                      "rel_error": (pred / meas - 1.0) if meas else None, "iterations": len(its)}
-        if mode != "off":
-            own, own_runs = predictions(mode, (strategy,))
-            if own[strategy]:
-                own_pred = statistics.median(own[strategy])
-                out[mode]["own_fit"] = {"simulated_ms": own_pred, "fitted_on": own_runs,
-                                        "rel_error": (own_pred / meas - 1.0) if meas else None}
     return out
 
 

@@ -32,7 +32,6 @@ import pickle
 import random
 import shutil
 from dataclasses import replace
-from pathlib import Path
 from typing import List
 
 import numpy as np

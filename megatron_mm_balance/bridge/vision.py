@@ -58,6 +58,7 @@ from typing import Callable, List, Optional
 
 import numpy as np
 
+from ..runtime.log_line import emit_line
 from .cp_split import QWEN3_VL_MODEL
 
 CHOICES = ("packs", "images")
@@ -436,7 +437,7 @@ class FrameReport:
         if not self.reporter:
             return
         line = f"[mm-balance-vision] iteration {done} | " + " | ".join(f"{k}: {v:.6g}" for k, v in summary.items())
-        print(line, flush=True)
+        emit_line(line)
         self.lines = (self.lines + [line])[-64:]
         if self.tb_writer is not None:
             for k, v in summary.items():

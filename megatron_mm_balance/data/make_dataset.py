@@ -38,7 +38,6 @@ import contextlib
 import hashlib
 import io
 import json
-import os
 import random
 import shutil
 import tarfile

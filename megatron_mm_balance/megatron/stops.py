@@ -29,6 +29,8 @@ import sys
 import weakref
 from typing import Callable, Optional
 
+from ..runtime.log_line import emit_line
+
 #: the balanced train iterables of this process whose position a SIGTERM report gives
 _LIVE: "weakref.WeakSet" = weakref.WeakSet()
 _INSTALLED_PID: Optional[int] = None
@@ -72,7 +74,7 @@ class StopReporter:
             exc._mm_balance_reported = True
         except AttributeError:
             pass
-        print(error_line(exc, self.rank, self.iteration_fn()), file=sys.stderr, flush=True)
+        emit_line(error_line(exc, self.rank, self.iteration_fn()), sys.stderr)
 
     def watch(self, iterable) -> None:
         """Include ``iterable`` (``.position() -> str``) in this process's stop reports."""
@@ -83,7 +85,7 @@ class StopReporter:
         """Print where every watched iterator stood when ``cause`` stopped the process."""
         try:
             positions = [it.position() for it in list(_LIVE)]
-            print(stopped_line(self.rank, cause, self.iteration_fn(), positions), file=sys.stderr, flush=True)
+            emit_line(stopped_line(self.rank, cause, self.iteration_fn(), positions), sys.stderr)
         except Exception:
             pass
 

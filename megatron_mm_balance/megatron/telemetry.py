@@ -30,10 +30,9 @@ packs, permuted across micro-steps in balancing's order: ``packs_moved`` is 0 an
 """
 from __future__ import annotations
 
-import sys
 from typing import Dict, Iterable, Optional
 
-from ..runtime.log_line import format_line, read_lines  # noqa: F401  (read_lines: re-exported)
+from ..runtime.log_line import emit_line, format_line, read_lines  # noqa: F401  (read_lines: re-exported)
 
 #: the per-rank transfer figures (exchange and shadow mode; nothing travels in sampler mode)
 _TRANSFER = ("packs_sent", "packs_received", "bytes_sent", "bytes_received")
@@ -128,13 +127,9 @@ def resume_note(loaded_iteration: int) -> str:
 def emit(line: str) -> None:
     """Write one log line once, to stdout as Megatron prints its own iteration lines, so it
     reads the same in every log; not also sent through ``logging`` (Megatron installs a root
-    handler, which printed every line a second time).
-
-    The line and its newline go out in one write: ``print`` writes them separately, and
-    with unbuffered output (``PYTHONUNBUFFERED``) another rank's line sharing the pipe could
-    land between them and glue itself onto ours."""
-    sys.stdout.write(line + "\n")
-    sys.stdout.flush()
+    handler, which printed every line a second time); the line and its newline in one write
+    (:func:`~..runtime.log_line.emit_line`)."""
+    emit_line(line)
 
 
 def _megatron_writers():

@@ -45,6 +45,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional
 
+from ..runtime.log_line import emit_line
+
 logger = logging.getLogger("megatron_mm_balance")
 
 PHASES = ("vision_forward_ms", "vision_backward_ms", "lm_forward_ms", "lm_backward_ms")
@@ -264,7 +266,7 @@ class TimingRecorder:
         if self.report_lines:
             line = f"[mm-balance-timing] iteration {done} | " + " | ".join(
                 f"{k}: {v:.6g}" for k, v in summary.items())
-            print(line, flush=True)
+            emit_line(line)
             self.lines = (self.lines + [line])[-64:]
 
     def close(self) -> None:
@@ -472,9 +474,9 @@ def auto_cost_fn(cfg, recorder: Optional[TimingRecorder], group, *, features=Non
     if start > 0 and load and os.path.isfile(os.path.join(load, FIT_FILE)):
         saved = read_fit(os.path.join(load, FIT_FILE))
         if me == first:
-            print(f"[mm-balance] cost auto: restored the fit of iterations {saved.first_iteration}-"
-                  f"{saved.last_iteration} from {os.path.join(load, FIT_FILE)} (effective from "
-                  f"iteration {saved.effective_iteration}; {'ok' if saved.ok else 'refused'})", flush=True)
+            emit_line(f"[mm-balance] cost auto: restored the fit of iterations {saved.first_iteration}-"
+                      f"{saved.last_iteration} from {os.path.join(load, FIT_FILE)} (effective from "
+                      f"iteration {saved.effective_iteration}; {'ok' if saved.ok else 'refused'})")
     config = CalibrationConfig(iterations=cfg.calibration_iters, phases=cfg.sync == "microstep",
                                tokens_per_tile=cfg.tokens_per_tile, wait_s=cfg.timeout,
                                balance_tolerance=cfg.tolerance, ranks_per_node=cfg.ranks_per_node,
@@ -498,7 +500,7 @@ def auto_cost_fn(cfg, recorder: Optional[TimingRecorder], group, *, features=Non
     def on_fit(result):
         if me != first:
             return
-        print("\n".join(result.lines()), flush=True)
+        emit_line("\n".join(result.lines()))
         save = cfg.megatron.save
         if save:
             os.makedirs(save, exist_ok=True)

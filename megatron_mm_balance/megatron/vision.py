@@ -41,6 +41,7 @@ from typing import List, Optional
 
 import numpy as np
 
+from ..runtime.log_line import emit_line
 from ..runtime.image_exchange import ImageExchange, ImagePlan, gather_image_costs
 
 #: dtype codes of the shapes all-gather (the same table on every rank)
@@ -174,7 +175,7 @@ class BalancedVision:
             if num_local == 0 and exchange.num_encoded > 0:
                 s.encoded_for_others_only += 1
         if self.log_every and self._window.microsteps >= self.log_every:
-            print(format_stats(self._window, self.stats.microsteps, plan.num_ranks), flush=True)
+            emit_line(format_stats(self._window, self.stats.microsteps, plan.num_ranks))
             self._window = VisionBalanceStats()
 
     def remove(self) -> None:

@@ -40,6 +40,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Optional
 
+from .log_line import emit_line
+
 ENV = "MM_BALANCE_FAULT"
 KINDS = ("kill", "raise", "end", "corrupt")
 _FIELDS = ("rank", "iteration", "microstep")
@@ -83,8 +85,8 @@ class Fault:
     def at_exchange(self, iteration: int, microstep: int, where: str) -> None:
         """When this rank's exchange of ``microstep`` starts: a ``kill`` fault ends the process."""
         if self._due("kill", iteration, microstep):
-            print(f"[mm-balance] rank {self.rank}: {ENV}={self.spec}: SIGKILL during the exchange of "
-                  f"micro-step {microstep} at {where}", file=sys.stderr, flush=True)
+            emit_line(f"[mm-balance] rank {self.rank}: {ENV}={self.spec}: SIGKILL during the exchange of "
+                      f"micro-step {microstep} at {where}", sys.stderr)
             os.kill(os.getpid(), signal.SIGKILL)
 
 

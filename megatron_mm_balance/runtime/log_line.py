@@ -6,7 +6,20 @@ scripts/gpu_check.py, the tests). Pure text; knows nothing of torch or Megatron.
 from __future__ import annotations
 
 import re
-from typing import Dict, Iterator, Tuple
+import sys
+from typing import Dict, Iterator, Optional, TextIO, Tuple
+
+
+def emit_line(line: str, stream: Optional[TextIO] = None) -> None:
+    """Write ``line`` and its newline to ``stream`` (stdout by default) in one write, then
+    flush. Every rank of a job shares the launcher's stdout and stderr; ``print`` writes a
+    line and its newline separately, and with unbuffered output another rank's line can land
+    between the two and glue itself onto ours, so a reader looking for our lines at the
+    start of a line misses one (seen in a fault run: rank 2's stop line after rank 3's, before
+    rank 3's newline)."""
+    stream = sys.stdout if stream is None else stream
+    stream.write(line + "\n")
+    stream.flush()
 
 
 def format_line(iteration: int, summary: Dict[str, float], chunk: int = 0) -> str:

@@ -606,7 +606,7 @@ class _LevelPlan:
         the first only in a plain plan), and the cheapest that works is kept; nothing
         changes if none does."""
         recv, u_ = self.recv, self.units
-        size, pat, s = u_.size(u), u_.pat(u), u_.owner[u]
+        s = u_.owner[u]
         tries = ROOM_TRIES if self.rich else 1
         ranks = list(islice((r for _, r in reversed(recv.free) if r != s), tries))
         best, mark = None, len(self.log)

@@ -560,3 +560,39 @@ def test_telemetry_lines_read_back_as_written():
                      "resumed_from": 4.0}
     assert lines[1][2] == {"packs_moved": 1.0}
     assert lines[2][2]["prefetched"] == 1.0
+
+
+class _Writes:
+    """A text stream that keeps every ``write`` call apart."""
+
+    def __init__(self):
+        self.calls = []
+
+    def write(self, text):
+        self.calls.append(text)
+        return len(text)
+
+    def flush(self):
+        pass
+
+
+def test_each_line_of_ours_goes_out_in_one_write(monkeypatch):
+    """The ranks of a job share the launcher's stdout and stderr: a stop line, a telemetry
+    line or a fault's line written in two pieces (``print``: the text, then the newline) can
+    have another rank's whole line land between them, and a reader looking for our lines
+    at the start of a line misses one. Each goes out as one write ending in its newline."""
+    from megatron_mm_balance.megatron.stops import StopReporter
+    from megatron_mm_balance.megatron.telemetry import emit
+    out, err = _Writes(), _Writes()
+    monkeypatch.setattr("sys.stdout", out)
+    monkeypatch.setattr("sys.stderr", err)
+    reporter = StopReporter(lambda: 4, rank=2)
+    reporter.error(ValueError("a pack of samples [a, b] was refused"))
+    reporter.stopped("SIGTERM")
+    emit(format_line(4, {"packs_moved": 3.0}))
+    assert [c.split(":")[0] for c in err.calls] == ["[mm-balance] rank 2", "[mm-balance] rank 2"]
+    assert "training stops at iteration 4: ValueError: a pack of samples [a, b] was refused" in err.calls[0]
+    assert "stopped by SIGTERM at iteration 4" in err.calls[1]
+    assert out.calls == ["[mm-balance] iteration 4 | packs_moved: 3\n"]
+    for call in err.calls + out.calls:
+        assert call.endswith("\n") and call.count("\n") == 1, repr(call)

@@ -132,14 +132,14 @@ def transfer_rates(mm, device_type: str) -> tuple:
 def tower_flops_per_unit(model_cfg) -> float:
     """Forward FLOPs of one unit of the frame cost ``p * (p + 2*hidden + ffn)``: a layer
     multiplies and adds ``2*hidden*p*(p + 2*hidden + ffn)`` times (QKV and output
-    projections, scores and values over the frame, a two-matrix MLP), so ``4 * hidden *
-    depth`` FLOPs per unit over the tower."""
-    vision = getattr(model_cfg, "vision_config", None)
-    hidden, depth = getattr(vision, "hidden_size", None), getattr(vision, "depth", None)
-    if not hidden or not depth:
-        raise ValueError("mm_balance.vision=images needs model.vision_config.hidden_size and depth "
-                         "(the vision tower's sizes)")
-    return 4.0 * int(hidden) * int(depth)
+    projections, scores and values over the frame, a two-matrix MLP), so a unit is one
+    layer's attention multiply-adds per squared patch
+    (:meth:`~megatron_mm_balance.cost.flops.VisionTower.attention_macs_per_patch_sq`), two
+    FLOPs each, over the tower's depth."""
+    from ..cost.flops import VisionTower
+    tower = VisionTower.from_config(getattr(model_cfg, "vision_config", None) or {},
+                                    where="mm_balance.vision=images: model.vision_config")
+    return 2.0 * tower.attention_macs_per_patch_sq() * tower.depth
 
 
 # -- frames of Qwen3-VL grids -----------------------------------------------------------------
@@ -275,7 +275,8 @@ class BalancedFrames:
         if np.any(patches % (self.merge * self.merge)):
             raise ValueError(f"mm_balance.vision=images: a frame's patches are not a multiple of the "
                              f"{self.merge}x{self.merge} merge")
-        transfer = self._transfer(patches, in_dim, dtype, pixel_grad)
+        out_dtype, trains = self._tower_output()
+        transfer = self._transfer(patches, in_dim, dtype, pixel_grad, out_dtype, trains)
         encoder = plan_frame_encoders(table.owner, cost, table.num_ranks, patches=patches,
                                       patch_cap=self.patch_cap, transfer=transfer)
         self.last_plan = dict(owner=table.owner, cost=cost, patches=patches, encoder=encoder,
@@ -286,7 +287,8 @@ class BalancedFrames:
         local = pixels if has_rows else torch.empty((0, in_dim), dtype=dtype, device=device)
         if pixel_grad and not local.requires_grad:
             local = local.detach().requires_grad_(True)
-        encoded = self._encode(route.to_encoders(local), table, route.encoded_units, device, pixel_grad)
+        encoded = self._encode(route.to_encoders(local), table, route.encoded_units, device,
+                               pixel_grad or trains, out_dtype)
         back = route.to_owners(encoded)
         embeddings, *deepstack = [part.contiguous() for part in back.split(self.width, dim=1)]
         return embeddings, deepstack
@@ -306,7 +308,13 @@ class BalancedFrames:
         in_dim, code = kinds.pop()
         return in_dim, getattr(torch, DTYPES[code]), bool(held[:, 2].any())
 
-    def _transfer(self, patches, in_dim: int, dtype, pixel_grad: bool):
+    def _tower_output(self):
+        """The tower's output dtype (its first floating parameter's) and whether it trains (a
+        parameter needs gradients); read each micro-step, as a frozen tower may be unfrozen."""
+        params = [p for p in self.vision.parameters() if p.is_floating_point()]
+        return params[0].dtype, any(p.requires_grad for p in params)
+
+    def _transfer(self, patches, in_dim: int, dtype, pixel_grad: bool, out_dtype, trains: bool):
         """Each frame's transfer cost (:class:`~megatron_mm_balance.runtime.frames.FrameTransfer`),
         from numbers every rank holds alike: the agreed pixel rows, this tower's output width
         and dtype, and whether backward crosses the exchange; None without rates."""
@@ -315,10 +323,9 @@ class BalancedFrames:
         from ..runtime.frames import FrameTransfer
         if self.rates is None or self.flops_per_unit is None:
             return None
-        params = [p for p in self.vision.parameters() if p.is_floating_point()]
-        trains = any(p.requires_grad for p in params)
         pixel_bytes = in_dim * torch.empty((), dtype=dtype).element_size()
-        out_bytes = (1 + self.deepstack) * self.width * params[0].element_size() / (self.merge * self.merge)
+        out_size = torch.empty((), dtype=out_dtype).element_size()
+        out_bytes = (1 + self.deepstack) * self.width * out_size / (self.merge * self.merge)
         # forward: pixels out, embeddings back; backward: their gradients in, pixels' back
         per_patch = pixel_bytes * (2 if pixel_grad else 1) + out_bytes * (2 if trains or pixel_grad else 1)
         passes = 3 if trains else 2 if pixel_grad else 1
@@ -326,16 +333,14 @@ class BalancedFrames:
         unit_seconds = self.flops_per_unit * passes / (tflops * 1e12)
         return FrameTransfer(per_patch, link, unit_seconds).cost(patches)
 
-    def _encode(self, rows, table, units, device, pixel_grad):
+    def _encode(self, rows, table, units, device, needs_grad: bool, out_dtype):
         """The real tower on the frames this rank encodes, main and deepstack outputs side by
-        side ``[rows, (1 + deepstack) * width]``; an empty tensor when it encodes none."""
+        side ``[rows, (1 + deepstack) * width]``; an empty tensor (with gradients when the
+        pixels or the tower need them) when it encodes none."""
         import torch
-        params = [p for p in self.vision.parameters() if p.is_floating_point()]
-        out_dtype = params[0].dtype
         if units.size == 0:
-            grad = pixel_grad or any(p.requires_grad for p in params)
             return torch.zeros((0, (1 + self.deepstack) * self.width), dtype=out_dtype, device=device,
-                               requires_grad=grad)
+                               requires_grad=needs_grad)
         grid = frame_grid(table.columns[units, 1:], device)
         self._encoding = True
         try:

@@ -79,6 +79,12 @@ Each stand-in added here, with the CUDA-only (or GPU-stack-only) assumption it r
   On gloo, and only for uneven outputs, each rank's tensor is zero-padded to the largest,
   gathered, and cut back to its size: the same values NCCL delivers
   (``install_gloo_uneven_all_gather``; even all-gathers go to gloo untouched).
+* **the checkpoint writer's results queue**: megatron-core's ``torch_dist`` writer
+  collects its results through a multiprocessing ``Manager`` queue that it starts at a
+  job's first save by *spawn*; a spawned manager is a fresh interpreter that imports torch
+  before it serves, 4-16 s of every job's first save with four ranks on two cores. The
+  harness has the same queue started by *fork* (``_write_results_queue_by_fork``): the same
+  ``Manager`` queue, from the rank's own process, started at the same moment.
 * **other fused kernels Bridge's providers ask for by default on GPU** (Qwen3-VL rope
   fusion, ``persist_layer_norm``, bias-activation / bias-dropout fusion,
   ``moe_permute_fusion``, grouped GEMM) are switched off by the config
@@ -326,6 +332,20 @@ def _wgrad_accumulation() -> None:
     layers._grad_accum_fusion_available = True
 
 
+def _write_results_queue_by_fork() -> None:
+    """megatron-core's ``get_write_results_queue`` starting its ``Manager`` by fork
+    instead of spawn (module docstring); whatever mode a caller asks for."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    spawning = filesystem_async.get_write_results_queue
+
+    def get_write_results_queue(mp_mode: str = "fork"):
+        return spawning("fork")
+
+    get_write_results_queue.mm_balance_wraps = spawning
+    filesystem_async.get_write_results_queue = get_write_results_queue
+
+
 def install_gloo_uneven_all_gather() -> None:
     """``torch.distributed.all_gather`` into outputs of different sizes on gloo (module docstring)."""
     import torch
@@ -373,6 +393,7 @@ def install() -> None:
     _torch_adam_load_template()
     _wgrad_accumulation()
     install_gloo_uneven_all_gather()
+    _write_results_queue_by_fork()
     _DONE = True
 
 

@@ -75,10 +75,12 @@ def test_a_unit_of_frame_cost_is_four_hidden_depth_flops():
     from megatron_mm_balance.bridge.vision import tower_flops_per_unit
     h, ffn, depth, p = 1152, 4304, 27, 1000
     macs = depth * (3 * p * h * h + p * h * h + 2 * p * p * h + 2 * p * h * ffn)
-    cfg = types.SimpleNamespace(vision_config=types.SimpleNamespace(hidden_size=h, depth=depth))
+    vision = dict(hidden_size=h, intermediate_size=ffn, depth=depth, patch_size=16, out_hidden_size=2048)
+    cfg = types.SimpleNamespace(vision_config=types.SimpleNamespace(**vision))
     assert tower_flops_per_unit(cfg) * p * (p + 2 * h + ffn) == 2 * macs
-    with pytest.raises(ValueError, match="hidden_size and depth"):
-        tower_flops_per_unit(types.SimpleNamespace(vision_config=types.SimpleNamespace(hidden_size=h)))
+    vision.pop("depth")
+    with pytest.raises(ValueError, match="model.vision_config: the config has no 'depth'"):
+        tower_flops_per_unit(types.SimpleNamespace(vision_config=types.SimpleNamespace(**vision)))
 
 
 def test_frames_of_grids_and_back():

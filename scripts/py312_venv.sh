@@ -28,16 +28,23 @@ make_venv312() {
 }
 
 # share_torch VENV PIN...: hard-link the pinned torch pair from another Python 3.12 venv of
-# this repository (scripts/share_torch.py says when and why not); a no-op when none fits.
+# this repository (scripts/share_torch.py says when and why not); when none has it, the
+# Python-independent CUDA libraries (nvidia-*/cuda-* wheels, about 2 GB of the 4.7) from the
+# main environment's interpreter (python3's prefix; MM_BALANCE_CUDA_LIBS_FROM=DIR another,
+# "none" never). A no-op when nothing fits.
 share_torch() {
   local venv=$1; shift
-  local from=${MM_BALANCE_TORCH_FROM:-} seed
+  local from=${MM_BALANCE_TORCH_FROM:-} seed libs
   [ "$from" = none ] && return 0
   for seed in ${from:-$PWD/.venv-py312 $PWD/.venv-bridge}; do
     [ -x "$seed/bin/python" ] || continue
     [ "$(cd "$seed" && pwd -P)" = "$(cd "$venv" && pwd -P)" ] && continue
     "$venv/bin/python" scripts/share_torch.py "$seed" "$venv" "$@" && return 0
   done
+  libs=${MM_BALANCE_CUDA_LIBS_FROM:-$(python3 -c 'import sys; print(sys.prefix)' 2>/dev/null || true)}
+  if [ -n "$libs" ] && [ "$libs" != none ]; then
+    "$venv/bin/python" scripts/share_torch.py --cuda-libs "$libs" "$venv" || true
+  fi
   return 0
 }
 

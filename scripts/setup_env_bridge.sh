@@ -18,7 +18,9 @@
 # (e.g. the NGC PyTorch container); the CPU harness (megatron_mm_balance/testing/cpu_bridge.py)
 # stands in for the ones Bridge imports at load. When .venv-py312/ already has the same torch
 # pair, its files are hard-linked instead of installed again (scripts/py312_venv.sh:
-# MM_BALANCE_TORCH_FROM); the pip cache makes a rebuild cheap.
+# MM_BALANCE_TORCH_FROM); failing that, the Python-independent CUDA libraries of python3's
+# environment (scripts/share_torch.py --cuda-libs: about 2 GB not written twice when it has a
+# CUDA torch; MM_BALANCE_CUDA_LIBS_FROM); the pip cache makes a rebuild cheap.
 # Prints the venv's python path on success.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -11,7 +11,8 @@
 # (PYTHONPATH=<repo>), and a Megatron-LM checkout supplies megatron/core (put it first
 # on PYTHONPATH). torch 2.13.0 from the registry for Python 3.12 is a CUDA build (about
 # 4.7 GB); it runs on the CPU. When .venv-bridge/ already has that torch pair, its files are
-# hard-linked instead of installed again (scripts/py312_venv.sh: MM_BALANCE_TORCH_FROM).
+# hard-linked instead of installed again (scripts/py312_venv.sh: MM_BALANCE_TORCH_FROM); failing
+# that, the Python-independent CUDA libraries of python3's environment (share_torch.py --cuda-libs).
 # The venv never sees the system's site-packages (checked).
 # pydantic (megatron.rl) and tensorboard (--tensorboard-dir) as in scripts/setup_env.sh;
 # every install after torch is constrained to the torch pair installed, so no requirement

@@ -20,11 +20,16 @@ def make_env(root: Path, pyver: str = "3.12") -> Path:
     return site
 
 
-def add_dist(site: Path, name: str, version: str, files: dict[str, str], scripts: dict[str, str] = {}):
+def add_dist(site: Path, name: str, version: str, files: dict[str, str], scripts: dict[str, str] = {},
+             tag: str = ""):
     info = site / f"{name.replace('-', '_')}-{version}.dist-info"
     info.mkdir()
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
     rows = [f"{info.name}/METADATA,,"]
+    if tag:                                  # the wheel's tags (WHEEL), one per line
+        (info / "WHEEL").write_text("Wheel-Version: 1.0\nRoot-Is-Purelib: false\n"
+                                    + "".join(f"Tag: {t}\n" for t in tag.split()))
+        rows.append(f"{info.name}/WHEEL,,")
     for rel, text in files.items():
         (site / rel).parent.mkdir(parents=True, exist_ok=True)
         (site / rel).write_text(text)
@@ -46,6 +51,11 @@ def seed_env(root: Path, torch_version: str = "2.13.0") -> Path:
     add_dist(site, "nvidia-cublas", "13.0", {"nvidia/cublas/lib/libcublas.so": "C"})
     add_dist(site, "numpy", "2.5.5", {"numpy/__init__.py": "N"})
     return site
+
+
+def run_cuda_libs(seed: Path, new: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT), "--cuda-libs", str(seed), str(new)],
+                          capture_output=True, text=True, timeout=60)
 
 
 def run(seed: Path, new: Path, *pins: str) -> subprocess.CompletedProcess:
@@ -97,3 +107,28 @@ def test_a_failed_link_leaves_nothing_behind(tmp_path):
     assert not (new_site / "torch").exists() or not any(p.is_file() for p in (new_site / "torch").rglob("*"))
     assert not (tmp_path / "new" / "bin" / "torchrun").exists()
     assert not (new_site / "nvidia" / "cublas" / "lib" / "libcublas.so").exists()
+
+
+def test_cuda_libraries_are_shared_across_python_versions_when_python_independent(tmp_path):
+    """``--cuda-libs``: a Python 3.11 environment's py3-none nvidia-*/cuda-* wheels are linked
+    into a Python 3.12 venv (same inodes, dist-info included); its torch, a compiled
+    cp311 cuda-bindings and everything else are not. A second call links nothing (exit 3)."""
+    seed = make_env(tmp_path / "py311", pyver="3.11")
+    add_dist(seed, "torch", "2.14.1", {"torch/__init__.py": "T"}, tag="cp311-cp311-manylinux_2_28_x86_64")
+    add_dist(seed, "nvidia-cublas", "13.1.1.3", {"nvidia/cu13/lib/libcublas.so.13": "C" * 50},
+             tag="py3-none-manylinux_2_27_x86_64 py3-none-manylinux_2_28_x86_64")
+    add_dist(seed, "cuda-toolkit", "13.0.3.0", {}, tag="py2.py3-none-any")
+    add_dist(seed, "cuda-bindings", "13.5.0", {"cuda/bindings/_lib.so": "B"},
+             tag="cp311-cp311-manylinux_2_28_x86_64")
+    add_dist(seed, "nvidia-untagged", "1.0", {"nvidia/untagged/lib.so": "U"})   # no WHEEL: unknown
+    add_dist(seed, "numpy", "2.5.5", {"numpy/__init__.py": "N"}, tag="cp311-cp311-manylinux_2_28_x86_64")
+    new_site = make_env(tmp_path / "new")
+    r = run_cuda_libs(tmp_path / "py311", tmp_path / "new")
+    assert r.returncode == 0, r.stderr
+    for rel in ("nvidia/cu13/lib/libcublas.so.13", "nvidia_cublas-13.1.1.3.dist-info/RECORD",
+                "cuda_toolkit-13.0.3.0.dist-info/METADATA"):
+        assert (new_site / rel).stat().st_ino == (seed / rel).stat().st_ino, rel
+    for rel in ("torch", "cuda/bindings", "nvidia/untagged", "numpy", "cuda_bindings-13.5.0.dist-info"):
+        assert not (new_site / rel).exists(), rel
+    again = run_cuda_libs(tmp_path / "py311", tmp_path / "new")
+    assert again.returncode == 3 and "no Python-independent" in again.stderr

@@ -83,8 +83,13 @@ Each stand-in added here, with the CUDA-only (or GPU-stack-only) assumption it r
   collects its results through a multiprocessing ``Manager`` queue that it starts at a
   job's first save by *spawn*; a spawned manager is a fresh interpreter that imports torch
   before it serves, 4-16 s of every job's first save with four ranks on two cores. The
-  harness has the same queue started by *fork* (``_write_results_queue_by_fork``): the same
-  ``Manager`` queue, from the rank's own process, started at the same moment.
+  harness starts that queue by *fork* when it is installed, as Megatron-LM's own async
+  checkpointing does at start-up (``get_write_results_queue(mp_mode="fork")``,
+  ``megatron/training/async_utils.py``): before the rank joins the process group, so the
+  manager holds none of its sockets (forked at the first save, a killed rank's manager
+  kept that rank's gloo connections open, and its peers waited on them instead of
+  failing), and the manager exits when the rank does, even a killed one (a spawned one
+  outlived a killed rank, holding the launcher's output open).
 * **other fused kernels Bridge's providers ask for by default on GPU** (Qwen3-VL rope
   fusion, ``persist_layer_norm``, bias-activation / bias-dropout fusion,
   ``moe_permute_fusion``, grouped GEMM) are switched off by the config
@@ -332,18 +337,34 @@ def _wgrad_accumulation() -> None:
     layers._grad_accum_fusion_available = True
 
 
+def _exit_with(parent: int) -> None:
+    """In the manager: end it when ``parent`` (the rank) is gone, however the rank ended."""
+    import threading
+    import time
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(0)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
 def _write_results_queue_by_fork() -> None:
-    """megatron-core's ``get_write_results_queue`` starting its ``Manager`` by fork
-    instead of spawn (module docstring); whatever mode a caller asks for."""
+    """megatron-core's checkpoint writer's results queue, a ``Manager`` queue started now by
+    fork (module docstring): its ``get_write_results_queue()`` finds it in the module's
+    ``_results_queue``. Call before the process group exists."""
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
     from megatron.core.dist_checkpointing.strategies import filesystem_async
+    from multiprocessing.managers import SyncManager
 
-    spawning = filesystem_async.get_write_results_queue
-
-    def get_write_results_queue(mp_mode: str = "fork"):
-        return spawning("fork")
-
-    get_write_results_queue.mm_balance_wraps = spawning
-    filesystem_async.get_write_results_queue = get_write_results_queue
+    if dist.is_initialized():
+        raise RuntimeError("the results queue must be forked before the process group exists")
+    if getattr(filesystem_async, "_results_queue", False) is None:   # absent: nothing to start
+        manager = SyncManager(ctx=mp.get_context("fork"))
+        manager.start(initializer=_exit_with, initargs=(os.getpid(),))
+        filesystem_async._results_queue = manager.Queue()
 
 
 def install_gloo_uneven_all_gather() -> None:
@@ -393,7 +414,6 @@ def install() -> None:
     _torch_adam_load_template()
     _wgrad_accumulation()
     install_gloo_uneven_all_gather()
-    _write_results_queue_by_fork()
     _DONE = True
 
 
@@ -402,6 +422,7 @@ def main(argv: list[str] | None = None) -> None:
     if len(argv) < 2 or argv[0] != "-m":
         sys.exit("usage: python -m megatron_mm_balance.testing.cpu_bridge -m MODULE [args...]")
     install()
+    _write_results_queue_by_fork()          # the launched job only: it saves checkpoints
     sys.argv = [argv[1], *argv[2:]]
     runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
 

@@ -515,6 +515,20 @@ def test_importing_the_glue_pulls_in_no_megatron_energon_te_or_apex():
     assert out.stdout.strip() == "[]"
 
 
+class _Writes:
+    """A text stream that keeps every ``write`` call apart."""
+
+    def __init__(self):
+        self.calls = []
+
+    def write(self, text):
+        self.calls.append(text)
+        return len(text)
+
+    def flush(self):
+        pass
+
+
 def test_a_telemetry_line_goes_out_in_one_write(monkeypatch):
     """The line and its newline in one write: with unbuffered output another rank's line
     could otherwise land between them (a Bridge log once read ``prefetched: 1 [date] iteration
@@ -523,21 +537,10 @@ def test_a_telemetry_line_goes_out_in_one_write(monkeypatch):
 
     from megatron_mm_balance.megatron import telemetry
 
-    class Recorder:
-        def __init__(self):
-            self.writes = []
-
-        def write(self, s):
-            self.writes.append(s)
-            return len(s)
-
-        def flush(self):
-            pass
-
-    rec = Recorder()
+    rec = _Writes()
     monkeypatch.setattr(sys, "stdout", rec)
     telemetry.emit("[mm-balance] iteration 5 | packs_moved: 4 | prefetched: 1")
-    assert rec.writes == ["[mm-balance] iteration 5 | packs_moved: 4 | prefetched: 1\n"]
+    assert rec.calls == ["[mm-balance] iteration 5 | packs_moved: 4 | prefetched: 1\n"]
 
 
 def test_telemetry_lines_read_back_as_written():
@@ -560,20 +563,6 @@ def test_telemetry_lines_read_back_as_written():
                      "resumed_from": 4.0}
     assert lines[1][2] == {"packs_moved": 1.0}
     assert lines[2][2]["prefetched"] == 1.0
-
-
-class _Writes:
-    """A text stream that keeps every ``write`` call apart."""
-
-    def __init__(self):
-        self.calls = []
-
-    def write(self, text):
-        self.calls.append(text)
-        return len(text)
-
-    def flush(self):
-        pass
 
 
 def test_each_line_of_ours_goes_out_in_one_write(monkeypatch):

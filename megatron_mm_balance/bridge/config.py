@@ -82,6 +82,13 @@ class MMBalanceBridgeConfig:
     #: ``vision=images``: the vision tower's achieved TFLOP/s, which turns a transfer time
     #: into frame cost (None: a nominal figure for the device, :data:`~.vision.NOMINAL_RATES`)
     vision_tflops: Optional[float] = None
+    #: ``vision=images``: ``settings`` charges moves at the two rates above; ``measured`` at
+    #: the rates the run measures (the group's median, agreed on by every rank through the
+    #: micro-step's first collective), starting from the settings until it has measured them
+    #: (:mod:`megatron_mm_balance.runtime.rates`). Measured rates follow the machine, so two
+    #: runs (or a run and its resumption) may move other frames: the same results up to
+    #: arithmetic order, not bit for bit
+    image_rates: str = "settings"
 
     @property
     def wraps_train_iterator(self) -> bool:

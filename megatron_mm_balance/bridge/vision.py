@@ -46,7 +46,10 @@ Frames are first split across the context-parallel ranks (Bridge's split, or
 context-parallel rank; packs move first (the balanced iterator), frames then even out what
 packs cannot. The per-frame cost is :func:`~.cp_split.frame_cost_for` (``p * (p + 2*hidden
 + ffn)``); no rank receiving frames ends above ``mm_balance.image_patch_cap`` patches
-(default: the most any rank held before balancing). Every log interval the group's first
+(default: the most any rank held before balancing); a moved frame's transfer time counts on
+its receiver, at the settings' rates or (``mm_balance.image_rates=measured``) at those the
+group measures (:mod:`megatron_mm_balance.runtime.rates`: each rank's medians ride in the
+micro-step's first collective, so every rank agrees). Every log interval the group's first
 rank writes one ``[mm-balance-vision] iteration N | ...`` line
 (:meth:`~megatron_mm_balance.runtime.frames.FrameWindow.summary`) and ``mm-balance-vision/*``
 scalars through Bridge's writers (else its own ``.mm_balance_vision`` events file).
@@ -62,6 +65,11 @@ from ..runtime.log_line import emit_line
 from .cp_split import QWEN3_VL_MODEL
 
 CHOICES = ("packs", "images")
+#: ``mm_balance.image_rates``: moves charged at the settings' rates, or at those the run measures
+RATE_CHOICES = ("settings", "measured")
+#: a pixel exchange moving fewer bytes through a rank than this is not a link sample (it
+#: times the latency, not the link)
+LINK_SAMPLE_MIN_BYTES = 256 * 1024
 #: nominal ``(link GB/s, vision tower TFLOP/s)`` by device type, used where
 #: ``mm_balance.image_link_gbps`` / ``vision_tflops`` are not set: on GPUs one 200 Gb/s NIC
 #: per GPU (the inter-node link a data-parallel group crosses) and bf16 dense at about 40% of
@@ -85,6 +93,9 @@ def checked_vision(mm, model_cfg) -> str:
     cap = getattr(mm, "image_patch_cap", None)
     if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
         raise MMBalanceConfigError(f"mm_balance.image_patch_cap must be a positive integer (patches), got {cap!r}")
+    rates = getattr(mm, "image_rates", "settings")
+    if rates not in RATE_CHOICES:
+        raise MMBalanceConfigError(f"mm_balance.image_rates must be one of {', '.join(RATE_CHOICES)}, got {rates!r}")
     for name, unit in (("image_link_gbps", "GB/s"), ("vision_tflops", "TFLOP/s")):
         value = getattr(mm, name, None)
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
@@ -187,13 +198,19 @@ class BalancedFrames:
 
     def __init__(self, model, group, *, frame_cost: Callable[[int], int], patch_cap: Optional[int] = None,
                  report: Optional["FrameReport"] = None, rates: Optional[tuple] = None,
-                 flops_per_unit: Optional[float] = None):
+                 flops_per_unit: Optional[float] = None, measured_rates: bool = False):
+        from ..runtime.rates import RateMeter, RateWindow
         self.model, self.group, self.frame_cost = model, group, frame_cost
         self.patch_cap, self.report = patch_cap, report
         #: ``(link GB/s, tower TFLOP/s)`` and the forward FLOPs of a unit of frame cost: a
-        #: moved frame's transfer time in the plan (None: moves are free)
-        self.rates, self.flops_per_unit = rates, flops_per_unit
+        #: moved frame's transfer time in the plan (None: moves are free); with
+        #: ``measured_rates`` the rates are the group's measured ones once it has them
+        self.rates, self.flops_per_unit, self.measured_rates = rates, flops_per_unit, measured_rates
         self.vision = model.vision_model
+        self._meter = RateMeter(next(self.vision.parameters()).device.type)
+        self._link = RateWindow(min_amount=LINK_SAMPLE_MIN_BYTES)     # bytes / s of this rank's moves
+        self._tower = RateWindow()                                    # FLOP / s of this rank's tower
+        self.last_rates = None          # the latest plan's (link GB/s, tower TFLOP/s), and measured
         self.merge = int(self.vision.spatial_merge_size)
         self.width = int(model.config.hidden_size)
         self.deepstack = len(model.vision_transformer_config.deepstack_visual_indexes)
@@ -265,7 +282,8 @@ class BalancedFrames:
         has_rows = pixels is not None and pixels.shape[0] > 0
         costs = np.array([int(self.frame_cost(int(p))) for p in patches_here], dtype=np.int64)
         table = gather_unit_table(np.column_stack([costs, hw]).reshape(-1, 3),
-                                  _header(pixels, int(patches_here.sum())), self.group, device)
+                                  _header(pixels, int(patches_here.sum())) + self._rate_header(),
+                                  self.group, device)
         if table is None:
             self._account(None)
             return None
@@ -276,19 +294,26 @@ class BalancedFrames:
             raise ValueError(f"mm_balance.vision=images: a frame's patches are not a multiple of the "
                              f"{self.merge}x{self.merge} merge")
         out_dtype, trains = self._tower_output()
-        transfer = self._transfer(patches, in_dim, dtype, pixel_grad, out_dtype, trains)
+        rates, measured = self._agreed_rates(table)
+        transfer = self._transfer(patches, in_dim, dtype, pixel_grad, out_dtype, trains, rates)
         encoder = plan_frame_encoders(table.owner, cost, table.num_ranks, patches=patches,
                                       patch_cap=self.patch_cap, transfer=transfer)
         self.last_plan = dict(owner=table.owner, cost=cost, patches=patches, encoder=encoder,
                               transfer=np.zeros_like(cost) if transfer is None else transfer)
-        self._account(frame_figures(table.owner, encoder, cost, patches, table.num_ranks, transfer))
+        self.last_rates = dict(used=rates, measured=measured)
+        self._account(frame_figures(table.owner, encoder, cost, patches, table.num_ranks, transfer,
+                                    rates if transfer is not None else None, measured))
         route = UnitExchange(table.owner, encoder, patches, patches // (self.merge * self.merge),
                              self.group, table.num_ranks)
         local = pixels if has_rows else torch.empty((0, in_dim), dtype=dtype, device=device)
         if pixel_grad and not local.requires_grad:
             local = local.detach().requires_grad_(True)
-        encoded = self._encode(route.to_encoders(local), table, route.encoded_units, device,
-                               pixel_grad or trains, out_dtype)
+        pixel_bytes = in_dim * torch.empty((), dtype=dtype).element_size()
+        moved_rows = self._moved_rows(table.owner, encoder, patches, route.rank)
+        started = self._meter.start()
+        arrived = route.to_encoders(local)
+        self._meter.stop(started, moved_rows * pixel_bytes, self._link)
+        encoded = self._encode(arrived, table, route.encoded_units, device, pixel_grad or trains, out_dtype)
         back = route.to_owners(encoded)
         embeddings, *deepstack = [part.contiguous() for part in back.split(self.width, dim=1)]
         return embeddings, deepstack
@@ -301,7 +326,7 @@ class BalancedFrames:
             if problem:
                 raise ValueError(f"mm_balance.vision=images: rank {rank} of the vision group: {_PROBLEMS[problem]}")
         held = table.headers[np.bincount(table.owner, minlength=table.num_ranks) > 0]
-        kinds = {(int(a), int(b)) for a, b, _, _ in held.tolist()}
+        kinds = {(int(a), int(b)) for a, b in held[:, :2].tolist()}
         if len(kinds) != 1:
             raise ValueError(f"mm_balance.vision=images: the ranks' pixel rows differ in width or dtype "
                              f"({sorted(kinds)})")
@@ -314,14 +339,45 @@ class BalancedFrames:
         params = [p for p in self.vision.parameters() if p.is_floating_point()]
         return params[0].dtype, any(p.requires_grad for p in params)
 
-    def _transfer(self, patches, in_dim: int, dtype, pixel_grad: bool, out_dtype, trains: bool):
+    def _rate_header(self) -> list:
+        """This rank's measured link MB/s and tower MFLOP/s as the header's integers (0: none
+        yet): every rank reads every rank's, so all agree on one value
+        (:mod:`megatron_mm_balance.runtime.rates`)."""
+        from ..runtime.rates import LINK_UNIT, TOWER_UNIT, header_value
+        self._meter.poll()
+        return [header_value(self._link.rate(), LINK_UNIT), header_value(self._tower.rate(), TOWER_UNIT)]
+
+    def _agreed_rates(self, table):
+        """``(rates the plan charges moves at, rates the group measured)``, each ``(link GB/s,
+        tower TFLOP/s)``, the same on every rank: the group's medians of the header's
+        measured integers (0 where no rank has measured one); the plan's are the settings',
+        or with ``measured_rates`` the measured ones where there are any. (None, measured)
+        without rates."""
+        from ..runtime.rates import LINK_UNIT, TOWER_UNIT, agreed_rate
+        measured = (agreed_rate(table.headers[:, 4], LINK_UNIT, 0.0) / 1e9,
+                    agreed_rate(table.headers[:, 5], TOWER_UNIT, 0.0) / 1e12)
+        if self.rates is None or self.flops_per_unit is None:
+            return None, measured
+        if not self.measured_rates:
+            return tuple(self.rates), measured
+        return tuple(m if m > 0 else r for m, r in zip(measured, self.rates)), measured
+
+    @staticmethod
+    def _moved_rows(owner, encoder, patches, rank: int) -> int:
+        """Pixel rows this rank sends away or receives in the plan (the link sample's size)."""
+        out = (owner == rank) & (encoder != rank)
+        into = (encoder == rank) & (owner != rank)
+        return int(patches[out].sum() + patches[into].sum())
+
+    def _transfer(self, patches, in_dim: int, dtype, pixel_grad: bool, out_dtype, trains: bool, rates):
         """Each frame's transfer cost (:class:`~megatron_mm_balance.runtime.frames.FrameTransfer`),
         from numbers every rank holds alike: the agreed pixel rows, this tower's output width
-        and dtype, and whether backward crosses the exchange; None without rates."""
+        and dtype, whether backward crosses the exchange, and ``rates`` (``(link GB/s, tower
+        TFLOP/s)``, the same on every rank); None without rates."""
         import torch
 
         from ..runtime.frames import FrameTransfer
-        if self.rates is None or self.flops_per_unit is None:
+        if rates is None:
             return None
         pixel_bytes = in_dim * torch.empty((), dtype=dtype).element_size()
         out_size = torch.empty((), dtype=out_dtype).element_size()
@@ -329,7 +385,7 @@ class BalancedFrames:
         # forward: pixels out, embeddings back; backward: their gradients in, pixels' back
         per_patch = pixel_bytes * (2 if pixel_grad else 1) + out_bytes * (2 if trains or pixel_grad else 1)
         passes = 3 if trains else 2 if pixel_grad else 1
-        link, tflops = self.rates
+        link, tflops = rates
         unit_seconds = self.flops_per_unit * passes / (tflops * 1e12)
         return FrameTransfer(per_patch, link, unit_seconds).cost(patches)
 
@@ -343,10 +399,13 @@ class BalancedFrames:
                                requires_grad=needs_grad)
         grid = frame_grid(table.columns[units, 1:], device)
         self._encoding = True
+        started = self._meter.start()
         try:
             embeddings, deepstack = self.vision(hidden_states=rows, grid_thw=grid)
         finally:
             self._encoding = False
+        if self.flops_per_unit is not None:
+            self._meter.stop(started, self.flops_per_unit * float(table.columns[units, 0].sum()), self._tower)
         out = torch.cat([embeddings, *deepstack], dim=1)
         if out.dtype != out_dtype or out.shape[1] != (1 + self.deepstack) * self.width:
             raise RuntimeError(f"mm_balance.vision=images: the tower returned {tuple(out.shape)} "
@@ -506,5 +565,7 @@ def install_frame_balance(model, cfg, core_cfg, args, pg_collection, state=None)
         installed.append(BalancedFrames(inner, group, frame_cost=frame_cost_for(cfg.model),
                                         patch_cap=getattr(cfg.mm_balance, "image_patch_cap", None),
                                         report=report, rates=transfer_rates(cfg.mm_balance, device.type),
-                                        flops_per_unit=tower_flops_per_unit(cfg.model)))
+                                        flops_per_unit=tower_flops_per_unit(cfg.model),
+                                        measured_rates=getattr(cfg.mm_balance, "image_rates",
+                                                               "settings") == "measured"))
     return installed

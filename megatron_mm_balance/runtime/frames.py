@@ -117,11 +117,21 @@ class FrameFigures:
     patches_max_after: int
     #: the moved frames' transfer cost (:class:`FrameTransfer`; 0 when none was charged)
     transfer_moved: int = 0
+    #: the link GB/s and tower TFLOP/s the transfer cost was computed from (0: none)
+    link_gbps: float = 0.0
+    tower_tflops: float = 0.0
+    #: the rates the group measured (``runtime/rates.py``; 0: none measured yet)
+    link_gbps_measured: float = 0.0
+    tower_tflops_measured: float = 0.0
 
 
-def frame_figures(owner, encoder, cost, patches, num_ranks: int, transfer=None) -> FrameFigures:
+def frame_figures(owner, encoder, cost, patches, num_ranks: int, transfer=None, rates=None,
+                  measured=None) -> FrameFigures:
     """The figures of one micro-step's assignment (see :class:`FrameFigures`);
-    ``transfer[i]``: what moving frame ``i`` costs (None: nothing)."""
+    ``transfer[i]``: what moving frame ``i`` costs (None: nothing); ``rates``: the ``(link
+    GB/s, tower TFLOP/s)`` it was computed from (None: none); ``measured``: those the group
+    measured (None or 0: none)."""
+    rates, measured = rates or (0.0, 0.0), measured or (0.0, 0.0)
     owner, encoder = np.asarray(owner, dtype=np.int64), np.asarray(encoder, dtype=np.int64)
     cost, patches = np.asarray(cost, dtype=np.int64), np.asarray(patches, dtype=np.int64)
     transfer = np.zeros_like(cost) if transfer is None else np.asarray(transfer, dtype=np.int64)
@@ -137,15 +147,18 @@ def frame_figures(owner, encoder, cost, patches, num_ranks: int, transfer=None) 
         cost_max_before=int(before.max()), cost_max_after=int(after.max()),
         cost_mean=total / num_ranks,
         patches_max_before=int(load(owner, patches).max()), patches_max_after=int(load(encoder, patches).max()),
-        transfer_moved=int(transfer[moved].sum()))
+        transfer_moved=int(transfer[moved].sum()),
+        link_gbps=float(rates[0]), tower_tflops=float(rates[1]),
+        link_gbps_measured=float(measured[0] or 0.0), tower_tflops_measured=float(measured[1] or 0.0))
 
 
 @dataclass
 class FrameWindow:
     """Sums of :class:`FrameFigures` over the micro-steps of a log interval (micro-steps
-    with no frame anywhere count in ``micro_steps`` only)."""
+    with no frame anywhere count in ``micro_steps`` only; ``planned``: those with frames)."""
 
     micro_steps: int = 0
+    planned: int = 0
     frames: int = 0
     patches: int = 0
     frames_moved: int = 0
@@ -158,19 +171,32 @@ class FrameWindow:
     patches_max_before: int = 0
     patches_max_after: int = 0
     transfer_moved: int = 0
+    link_gbps: float = 0.0
+    tower_tflops: float = 0.0
+    link_gbps_measured: float = 0.0
+    tower_tflops_measured: float = 0.0
+    #: micro-steps whose figures carry a measured link / tower rate
+    link_measured_steps: int = 0
+    tower_measured_steps: int = 0
 
     def add(self, figures: Optional[FrameFigures]) -> None:
         self.micro_steps += 1
         if figures is None:
             return
+        self.planned += 1
+        self.link_measured_steps += int(figures.link_gbps_measured > 0)
+        self.tower_measured_steps += int(figures.tower_tflops_measured > 0)
         for f in fields(FrameFigures):
             setattr(self, f.name, getattr(self, f.name) + getattr(figures, f.name))
 
     def summary(self) -> Dict[str, float]:
         """The interval's figures: totals of frames, patches and moves; per micro-step means
         of the largest rank's cost (and patches) before and after; ``imbalance_*``: the
-        largest rank's cost over the mean, as ratios of the interval's sums."""
-        n = max(1, self.micro_steps)
+        largest rank's cost over the mean, as ratios of the interval's sums; ``link_gbps``,
+        ``tower_tflops``: the mean rates the plans charged moves at (0: none), ``*_measured``:
+        the mean of what the group measured, over the micro-steps that had a measurement (0:
+        none yet)."""
+        n, planned = max(1, self.micro_steps), max(1, self.planned)
         ratio = (lambda a: a / self.cost_mean if self.cost_mean else 1.0)  # noqa: E731
         return {
             "micro_steps": float(self.micro_steps), "frames": float(self.frames),
@@ -181,4 +207,7 @@ class FrameWindow:
             "vision_mean": self.cost_mean / n,
             "imbalance_before": ratio(self.cost_max_before), "imbalance_after": ratio(self.cost_max_after),
             "patches_max_before": self.patches_max_before / n, "patches_max_after": self.patches_max_after / n,
+            "link_gbps": self.link_gbps / planned, "tower_tflops": self.tower_tflops / planned,
+            "link_gbps_measured": self.link_gbps_measured / max(1, self.link_measured_steps),
+            "tower_tflops_measured": self.tower_tflops_measured / max(1, self.tower_measured_steps),
         }

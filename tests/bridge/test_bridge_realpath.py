@@ -376,6 +376,8 @@ IMAGES = ["mm_balance.vision=images"]
 #: data set's samples rarely hold two large images; with GBS 8 its first 3 iterations at DP=4
 #: give no frame to move)
 IMAGE_LAYOUTS = {"dp2_ep2_fp32": LAYOUTS["dp2_ep2_fp32"], "dp4": LAYOUTS["dp4"]}
+#: the DP=4 run charges moves at the rates it measures (``mm_balance.image_rates=measured``)
+IMAGE_EXTRA = {"dp2_ep2_fp32": IMAGES, "dp4": IMAGES + ["mm_balance.image_rates=measured"]}
 
 
 def _vision_lines(run) -> dict:
@@ -386,6 +388,11 @@ def _vision_lines(run) -> dict:
             head, *parts = line.split(" | ")
             out[int(head.split()[-1])] = {k: float(v) for k, v in (p.split(": ", 1) for p in parts)}
     return out
+
+
+def _planned_figures(lines: dict) -> dict:
+    """The vision lines without the measured rates (timings, which differ run to run)."""
+    return {i: {k: v for k, v in fig.items() if not k.endswith("_measured")} for i, fig in lines.items()}
 
 
 @pytest.mark.parametrize("layout", list(IMAGE_LAYOUTS))
@@ -400,7 +407,7 @@ def test_images_mode_trains_as_off_within_the_control_band(runner, layout, bridg
     from megatron_mm_balance.megatron.checkpoints import compare_checkpoints
     lay = IMAGE_LAYOUTS[layout]
     off = runner(f"{layout}-off", lay, False)
-    images = runner(f"{layout}-images", lay, True, extra=IMAGES)
+    images = runner(f"{layout}-images", lay, True, extra=IMAGE_EXTRA[layout])
     ctl = runner(f"{layout}-control", lay, True, extra=["mm_balance.mode=control"])
     report = bu.check_band(off, images, ctl, f"Bridge fp32 {layout}, vision=images")
     vision = _vision_lines(images)
@@ -411,11 +418,18 @@ def test_images_mode_trains_as_off_within_the_control_band(runner, layout, bridg
     for v in vision.values():
         assert v["vision_max_after"] <= v["vision_max_before"] and v["patches_max_after"] <= v["patches_max_before"]
     assert not _vision_lines(off) and not _vision_lines(ctl)
+    last = vision[max(vision)]
+    assert last["tower_tflops_measured"] > 0, last          # every rank times its tower
+    if layout in ("dp4",):                                   # image_rates=measured: the plan's rates
+        assert last["tower_tflops"] == pytest.approx(last["tower_tflops_measured"], rel=1e-9), last
     # the reporting rank (the group's first) has no Bridge writer: its own events file
     assert list((images.output_dir / "tensorboard").glob("*.mm_balance_vision")), "no mm-balance-vision events"
     ckpt = {name: str(r.output_dir / "checkpoints") for name, r in (("off", off), ("images", images), ("control", ctl))}
     img_off, ctl_off = compare_checkpoints(ckpt["off"], ckpt["images"]), compare_checkpoints(ckpt["off"], ckpt["control"])
-    print(f"\n{layout} vision=images: frames moved per iteration {moved}; final checkpoints (model tensors): "
+    print(f"\n{layout} vision=images ({' '.join(IMAGE_EXTRA[layout][1:]) or 'rates: settings'}): frames moved "
+          f"per iteration {moved}; rates used / measured at the last line (GB/s, TFLOP/s): "
+          f"{last['link_gbps']:.4g}, {last['tower_tflops']:.4g} / {last['link_gbps_measured']:.4g}, "
+          f"{last['tower_tflops_measured']:.4g}; final checkpoints (model tensors): "
           f"images vs off {img_off.summary()}; control vs off {ctl_off.summary()}\n"
           f"{bu.loss_table({'off': off, 'images': images, 'control': ctl})}\n{report}")
     assert img_off.same and not (img_off.only_a or img_off.only_b), img_off.summary()
@@ -440,7 +454,8 @@ def test_images_mode_resume_equals_uninterrupted(runner, bridge_runs_dir):
     assert "restoring dataloader state at iteration 4" in second.log, second.tail()
     assert {**first.losses, **second.losses} == full.losses, table
     full_vision = _vision_lines(full)
-    assert _vision_lines(second) == {i: v for i, v in full_vision.items() if i >= 5}, second.tail()
+    assert _planned_figures(_vision_lines(second)) == {i: v for i, v in _planned_figures(full_vision).items()
+                                                       if i >= 5}, second.tail()
     same = compare_checkpoints(str(full.output_dir / "checkpoints"), str(out / "checkpoints"))
     print(f"\nvision=images resume ({layout}): final checkpoint vs the uninterrupted run's: {same.summary()}; "
           f"wall first {first.wall_s:.0f}s resumed {second.wall_s:.0f}s\n{table}")

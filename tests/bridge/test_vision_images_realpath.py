@@ -129,6 +129,29 @@ def test_a_moved_frames_transfer_time_is_in_the_plan(results):
           f"{results[0]['rates']} GB/s, TFLOP/s)")
 
 
+def test_measured_rates_replace_a_wrong_prior_on_every_rank_alike(results):
+    """``image_rates=measured`` with a tower rate a million times too fast: the first plan
+    charges moves more than any frame costs, so nothing moves; the tower's rate measured on
+    every rank's own frames replaces it from the next micro-step, the same value on every
+    rank, and the video's frames move; then the link's too. Outputs stay the unbalanced
+    tower's."""
+    runs = [r["measured"]["runs"] for r in results]
+    for i in range(len(runs[0])):
+        assert len({str((run[i]["used"], run[i]["measured"])) for run in runs}) == 1, i
+    first, second, last = runs[0][0], runs[0][1], runs[0][-1]
+    assert first["used"] == results[0]["measured"]["prior"] and first["frames_moved"] == 0
+    assert first["measured"] == [0.0, 0.0]
+    tower = second["measured"][1]
+    assert 0 < tower < results[0]["measured"]["prior"][1] / 1e3 and second["used"][1] == tower
+    assert second["frames_moved"] > 0
+    assert last["measured"][0] > 0 and last["used"][0] == last["measured"][0], last
+    for r in results:
+        for run in r["measured"]["runs"]:
+            _check(run["diffs"], ("fp32", r["rank"], "measured rates"))
+    print(f"\nmeasured rates: prior {results[0]['measured']['prior']} (GB/s, TFLOP/s); per run used "
+          + "; ".join(f"{[round(x, 4) for x in run['used']]} (moved {run['frames_moved']})" for run in runs[0]))
+
+
 def test_no_frame_anywhere_costs_one_collective_and_evaluation_none(results):
     for r in results:
         last = r["steps"][3]

@@ -82,9 +82,9 @@ def main() -> None:
     first = hooks[0]
     first.remove()                                       # on only for the balanced runs
 
-    def hooked(rates=first.rates):
+    def hooked(rates=first.rates, measured=False):
         return BalancedFrames(model, first.group, frame_cost=first.frame_cost, report=first.report,
-                              rates=rates, flops_per_unit=first.flops_per_unit)
+                              rates=rates, flops_per_unit=first.flops_per_unit, measured_rates=measured)
 
     ids = provider.image_token_id, provider.video_token_id, provider.vision_start_token_id, \
         provider.vision_end_token_id
@@ -114,6 +114,7 @@ def main() -> None:
     model.to(torch.float32)
     result["rates"] = list(first.rates)
     result["slow_link"] = _slow_link(model, hooked, first.rates, ids)
+    result["measured"] = _measured_rates(model, hooked, first.rates, ids)
     result["eval"] = _evaluation(model, hooked, _batch(STEPS[0][RANK], 0, ids, video=False))
     result["report_lines"] = first.report.lines
     result["per_frame"] = _per_frame_claim(model.vision_model)
@@ -132,6 +133,29 @@ def _slow_link(model, hooked, rates, ids):
     balanced.remove()
     return dict(figures=balanced.last_figures.__dict__, diffs=_diffs(ref, got),
                 plan={k: [int(x) for x in v] for k, v in balanced.last_plan.items()})
+
+
+def _measured_rates(model, hooked, rates, ids, runs=3):
+    """``mm_balance.image_rates=measured`` from a tower rate a million times too fast (a
+    move's transfer then costs more than any frame: nothing moves): the video step, ``runs``
+    times with the same hooks. The first plan charges the wrong prior; from the second on,
+    the rates are the group's measured ones (the same on every rank) and frames move; the
+    outputs stay the unbalanced tower's."""
+    import torch
+    batch = _batch(STEPS[VIDEO_STEP][RANK], VIDEO_STEP, ids, video=True)
+    ref = _run(model, batch, torch.float32, VIDEO_STEP)
+    balanced = hooked(rates=(rates[0], rates[1] * 1e6), measured=True)
+    runs_out = []
+    try:
+        for _ in range(runs):
+            got = _run(model, batch, torch.float32, VIDEO_STEP)
+            runs_out.append(dict(used=list(balanced.last_rates["used"]),
+                                 measured=list(balanced.last_rates["measured"]),
+                                 frames_moved=balanced.last_figures.frames_moved,
+                                 link_samples=len(balanced._link.samples), diffs=_diffs(ref, got)))
+    finally:
+        balanced.remove()
+    return dict(prior=[rates[0], rates[1] * 1e6], runs=runs_out)
 
 
 def _provider():

@@ -78,6 +78,22 @@ def test_the_figures_count_the_moved_frames_transfer():
     assert window.summary()["transfer_moved"] == 10
 
 
+def test_the_figures_carry_the_rates_used_and_measured():
+    owner, encoder = np.array([0, 0, 1]), np.array([0, 1, 1])
+    cost, patches = np.array([6, 6, 0]), np.array([4, 4, 1])
+    f = frame_figures(owner, encoder, cost, patches, 2, rates=(2.0, 0.05), measured=(1.5, 0.0))
+    assert (f.link_gbps, f.tower_tflops, f.link_gbps_measured, f.tower_tflops_measured) == (2.0, 0.05, 1.5, 0.0)
+    window = FrameWindow()
+    window.add(f)
+    window.add(None)                                   # no frame: no rate in the mean
+    window.add(frame_figures(owner, encoder, cost, patches, 2, rates=(4.0, 0.15), measured=(2.5, 0.1)))
+    s = window.summary()
+    assert s["link_gbps"] == pytest.approx(3.0) and s["tower_tflops"] == pytest.approx(0.1)
+    # measured: the mean over the micro-steps that had a measurement (the tower's first had none)
+    assert s["link_gbps_measured"] == pytest.approx(2.0) and s["tower_tflops_measured"] == pytest.approx(0.1)
+    assert FrameWindow().summary()["link_gbps"] == 0.0
+
+
 def test_the_default_cap_is_the_most_any_rank_held():
     owner, patches = np.array([0, 0, 1, 2]), np.array([10, 5, 12, 1])
     assert default_patch_cap(owner, patches, 3) == 15

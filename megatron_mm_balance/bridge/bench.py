@@ -11,8 +11,11 @@ The timing records carry Qwen-VL grids, so the analysis reads them per frame.
 Modes: ``off`` (``MM_BALANCE=0``), ``packs`` (pack placement, ``mm_balance.cost`` = ``--cost``,
 image tokens by default), ``model`` (pack placement with the FLOP-derived cost,
 ``mm_balance.cost=model``), ``images`` (``mm_balance.vision=images``: frames balanced across
-ranks every micro-step; refused in one line where ``MMBalanceBridgeConfig`` has no ``vision``
-field), ``untimed`` (``off`` without the timing hooks).
+ranks every micro-step, the transfers overlapped with the tower; refused in one line where
+``MMBalanceBridgeConfig`` has no ``vision`` field), ``images-sync`` (``images`` with each
+exchange completed before the tower: ``mm_balance.image_overlap=false``), ``images-measured``
+(``images`` charging moves at the rates the run measures: ``mm_balance.image_rates=measured``),
+``untimed`` (``off`` without the timing hooks).
 """
 from __future__ import annotations
 
@@ -30,6 +33,9 @@ from .native_dataset import make_native_res_dataset
 LAUNCHER = REPO / "scripts" / "pretrain_bridge_vlm.sh"
 CONFIG = REPO / "configs" / "bridge" / "qwen3_vl_moe_native_res_cpu.sh"
 MODES = ("off", "packs", "model")
+#: the image-level modes: their overrides beyond ``mm_balance.vision=images``
+IMAGE_MODES = {"images": [], "images-sync": ["mm_balance.image_overlap=false"],
+               "images-measured": ["mm_balance.image_rates=measured"]}
 #: ``mm_balance.cost`` values the ``packs`` and ``images`` modes take (``--cost``)
 COSTS = ("image-tokens", "model")
 
@@ -74,7 +80,7 @@ class BridgeFramework:
         return str(venv) if venv.is_file() else sys.executable
 
     def all_modes(self) -> tuple:
-        return MODES + ("images", "untimed")
+        return MODES + tuple(IMAGE_MODES) + ("untimed",)
 
     def default_modes(self) -> tuple:
         return MODES + (("images",) if bridge_images_available() else ())
@@ -103,11 +109,11 @@ class BridgeFramework:
             return "1", [f"mm_balance.cost={self.cost}"]
         if mode == "model":
             return "1", ["mm_balance.cost=model"]
-        if mode == "images":
+        if mode in IMAGE_MODES:
             if not bridge_images_available():
-                raise BenchError("mode images needs mm_balance.vision (image-level balancing on Bridge), which "
+                raise BenchError(f"mode {mode} needs mm_balance.vision (image-level balancing on Bridge), which "
                                  "this installation's MMBalanceBridgeConfig does not have")
-            return "1", ["mm_balance.vision=images", f"mm_balance.cost={self.cost}"]
+            return "1", ["mm_balance.vision=images", f"mm_balance.cost={self.cost}", *IMAGE_MODES[mode]]
         raise BenchError(f"unknown mode {mode!r} (choose from {', '.join(self.all_modes())})")
 
     def timing_args(self, directory: Path) -> list:

@@ -89,6 +89,10 @@ class MMBalanceBridgeConfig:
     #: runs (or a run and its resumption) may move other frames: the same results up to
     #: arithmetic order, not bit for bit
     image_rates: str = "settings"
+    #: ``vision=images``: a rank encodes its kept frames while its moved frames' pixels and
+    #: outputs are in flight (the received ones between them); false: each exchange completes
+    #: before the tower runs
+    image_overlap: bool = True
 
     @property
     def wraps_train_iterator(self) -> bool:

@@ -93,6 +93,8 @@ def checked_vision(mm, model_cfg) -> str:
     cap = getattr(mm, "image_patch_cap", None)
     if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
         raise MMBalanceConfigError(f"mm_balance.image_patch_cap must be a positive integer (patches), got {cap!r}")
+    if not isinstance(getattr(mm, "image_overlap", True), bool):
+        raise MMBalanceConfigError(f"mm_balance.image_overlap must be true or false, got {mm.image_overlap!r}")
     rates = getattr(mm, "image_rates", "settings")
     if rates not in RATE_CHOICES:
         raise MMBalanceConfigError(f"mm_balance.image_rates must be one of {', '.join(RATE_CHOICES)}, got {rates!r}")
@@ -198,7 +200,7 @@ class BalancedFrames:
 
     def __init__(self, model, group, *, frame_cost: Callable[[int], int], patch_cap: Optional[int] = None,
                  report: Optional["FrameReport"] = None, rates: Optional[tuple] = None,
-                 flops_per_unit: Optional[float] = None, measured_rates: bool = False):
+                 flops_per_unit: Optional[float] = None, measured_rates: bool = False, overlap: bool = True):
         from ..runtime.rates import RateMeter, RateWindow
         self.model, self.group, self.frame_cost = model, group, frame_cost
         self.patch_cap, self.report = patch_cap, report
@@ -206,6 +208,8 @@ class BalancedFrames:
         #: moved frame's transfer time in the plan (None: moves are free); with
         #: ``measured_rates`` the rates are the group's measured ones once it has them
         self.rates, self.flops_per_unit, self.measured_rates = rates, flops_per_unit, measured_rates
+        #: transfers in flight while the tower encodes (:meth:`_overlapped`), else one after another
+        self.overlap = overlap
         self.vision = model.vision_model
         self._meter = RateMeter(next(self.vision.parameters()).device.type)
         self._link = RateWindow(min_amount=LINK_SAMPLE_MIN_BYTES)     # bytes / s of this rank's moves
@@ -309,12 +313,16 @@ class BalancedFrames:
         if pixel_grad and not local.requires_grad:
             local = local.detach().requires_grad_(True)
         pixel_bytes = in_dim * torch.empty((), dtype=dtype).element_size()
-        moved_rows = self._moved_rows(table.owner, encoder, patches, route.rank)
-        started = self._meter.start()
-        arrived = route.to_encoders(local)
-        self._meter.stop(started, moved_rows * pixel_bytes, self._link)
-        encoded = self._encode(arrived, table, route.encoded_units, device, pixel_grad or trains, out_dtype)
-        back = route.to_owners(encoded)
+        encode = lambda rows, units: self._encode(rows, table, units, device, pixel_grad or trains,  # noqa: E731
+                                                  out_dtype)
+        if self.overlap:
+            back = self._overlapped(route, local, encode, cost, patches, pixel_bytes)
+        else:
+            moved_rows = self._moved_rows(table.owner, encoder, patches, route.rank)
+            started = self._meter.start()
+            arrived = route.to_encoders(local)
+            self._meter.stop(started, moved_rows * pixel_bytes, self._link)
+            back = route.to_owners(encode(arrived, route.encoded_units))
         embeddings, *deepstack = [part.contiguous() for part in back.split(self.width, dim=1)]
         return embeddings, deepstack
 
@@ -361,6 +369,26 @@ class BalancedFrames:
         if not self.measured_rates:
             return tuple(self.rates), measured
         return tuple(m if m > 0 else r for m, r in zip(measured, self.rates)), measured
+
+    def _overlapped(self, route, local, encode, cost, patches, pixel_bytes: int):
+        """:meth:`~megatron_mm_balance.runtime.image_exchange.UnitExchange.encode_overlapped`:
+        this rank encodes kept frames while the frames it receives arrive (enough of them to
+        cover the pixels' transfer at the settings' rates), the rest while its outputs travel
+        back. The link sample: the pixel bytes it received over the time it still waited for
+        them (what the overlap did not hide)."""
+        from ..runtime.frames import FrameTransfer
+        from ..runtime.image_exchange import kept_before_arrivals
+        me = route.rank
+        received = (route.encoder == me) & (route.owner != me)
+        kept = np.flatnonzero((route.owner == me) & (route.encoder == me))
+        hide = 0
+        if self.rates is not None and self.flops_per_unit is not None and received.any():
+            link, tflops = self.rates                      # forward only: the pixels' way there
+            hide = int(FrameTransfer(pixel_bytes, link, self.flops_per_unit / (tflops * 1e12))
+                       .cost(patches[received]).sum())
+        arrived_bytes = int(patches[received].sum()) * pixel_bytes
+        timer = (self._meter.start, lambda started: self._meter.stop(started, arrived_bytes, self._link))
+        return route.encode_overlapped(local, encode, kept_before_arrivals(cost[kept], hide), timer)
 
     @staticmethod
     def _moved_rows(owner, encoder, patches, rank: int) -> int:
@@ -567,5 +595,6 @@ def install_frame_balance(model, cfg, core_cfg, args, pg_collection, state=None)
                                         report=report, rates=transfer_rates(cfg.mm_balance, device.type),
                                         flops_per_unit=tower_flops_per_unit(cfg.model),
                                         measured_rates=getattr(cfg.mm_balance, "image_rates",
-                                                               "settings") == "measured"))
+                                                               "settings") == "measured",
+                                        overlap=bool(getattr(cfg.mm_balance, "image_overlap", True))))
     return installed

@@ -153,8 +153,27 @@ def _routes(units_here: np.ndarray, rows: np.ndarray, peer_of: np.ndarray, num_r
 def _route(x: torch.Tensor, send: dict, recv: dict, out_rows: int, group, ranks) -> torch.Tensor:
     """Rows ``x[send[p]]`` go to peer ``p``; rows from peer ``p`` land at ``recv[p]`` of
     the result (``out_rows`` rows). ``send[me]`` / ``recv[me]``: rows kept locally."""
+    return _complete(_post(x, send, recv, out_rows, group, ranks))
+
+
+@dataclass
+class _Posted:
+    """A route whose transfers are in flight: the result being filled, the requests, the
+    receive buffers (by peer) and the send tensors (alive until the requests complete)."""
+
+    out: torch.Tensor
+    reqs: list
+    bufs: list
+    ops: list
+    recv: dict
+
+
+def _post(x: torch.Tensor, send: dict, recv: dict, out_rows: int, group, ranks, *, zeros: bool = False) -> _Posted:
+    """Posts :func:`_route`'s transfers (every send and receive at once) and copies the rows
+    kept locally; :func:`_complete` waits and places what arrived. ``zeros``: the result's
+    rows nothing lands on are zero (else they must all be covered)."""
     me = dist.get_rank(group)
-    out = x.new_empty((out_rows, *x.shape[1:]))
+    out = (x.new_zeros if zeros else x.new_empty)((out_rows, *x.shape[1:]))
     ops, bufs = [], []
     for p in ranks:
         if p == me:
@@ -170,11 +189,15 @@ def _route(x: torch.Tensor, send: dict, recv: dict, out_rows: int, group, ranks)
     if len(send.get(me, ())):
         out.index_copy_(0, torch.as_tensor(recv[me], device=x.device),
                         x.index_select(0, torch.as_tensor(send[me], device=x.device)))
-    for r in reqs:
+    return _Posted(out, reqs, bufs, ops, recv)
+
+
+def _complete(posted: _Posted) -> torch.Tensor:
+    for r in posted.reqs:
         r.wait()
-    for p, buf in bufs:
-        out.index_copy_(0, torch.as_tensor(recv[p], device=x.device), buf)
-    return out
+    for p, buf in posted.bufs:
+        posted.out.index_copy_(0, torch.as_tensor(posted.recv[p], device=buf.device), buf)
+    return posted.out
 
 
 def _global(group, rank: int) -> int:
@@ -190,6 +213,79 @@ class _Route(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return _route(grad.contiguous(), *ctx.bwd, ctx.rows, ctx.group, ctx.ranks), None, None, None, None, None
+
+
+class _Flight:
+    """One route between peers (no rows kept locally) whose transfers run while the caller
+    computes: :class:`_Launch` posts it, :class:`_Land` waits for it; in backward the
+    gradients travel the other way, posted by ``_Land``'s backward and awaited by
+    ``_Launch``'s, so the engine may run other backward work in between."""
+
+    def __init__(self, send: dict, recv: dict, out_rows: int, group, ranks):
+        self.send, self.recv, self.out_rows, self.group, self.ranks = send, recv, int(out_rows), group, ranks
+        self.rows = 0
+        self._posted: Optional[_Posted] = None
+
+    def launch(self, x: torch.Tensor) -> None:
+        self.rows = x.shape[0]
+        self._posted = _post(x, self.send, self.recv, self.out_rows, self.group, self.ranks)
+
+    def launch_backward(self, grad: torch.Tensor) -> None:
+        """The gradients of the rows that arrived go back; those of the rows sent land (the
+        rows that stayed get zero here: their gradients reach them by another path)."""
+        self._posted = _post(grad.contiguous(), self.recv, self.send, self.rows, self.group, self.ranks,
+                             zeros=True)
+
+    def land(self) -> torch.Tensor:
+        posted, self._posted = self._posted, None
+        return _complete(posted)
+
+
+class _Launch(torch.autograd.Function):
+    """Posts a flight of ``x``'s rows; returns an empty token that :class:`_Land` takes, so
+    that backward reaches ``x`` through the flight."""
+
+    @staticmethod
+    def forward(ctx, x, flight):
+        ctx.flight = flight
+        flight.launch(x)
+        return x.new_empty(0)
+
+    @staticmethod
+    def backward(ctx, _token):
+        return ctx.flight.land(), None
+
+
+class _Land(torch.autograd.Function):
+    """Waits for a flight and returns the rows that arrived."""
+
+    @staticmethod
+    def forward(ctx, token, flight):
+        ctx.flight = flight
+        return flight.land()
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.flight.launch_backward(grad)
+        return grad.new_empty(0), None
+
+
+def _in_graph(out: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``out`` with empty ``rows`` joined to its graph (``0 * sum``, no value changes): a rank
+    that receives no unit still meets its flight's backward, where its peers do."""
+    if rows.requires_grad and rows.shape[0] == 0:
+        return out + (rows.sum() * 0).to(out.dtype)
+    return out
+
+
+def kept_before_arrivals(kept_cost, hide) -> int:
+    """How many of a rank's kept units (their costs in its order) to encode while the units it
+    receives are on the way: the shortest prefix whose cost reaches ``hide`` (the received
+    units' transfer, in the same unit); the rest are encoded while the outputs travel back."""
+    cost = np.cumsum(np.asarray(kept_cost, dtype=np.int64))
+    if hide <= 0 or cost.size == 0:
+        return 0
+    return int(min(cost.size, np.searchsorted(cost, hide) + 1))
 
 
 class UnitExchange:
@@ -210,6 +306,7 @@ class UnitExchange:
         if not (owner.shape == encoder.shape == in_rows.shape == out_rows.shape):
             raise ValueError("owner, encoder, in_rows and out_rows need one entry per unit")
         self.group = group
+        self.owner, self.encoder, self.in_rows, self.out_rows = owner, encoder, in_rows, out_rows
         self.rank = dist.get_rank(group)
         self.num_ranks = int(num_ranks if num_ranks is not None else dist.get_world_size(group))
         self.ranks = list(range(self.num_ranks))
@@ -239,6 +336,71 @@ class UnitExchange:
                              f"got {outputs.shape[0]}")
         return _Route.apply(outputs, (self._send_out, self._recv_out), (self._recv_out, self._send_out),
                             self.local_out_rows, self.group, self.ranks)
+
+
+    def encode_overlapped(self, inputs: torch.Tensor, encode, first_kept: int = 0, timer=None) -> torch.Tensor:
+        """What ``to_owners(encode(to_encoders(inputs), encoded_units))`` returns, with the
+        transfers running while the encoder works:
+
+        1. this rank's moved units' input rows leave, the units it receives are posted;
+        2. it encodes its first ``first_kept`` kept units (:func:`kept_before_arrivals`);
+        3. it waits for what it receives (``timer``: ``(start, stop)`` around that wait, the
+           time the overlap did not hide) and encodes it;
+        4. those outputs leave for their owners, the outputs of its own moved units are posted;
+        5. it encodes the rest of its kept units, then waits for its outputs.
+
+        In backward the engine meets the flights in reverse: the output gradients leave before
+        the last kept units' backward runs, and are awaited after it. ``encode(rows, units)``:
+        the encoder's output rows of ``units`` (global indices, in global order) from their
+        input rows, called once per non-empty group and always for the received units (empty
+        or not: it must then return an empty tensor with gradients where backward needs them).
+        Returns this rank's output rows in its own order. Exact: every unit is encoded on its
+        own, by the rank the plan names."""
+        if inputs.shape[0] != self.local_in_rows:
+            raise ValueError(f"rank {self.rank} holds {self.local_in_rows} input rows in the plan, "
+                             f"got a tensor of {inputs.shape[0]}")
+        me, local = self.rank, self.local_units
+        stays = self.encoder[local] == me
+        kept, away = local[stays], local[~stays]
+        received = self.encoded_units[self.owner[self.encoded_units] != me]
+        peers = lambda routes: {p: rows for p, rows in routes.items() if p != me}  # noqa: E731
+        pixels = _Flight(peers(_routes(local, self.in_rows, self.encoder, self.num_ranks)),
+                         peers(_routes(received, self.in_rows, self.owner, self.num_ranks)),
+                         self.in_rows[received].sum(), self.group, self.ranks)
+        token = _Launch.apply(inputs, pixels)
+        starts = np.cumsum(self.in_rows[local]) - self.in_rows[local]
+        rows_of = lambda mask: inputs.index_select(0, torch.as_tensor(  # noqa: E731
+            _row_ranges(starts[mask], self.in_rows[local][mask]), device=inputs.device))
+        first = np.zeros(local.size, dtype=bool)
+        first[np.flatnonzero(stays)[:max(0, int(first_kept))]] = True
+        pieces = []                                   # (units, outputs), concatenated below
+        if first.any():
+            pieces.append((local[first], encode(rows_of(first), local[first])))
+        started = timer[0]() if timer else None
+        arrived = _Land.apply(token, pixels)
+        if timer:
+            timer[1](started)
+        encoded = _in_graph(encode(arrived, received), arrived)
+        outputs = _Flight(peers(_routes(received, self.out_rows, self.owner, self.num_ranks)),
+                          peers(_routes(away, self.out_rows, self.encoder, self.num_ranks)),
+                          self.out_rows[away].sum(), self.group, self.ranks)
+        token = _Launch.apply(encoded, outputs)
+        rest = stays & ~first
+        if rest.any():
+            pieces.append((local[rest], encode(rows_of(rest), local[rest])))
+        pieces.append((away, _Land.apply(token, outputs)))
+        return self._in_owner_order(pieces)
+
+    def _in_owner_order(self, pieces) -> torch.Tensor:
+        """The pieces' output rows (each ``(units, rows)``, units in global order) as one tensor
+        in this rank's unit order."""
+        units = np.concatenate([u for u, _ in pieces])
+        lengths = self.out_rows[units]
+        starts = np.cumsum(lengths) - lengths
+        order = np.argsort(units, kind="stable")        # this rank's units are in global order
+        joined = torch.cat([rows for _, rows in pieces])
+        return joined.index_select(0, torch.as_tensor(_row_ranges(starts[order], lengths[order]),
+                                                      device=joined.device))
 
 
 class ImageExchange(UnitExchange):

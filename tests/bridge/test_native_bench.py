@@ -137,6 +137,10 @@ def test_bridge_modes_and_refusals(monkeypatch):
     assert bridge_bench.BridgeFramework(cost="model").mode_args("images") == (
         "1", ["mm_balance.vision=images", "mm_balance.cost=model"])
     assert fw.default_modes() == ("off", "packs", "model", "images")
+    assert fw.mode_args("images-sync") == (
+        "1", ["mm_balance.vision=images", "mm_balance.cost=image-tokens", "mm_balance.image_overlap=false"])
+    assert fw.mode_args("images-measured")[1][-1] == "mm_balance.image_rates=measured"
+    assert {"images-sync", "images-measured"} <= set(fw.all_modes())
     with pytest.raises(realpath.BenchError, match="--cost must be one of"):
         bridge_bench.BridgeFramework(cost="tiles").check()
     assert realpath.FRAMEWORKS["bridge"] is bridge_bench.BridgeFramework

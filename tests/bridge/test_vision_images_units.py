@@ -43,6 +43,7 @@ def test_defaults_keep_todays_behaviour():
     (dict(vision_tflops=-1.0), {}, r"mm_balance.vision_tflops must be a positive number \(TFLOP/s\)"),
     (dict(vision_tflops=float("inf")), {}, "mm_balance.vision_tflops must be a positive number"),
     (dict(image_rates="fast"), {}, "mm_balance.image_rates must be one of settings, measured, got 'fast'"),
+    (dict(image_overlap="yes"), {}, "mm_balance.image_overlap must be true or false, got 'yes'"),
     (dict(vision="images", enabled=False), {}, "vision=images needs mm_balance.enabled=true"),
     (dict(vision="images", mode="shadow"), {}, "mm_balance.mode=shadow moves nothing"),
     (dict(vision="images", mode="control"), {}, "mm_balance.mode=control moves nothing"),

@@ -82,9 +82,10 @@ def main() -> None:
     first = hooks[0]
     first.remove()                                       # on only for the balanced runs
 
-    def hooked(rates=first.rates, measured=False):
+    def hooked(rates=first.rates, measured=False, overlap=True):
         return BalancedFrames(model, first.group, frame_cost=first.frame_cost, report=first.report,
-                              rates=rates, flops_per_unit=first.flops_per_unit, measured_rates=measured)
+                              rates=rates, flops_per_unit=first.flops_per_unit, measured_rates=measured,
+                              overlap=overlap)
 
     ids = provider.image_token_id, provider.video_token_id, provider.vision_start_token_id, \
         provider.vision_end_token_id
@@ -102,7 +103,11 @@ def main() -> None:
             counts = calls.stop()
             balanced.remove()
             entry[key] = _diffs(ref, got)
-            if key == "fp32":
+            if key == "fp32":                             # the same plan, each exchange completed first
+                synchronous = hooked(overlap=False)
+                entry["fp32_sync"] = _diffs(ref, _run(model, batch, dtype, step))
+                synchronous.remove()
+                assert str(synchronous.last_plan) == str(balanced.last_plan)
                 figures = balanced.last_figures
                 entry.update(
                     collectives=counts,

@@ -2,7 +2,10 @@
 counts in and out (as Qwen-VL frames: ``h*w`` pixel rows in, ``h*w/4`` rows out) encoded on
 other ranks equal the unbalanced encoder forward and backward (outputs, input gradients,
 encoder gradients), with a rank that holds no unit and one that encodes none; the unit table
-all-gather costs one collective when no rank has a unit."""
+all-gather costs one collective when no rank has a unit. The overlapped encode (transfers in
+flight while the encoder works on the kept units, ``UnitExchange.encode_overlapped``) is
+exact too, for every split of the kept units around the arrivals, with and without input
+gradients, on a plan where a rank sends and receives nothing and one exchanges nothing."""
 import json
 import os
 import sys
@@ -15,6 +18,8 @@ UNITS = {0: [64, 16, 4, 36], 1: [], 2: [8, 100]}
 #: encoder rank per unit in global order (rank 0's, then rank 2's): rank 1 holds nothing and
 #: encodes two of rank 0's units; rank 2 encodes only its own second unit and one of rank 0's
 ENCODER = [0, 1, 2, 1, 0, 2]
+#: rank 0 keeps one unit and sends three to rank 1, receiving none; rank 2 keeps both of its own
+ENCODER_SENDS_ONLY = [0, 1, 1, 1, 2, 2]
 
 
 def test_variable_size_units_are_exact_forward_and_backward():
@@ -27,6 +32,11 @@ def test_variable_size_units_are_exact_forward_and_backward():
         assert res["empty_table"] is None and res["empty_collectives"] == 1
         assert res["table_owner"] == [0, 0, 0, 0, 2, 2] and res["table_header"] == [[7], [-1], [7]]
     assert results[1]["encoded_rows"] == 16 + 36 and results[1]["local_rows"] == 0
+    for res in results:
+        assert len(res["overlapped"]) == 2 * 2 * 3
+        for case in res["overlapped"]:
+            assert case["out"] <= 1e-12 and case["param_grad"] <= 1e-12, case
+            assert case["input_grad"] is None or case["input_grad"] <= 1e-12, case
     print("\nrows encoded per rank:", [r["encoded_rows"] for r in results])
 
 
@@ -77,6 +87,24 @@ def _rank_main(rank: int, world: int, port: int, outdir: str) -> None:
         loss_of(out).backward()
         grads = reduced_grads()
 
+        overlapped = []
+        for plan_name, plan in (("mixed", ENCODER), ("sends only", ENCODER_SENDS_ONLY)):
+            oex = UnitExchange(table.owner, np.array(plan), in_rows, in_rows // 4, num_ranks=world)
+            for input_grad in (True, False):
+                for first_kept in (0, 1, 5):
+                    lin.zero_grad()
+                    ox = x.clone().requires_grad_(input_grad)
+                    oout = oex.encode_overlapped(ox, lambda rows, units: encode(rows, None), first_kept)
+                    loss_of(oout).backward()
+                    ograds = reduced_grads()
+                    overlapped.append({
+                        "plan": plan_name, "first_kept": first_kept,
+                        "out": float((oout - ref_out).abs().max()) if oout.numel() else 0.0,
+                        "input_grad": (float((ox.grad - ref_x.grad).abs().max()) if x.numel() else 0.0)
+                        if input_grad else None,
+                        "param_grad": float((ograds - ref_grads).abs().max())})
+        lin.zero_grad()
+
         calls = []
         real = dist.all_gather
         dist.all_gather = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
@@ -87,7 +115,7 @@ def _rank_main(rank: int, world: int, port: int, outdir: str) -> None:
                "param_grad_diff": float((grads - ref_grads).abs().max()),
                "encoded_rows": ex.encoded_in_rows, "local_rows": ex.local_in_rows,
                "table_owner": table.owner.tolist(), "table_header": table.headers.tolist(),
-               "empty_table": empty, "empty_collectives": len(calls)}
+               "empty_table": empty, "empty_collectives": len(calls), "overlapped": overlapped}
     except BaseException as e:                              # reported, not hidden
         import traceback
         res = {"error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"}

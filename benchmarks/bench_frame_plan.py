@@ -37,6 +37,18 @@ micro-steps: moved patches and cost against the exact least at each micro-step's
 minimum, the greedy's, and the vision time (sum of the largest loads) before, after, for
 the greedy and at the lower bound.
 
+    python benchmarks/bench_frame_plan.py --timing RUN/timing [RUN/timing ...]
+
+The micro-steps a Bridge run saw (its timing records, ``mm_balance.timing_dir``: each rank's
+grids per micro-step, after pack placement; ``bench-realpath --bridge`` writes them in every
+run's ``timing/``), frames costing ``p * (p + alpha)`` as above: the vision time (sum over the
+micro-steps of the largest rank's cost) over the mean before balancing, after
+:func:`plan_frames` and at the exact lowest largest load (MILP, ``exact_min_level``), each
+under the glue's default patch cap (the most any rank held) and without a cap, and the lower
+bound ``max(mean, costliest frame)``. Says where the frames' last gain goes: the planner (its
+level over the exact one), the cap (the exact level with it over without it), or whole frames
+(the exact level without a cap over the bound).
+
     python benchmarks/bench_frame_plan.py --versus-images heldout-real,mixed,video-heavy
 
 compares it with :func:`megatron_mm_balance.solver.images.balance_images` (the Megatron-LM
@@ -262,6 +274,60 @@ def bridge_data(args):
           f"plan_frames {t['after'] / t['lb']:.4f}, greedy {t['greedy_max'] / t['lb']:.4f}")
 
 
+def _timing_steps(directory):
+    """``(owner, patches)`` of every frame of each micro-step of a run's timing records (the
+    ranks' grids at the same iteration and micro-batch), in rank order."""
+    import json
+    from pathlib import Path
+    steps = {}
+    for path in sorted(Path(directory).glob("timing-rank*.jsonl")):
+        for line in path.read_text().splitlines():
+            rec = json.loads(line)
+            steps.setdefault((rec["iteration"], rec["microbatch"]), {})[rec["rank"]] = rec.get("grids") or []
+    for key in sorted(steps):
+        by_rank = steps[key]
+        owner = [r for r in sorted(by_rank) for t, h, w in by_rank[r] for _ in range(t)]
+        patches = [h * w for r in sorted(by_rank) for t, h, w in by_rank[r] for _ in range(t)]
+        yield np.array(owner, dtype=np.int64), np.array(patches, dtype=np.int64), max(by_rank) + 1
+
+
+def timing_runs(args):
+    """The micro-steps of runs' timing records (module docstring)."""
+    from megatron_mm_balance.bench.native_share import cpu_shapes
+    from megatron_mm_balance.solver.cp_split import tower_alpha
+    from megatron_mm_balance.solver.frames_exact import exact_min_level
+
+    vision = cpu_shapes().vision
+    alpha = tower_alpha(vision["hidden_size"], vision["intermediate_size"])
+    print(f"frames cost p*(p+{alpha}) (the CPU config's 2*hidden+ffn); vision time = sum over micro-steps of "
+          f"the largest rank's cost, over the mean")
+    head = (f"{'run':<40} {'steps':>5} | {'before':>7} | {'plan, cap':>9} {'exact, cap':>10} | "
+            f"{'plan':>7} {'exact':>7} | {'bound':>7} | {'not proven':>10}")
+    print(head)
+    print("-" * len(head))
+    for directory in args.timing:
+        t = dict(steps=0, mean=0, before=0, plan_cap=0, exact_cap=0, plan=0, exact=0, bound=0, open=0)
+        for owner, p, D in _timing_steps(directory):
+            if not p.size:
+                continue
+            cost = p * (p + alpha)
+            cap = default_patch_cap(owner, p, D)
+            t["steps"] += 1
+            t["mean"] += cost.sum() / D
+            t["bound"] += max(cost.sum() / D, cost.max())
+            for name, kw in (("_cap", dict(patch_cap=cap)), ("", {})):
+                pl = plan_frames(owner, cost, D, patches=p, **kw)
+                best = exact_min_level(owner, cost, D, patches=p, **kw)
+                t["before"] += pl.max_before if name else 0
+                t["plan" + name] += pl.max_after
+                t["exact" + name] += best.value
+                t["open"] += int(not best.optimal)
+        m = t["mean"]
+        print(f"{str(directory)[-40:]:<40} {t['steps']:>5} | {t['before'] / m:7.4f} | {t['plan_cap'] / m:9.4f} "
+              f"{t['exact_cap'] / m:10.4f} | {t['plan'] / m:7.4f} {t['exact'] / m:7.4f} | {t['bound'] / m:7.4f} | "
+              f"{t['open']:>10}")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dp", default="8,64,1024")
@@ -278,7 +344,11 @@ def main(argv=None):
     ap.add_argument("--bridge-data", action="store_true",
                     help="the Bridge native-resolution benchmark's data at DP=2 instead")
     ap.add_argument("--samples", type=int, default=256, help="--bridge-data: samples drawn")
+    ap.add_argument("--timing", nargs="+", default=None, metavar="DIR",
+                    help="the micro-steps of Bridge runs' timing records instead")
     args = ap.parse_args(argv)
+    if args.timing:
+        return timing_runs(args)
     if args.versus_images:
         return versus_images(args.versus_images.split(","), [int(x) for x in args.dp.split(",")],
                              args.seed + 1)

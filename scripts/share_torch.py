@@ -138,17 +138,29 @@ def share(seed_venv: Path, new_venv: Path, keep=torch_pair) -> tuple[int, int]:
     return files, size
 
 
+def cannot_link(seed_venv: Path, new_venv: Path) -> str | None:
+    """Why nothing can be hard-linked from the seed into the new environment (None: it can):
+    the same environment, a seed that is none, or another filesystem."""
+    if seed_venv == new_venv or not (seed_venv / "bin" / "python").exists():
+        return "no such environment"
+    if os.stat(site_packages(seed_venv)).st_dev != os.stat(site_packages(new_venv)).st_dev:
+        return "another filesystem (hard links need one)"
+    return None
+
+
+def skipped(what: str, seed_venv: Path, why: str) -> int:
+    print(f"share_torch: {what} shared from {seed_venv}: {why}", file=sys.stderr)
+    return 3
+
+
 def share_cuda_libs(seed_venv: Path, new_venv: Path) -> int:
     """``--cuda-libs`` (module docstring)."""
     def skip(why: str) -> int:
-        print(f"share_torch: no CUDA libraries shared from {seed_venv}: {why}", file=sys.stderr)
-        return 3
+        return skipped("no CUDA libraries", seed_venv, why)
 
-    if seed_venv == new_venv or not (seed_venv / "bin" / "python").exists():
-        return skip("no such environment")
-    seed_site, new_site = site_packages(seed_venv), site_packages(new_venv)
-    if os.stat(seed_site).st_dev != os.stat(new_site).st_dev:
-        return skip("another filesystem (hard links need one)")
+    why = cannot_link(seed_venv, new_venv)
+    if why:
+        return skip(why)
     files, size = share(seed_venv, new_venv, keep=cuda_library)
     if not files:
         return skip("it has no Python-independent nvidia-*/cuda-* distributions that are not here already")
@@ -166,11 +178,11 @@ def main(argv: list[str]) -> int:
     seed_venv, new_venv, pins = Path(argv[0]).resolve(), Path(argv[1]).resolve(), argv[2:]
 
     def skip(why: str) -> int:
-        print(f"share_torch: not sharing from {seed_venv}: {why}", file=sys.stderr)
-        return 3
+        return skipped("no torch", seed_venv, why)
 
-    if seed_venv == new_venv or not (seed_venv / "bin" / "python").exists():
-        return skip("no such venv")
+    why = cannot_link(seed_venv, new_venv)
+    if why:
+        return skip(why)
     seed_site, new_site = site_packages(seed_venv), site_packages(new_venv)
     if seed_site.name != new_site.name or seed_site.parent.name != new_site.parent.name:
         return skip(f"{seed_site.parent.name} there, {new_site.parent.name} here")
@@ -179,8 +191,6 @@ def main(argv: list[str]) -> int:
     why = pins_match(dists(seed_site), pins)
     if why:
         return skip(why)
-    if os.stat(seed_site).st_dev != os.stat(new_site).st_dev:
-        return skip("another filesystem (hard links need one)")
     files, size = share(seed_venv, new_venv)
     print(f"share_torch: linked {files} files ({size / 2**30:.1f} GiB) of torch, torchvision, triton and "
           f"cuda/nvidia from {seed_venv}", file=sys.stderr)

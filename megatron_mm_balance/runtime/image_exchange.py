@@ -16,6 +16,10 @@ those of the unbalanced run. Per micro-step:
    output gradients travel to the encoder ranks, and input gradients back to their
    owners (when the inputs require them).
 
+   :meth:`UnitExchange.encode_overlapped` does the same with the transfers in flight while the
+   encoder runs on the units that stay (each route posted, the encoder called, then awaited;
+   in backward the reverse), for a caller that can encode its units in groups.
+
 A unit is a contiguous range of rows of a rank's input tensor ``[rows, ...]`` (and of
 its output tensor): ``in_rows[u]`` input rows and ``out_rows[u]`` output rows, which may
 differ per unit (a Qwen-VL frame of ``h x w`` patches: ``h*w`` pixel rows in,

@@ -37,17 +37,24 @@ micro-steps: moved patches and cost against the exact least at each micro-step's
 minimum, the greedy's, and the vision time (sum of the largest loads) before, after, for
 the greedy and at the lower bound.
 
+    python benchmarks/bench_frame_plan.py --swaps [--dp 8,64,1024] [--steps 10]
+
+The same synthetic micro-steps under the default patch cap: ``plan_frames`` then the glue's
+``lower_by_swaps`` (``solver/frame_swaps.py``): the largest load over the lower bound after
+each, the patches each moves, and the thread time of each (p50 / max).
+
     python benchmarks/bench_frame_plan.py --timing RUN/timing [RUN/timing ...]
 
 The micro-steps a Bridge run saw (its timing records, ``mm_balance.timing_dir``: each rank's
 grids per micro-step, after pack placement; ``bench-realpath --bridge`` writes them in every
 run's ``timing/``), frames costing ``p * (p + alpha)`` as above: the vision time (sum over the
 micro-steps of the largest rank's cost) over the mean before balancing, after
-:func:`plan_frames` and at the exact lowest largest load (MILP, ``exact_min_level``), each
-under the glue's default patch cap (the most any rank held) and without a cap, and the lower
-bound ``max(mean, costliest frame)``. Says where the frames' last gain goes: the planner (its
-level over the exact one), the cap (the exact level with it over without it), or whole frames
-(the exact level without a cap over the bound).
+:func:`plan_frames`, after the glue's call (``plan_frame_encoders``: the planner, then
+``lower_by_swaps``) and at the exact lowest largest load (MILP, ``exact_min_level``), each
+under the glue's default patch cap (the most any rank held) and without a cap, the lower
+bound ``max(mean, costliest frame)``, and the patches each way moves. Says where the frames'
+last gain goes: the planning (its level over the exact one), the cap (the exact level with it
+over without it), or whole frames (the exact level without a cap over the bound).
 
     python benchmarks/bench_frame_plan.py --versus-images heldout-real,mixed,video-heavy
 
@@ -274,6 +281,36 @@ def bridge_data(args):
           f"plan_frames {t['after'] / t['lb']:.4f}, greedy {t['greedy_max'] / t['lb']:.4f}")
 
 
+def swap_rows(args):
+    """``--swaps`` (module docstring)."""
+    from megatron_mm_balance.solver.frame_swaps import lower_by_swaps
+    print(f"{args.steps} micro-steps per row; cost p*(p+alpha); the default patch cap; thread time")
+    head = (f"{'DP':>5} {'alpha':>5} | {'max/LB plan':>11} {'+swaps':>7} | {'moved patches plan':>18} "
+            f"{'+swaps':>12} | {'ms plan p50/max':>15} | {'ms swaps p50/max':>16}")
+    print(head)
+    print("-" * len(head))
+    for D in [int(x) for x in args.dp.split(",")]:
+        for alpha in [int(x) for x in args.alpha.split(",")]:
+            rng = np.random.default_rng([args.seed, D])
+            gap, gap2, t1, t2, m1, m2 = [], [], [], [], 0, 0
+            for _ in range(args.steps):
+                owner, p = micro_step_frames(rng, D)
+                cost = p * (p + alpha)
+                cap = default_patch_cap(owner, p, D)
+                t0 = time.thread_time()
+                pl = plan_frames(owner, cost, D, patches=p, patch_cap=cap)
+                t1.append((time.thread_time() - t0) * 1e3)
+                t0 = time.thread_time()
+                enc = lower_by_swaps(owner, pl.encoder, cost, D, patches=p, patch_cap=cap)
+                t2.append((time.thread_time() - t0) * 1e3)
+                gap.append(pl.max_after / pl.lower_bound)
+                gap2.append(np.bincount(enc, weights=cost, minlength=D).max() / pl.lower_bound)
+                m1 += pl.moved_patches
+                m2 += int(p[enc != owner].sum())
+            print(f"{D:>5} {alpha:>5} | {np.mean(gap):11.4f} {np.mean(gap2):7.4f} | {m1:>18,} {m2:>12,} | "
+                  f"{_pct(t1, 50):7.1f}/{max(t1):7.1f} | {_pct(t2, 50):8.1f}/{max(t2):7.1f}")
+
+
 def _timing_steps(directory):
     """``(owner, patches)`` of every frame of each micro-step of a run's timing records (the
     ranks' grids at the same iteration and micro-batch), in rank order."""
@@ -294,6 +331,7 @@ def _timing_steps(directory):
 def timing_runs(args):
     """The micro-steps of runs' timing records (module docstring)."""
     from megatron_mm_balance.bench.native_share import cpu_shapes
+    from megatron_mm_balance.runtime.frames import plan_frame_encoders
     from megatron_mm_balance.solver.cp_split import tower_alpha
     from megatron_mm_balance.solver.frames_exact import exact_min_level
 
@@ -301,12 +339,13 @@ def timing_runs(args):
     alpha = tower_alpha(vision["hidden_size"], vision["intermediate_size"])
     print(f"frames cost p*(p+{alpha}) (the CPU config's 2*hidden+ffn); vision time = sum over micro-steps of "
           f"the largest rank's cost, over the mean")
-    head = (f"{'run':<40} {'steps':>5} | {'before':>7} | {'plan, cap':>9} {'exact, cap':>10} | "
-            f"{'plan':>7} {'exact':>7} | {'bound':>7} | {'not proven':>10}")
+    head = (f"{'run':<40} {'steps':>5} | {'before':>7} | {'plan, cap':>9} {'+swaps':>7} {'exact, cap':>10} | "
+            f"{'plan':>7} {'+swaps':>7} {'exact':>7} | {'bound':>7} | {'moved patches, cap: plan / +swaps':>33}")
     print(head)
     print("-" * len(head))
     for directory in args.timing:
-        t = dict(steps=0, mean=0, before=0, plan_cap=0, exact_cap=0, plan=0, exact=0, bound=0, open=0)
+        t = dict(steps=0, mean=0, before=0, plan_cap=0, swaps_cap=0, exact_cap=0, plan=0, swaps=0, exact=0,
+                 bound=0, moved_plan=0, moved_swaps=0)
         for owner, p, D in _timing_steps(directory):
             if not p.size:
                 continue
@@ -315,17 +354,23 @@ def timing_runs(args):
             t["steps"] += 1
             t["mean"] += cost.sum() / D
             t["bound"] += max(cost.sum() / D, cost.max())
-            for name, kw in (("_cap", dict(patch_cap=cap)), ("", {})):
+            for name, kw in (("_cap", dict(patch_cap=cap)), ("", dict(patch_cap=int(p.sum())))):
                 pl = plan_frames(owner, cost, D, patches=p, **kw)
+                enc = plan_frame_encoders(owner, cost, D, patches=p, **kw)
                 best = exact_min_level(owner, cost, D, patches=p, **kw)
+                if not best.optimal:
+                    raise SystemExit(f"{directory}: the exact level was not proven in time")
                 t["before"] += pl.max_before if name else 0
                 t["plan" + name] += pl.max_after
+                t["swaps" + name] += int(np.bincount(enc, weights=cost, minlength=D).max())
                 t["exact" + name] += best.value
-                t["open"] += int(not best.optimal)
+                if name:
+                    t["moved_plan"] += pl.moved_patches
+                    t["moved_swaps"] += int(p[enc != owner].sum())
         m = t["mean"]
         print(f"{str(directory)[-40:]:<40} {t['steps']:>5} | {t['before'] / m:7.4f} | {t['plan_cap'] / m:9.4f} "
-              f"{t['exact_cap'] / m:10.4f} | {t['plan'] / m:7.4f} {t['exact'] / m:7.4f} | {t['bound'] / m:7.4f} | "
-              f"{t['open']:>10}")
+              f"{t['swaps_cap'] / m:7.4f} {t['exact_cap'] / m:10.4f} | {t['plan'] / m:7.4f} {t['swaps'] / m:7.4f} "
+              f"{t['exact'] / m:7.4f} | {t['bound'] / m:7.4f} | {t['moved_plan']:>15,} / {t['moved_swaps']:>15,}")
 
 
 def main(argv=None):
@@ -344,11 +389,15 @@ def main(argv=None):
     ap.add_argument("--bridge-data", action="store_true",
                     help="the Bridge native-resolution benchmark's data at DP=2 instead")
     ap.add_argument("--samples", type=int, default=256, help="--bridge-data: samples drawn")
+    ap.add_argument("--swaps", action="store_true",
+                    help="plan_frames then lower_by_swaps on the synthetic micro-steps instead")
     ap.add_argument("--timing", nargs="+", default=None, metavar="DIR",
                     help="the micro-steps of Bridge runs' timing records instead")
     args = ap.parse_args(argv)
     if args.timing:
         return timing_runs(args)
+    if args.swaps:
+        return swap_rows(args)
     if args.versus_images:
         return versus_images(args.versus_images.split(","), [int(x) for x in args.dp.split(",")],
                              args.seed + 1)

@@ -10,7 +10,10 @@ integer costs and patch counts, :func:`~.image_exchange.gather_unit_table`) and 
 ``solver/frames.py::plan_frames``, which plans from where the frames are: it lowers the
 largest rank cost to the lowest level it reaches while moving the least cost it finds,
 no receiving rank ends above the patch cap, and a frame's transfer time (when given)
-counts on the rank that receives it. :func:`within_patch_cap` remains for planners that
+counts on the rank that receives it; then ``solver/frame_swaps.py::lower_by_swaps`` lowers
+the largest rank cost further with single moves and swaps (a frame for one or two of
+another rank's), which the planner's level search does not consider and which the patch cap
+often calls for. :func:`within_patch_cap` remains for planners that
 do not know the cap (``solver/images.py::balance_images``, kept as the reference).
 
 :func:`frame_figures` are the micro-step's figures (moved frames, patches and cost, the
@@ -27,6 +30,7 @@ from typing import Dict, Optional
 
 import numpy as np
 
+from ..solver.frame_swaps import lower_by_swaps
 from ..solver.frames import default_patch_cap, plan_frames   # default_patch_cap: re-exported for the glue
 
 
@@ -36,7 +40,8 @@ def plan_frame_encoders(owner, cost, num_ranks: int, *, patches, patch_cap: Opti
     that receives frames ends above it (None: ``default_patch_cap``, the most patches any rank held before); ``transfer[i]``:
     the time moving frame ``i`` costs its receiver, in the unit of ``cost`` (None: 0)."""
     patch_cap = default_patch_cap(owner, patches, num_ranks) if patch_cap is None else int(patch_cap)
-    return plan_frames(owner, cost, num_ranks, patches=patches, patch_cap=patch_cap, transfer=transfer).encoder
+    encoder = plan_frames(owner, cost, num_ranks, patches=patches, patch_cap=patch_cap, transfer=transfer).encoder
+    return lower_by_swaps(owner, encoder, cost, num_ranks, patches=patches, patch_cap=patch_cap, transfer=transfer)
 
 
 @dataclass(frozen=True)

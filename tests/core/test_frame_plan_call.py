@@ -19,11 +19,13 @@ def _native_res_step(rng, ranks):
 
 
 def test_the_cap_is_never_exceeded_by_a_receiving_rank_and_keeps_every_frame_somewhere():
-    """The call is ``plan_frames`` with the default cap: no receiving rank ends above the
-    cap, the largest rank cost never rises, and on these steps the cap binds sometimes."""
+    """The call is ``plan_frames`` with the default cap, then ``lower_by_swaps``: no receiving
+    rank ends above the cap, the largest rank cost never rises (and never ends above the
+    planner's), and on these steps the cap binds sometimes and the swaps lower it sometimes."""
+    from megatron_mm_balance.solver.frame_swaps import lower_by_swaps
     from megatron_mm_balance.solver.frames import plan_frames
     rng = np.random.default_rng(0)
-    bound = lowered = 0
+    bound = lowered = swapped = 0
     for _ in range(300):
         ranks = int(rng.integers(2, 9))
         owner, cost, patches = _native_res_step(rng, ranks)
@@ -38,11 +40,17 @@ def test_the_cap_is_never_exceeded_by_a_receiving_rank_and_keeps_every_frame_som
             load_after = np.bincount(enc, weights=cost, minlength=ranks).max() if len(owner) else 0
             assert load_after <= load_before
             lowered += int(load_after < load_before)
-            assert enc.tolist() == plan_frames(owner, cost, ranks, patches=patches, patch_cap=limit).encoder.tolist()
+            planned = plan_frames(owner, cost, ranks, patches=patches, patch_cap=limit).encoder
+            assert enc.tolist() == lower_by_swaps(owner, planned, cost, ranks, patches=patches,
+                                                  patch_cap=limit).tolist()
+            load_planned = np.bincount(planned, weights=cost, minlength=ranks).max() if len(owner) else 0
+            assert load_after <= load_planned
+            swapped += int(load_after < load_planned)
             uncapped = plan_frames(owner, cost, ranks, patches=patches).encoder
             bound += int(not np.array_equal(uncapped, enc))
     assert bound > 0, "the cap never bound"
     assert lowered > 100, lowered
+    assert swapped > 0, "the swaps never lowered a plan"
 
 
 def test_a_transfer_time_counts_on_the_receiver():

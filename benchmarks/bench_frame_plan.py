@@ -52,7 +52,8 @@ micro-steps of the largest rank's cost) over the mean before balancing, after
 :func:`plan_frames`, after the glue's call (``plan_frame_encoders``: the planner, then
 ``lower_by_swaps``) and at the exact lowest largest load (MILP, ``exact_min_level``), each
 under the glue's default patch cap (the most any rank held) and without a cap, the lower
-bound ``max(mean, costliest frame)``, and the patches each way moves. Says where the frames'
+bound ``max(mean, costliest frame)``, the patches each way moves, and the least patches any
+placement reaching the glue's level moves (MILP, ``exact_min_moved``). Says where the frames'
 last gain goes: the planning (its level over the exact one), the cap (the exact level with it
 over without it), or whole frames (the exact level without a cap over the bound).
 
@@ -333,19 +334,20 @@ def timing_runs(args):
     from megatron_mm_balance.bench.native_share import cpu_shapes
     from megatron_mm_balance.runtime.frames import plan_frame_encoders
     from megatron_mm_balance.solver.cp_split import tower_alpha
-    from megatron_mm_balance.solver.frames_exact import exact_min_level
+    from megatron_mm_balance.solver.frames_exact import exact_min_level, exact_min_moved
 
     vision = cpu_shapes().vision
     alpha = tower_alpha(vision["hidden_size"], vision["intermediate_size"])
     print(f"frames cost p*(p+{alpha}) (the CPU config's 2*hidden+ffn); vision time = sum over micro-steps of "
           f"the largest rank's cost, over the mean")
     head = (f"{'run':<40} {'steps':>5} | {'before':>7} | {'plan, cap':>9} {'+swaps':>7} {'exact, cap':>10} | "
-            f"{'plan':>7} {'+swaps':>7} {'exact':>7} | {'bound':>7} | {'moved patches, cap: plan / +swaps':>33}")
+            f"{'plan':>7} {'+swaps':>7} {'exact':>7} | {'bound':>7} | "
+            f"{'moved patches, cap: plan / +swaps / exact least at its level':>60}")
     print(head)
     print("-" * len(head))
     for directory in args.timing:
         t = dict(steps=0, mean=0, before=0, plan_cap=0, swaps_cap=0, exact_cap=0, plan=0, swaps=0, exact=0,
-                 bound=0, moved_plan=0, moved_swaps=0)
+                 bound=0, moved_plan=0, moved_swaps=0, moved_least=0)
         for owner, p, D in _timing_steps(directory):
             if not p.size:
                 continue
@@ -367,10 +369,14 @@ def timing_runs(args):
                 if name:
                     t["moved_plan"] += pl.moved_patches
                     t["moved_swaps"] += int(p[enc != owner].sum())
+                    level = int(np.bincount(enc, weights=cost, minlength=D).max())
+                    least = exact_min_moved(owner, cost, D, level, patches=p, moved=p, **kw)
+                    t["moved_least"] += int(least.value)
         m = t["mean"]
         print(f"{str(directory)[-40:]:<40} {t['steps']:>5} | {t['before'] / m:7.4f} | {t['plan_cap'] / m:9.4f} "
               f"{t['swaps_cap'] / m:7.4f} {t['exact_cap'] / m:10.4f} | {t['plan'] / m:7.4f} {t['swaps'] / m:7.4f} "
-              f"{t['exact'] / m:7.4f} | {t['bound'] / m:7.4f} | {t['moved_plan']:>15,} / {t['moved_swaps']:>15,}")
+              f"{t['exact'] / m:7.4f} | {t['bound'] / m:7.4f} | {t['moved_plan']:>15,} / {t['moved_swaps']:>15,} / "
+              f"{t['moved_least']:>15,} ({t['moved_swaps'] / max(1, t['moved_least']):.3f}x)")
 
 
 def main(argv=None):

@@ -40,6 +40,19 @@ def test_variable_size_units_are_exact_forward_and_backward():
     print("\nrows encoded per rank:", [r["encoded_rows"] for r in results])
 
 
+def test_the_kept_units_encoded_while_the_received_ones_arrive():
+    """The shortest prefix of a rank's kept units whose cost reaches the received units'
+    transfer; none when nothing is received (or the transfer is free); all when they do not
+    reach it."""
+    from megatron_mm_balance.runtime.image_exchange import kept_before_arrivals
+    assert kept_before_arrivals([5, 5, 5], 0) == 0
+    assert kept_before_arrivals([5, 5, 5], 1) == 1
+    assert kept_before_arrivals([5, 5, 5], 5) == 1
+    assert kept_before_arrivals([5, 5, 5], 6) == 2
+    assert kept_before_arrivals([5, 5, 5], 100) == 3
+    assert kept_before_arrivals([], 7) == 0
+
+
 def _rank_main(rank: int, world: int, port: int, outdir: str) -> None:
     import datetime
 

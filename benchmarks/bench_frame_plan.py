@@ -214,15 +214,21 @@ def native_rows(args):
                   f"{_pct(b_ms, 50):11.2f} {max(b_ms):7.2f}")
 
 
+def _cpu_config_alpha() -> int:
+    """``2*hidden + ffn`` of the Bridge CPU config's tower: a frame of ``p`` patches costs
+    ``p * (p + alpha)`` (the Bridge glue's frame cost)."""
+    from megatron_mm_balance.bench.native_share import cpu_shapes
+    from megatron_mm_balance.solver.cp_split import tower_alpha
+    vision = cpu_shapes().vision
+    return tower_alpha(vision["hidden_size"], vision["intermediate_size"])
+
+
 def bridge_data(args):
     """The Bridge benchmark's micro-steps (module docstring)."""
-    from megatron_mm_balance.bench.native_share import cpu_shapes
     from megatron_mm_balance.data.native_res import NativeResMix, draw
-    from megatron_mm_balance.solver.cp_split import tower_alpha
     from megatron_mm_balance.solver.frames_exact import exact_min_moved
 
-    vision = cpu_shapes().vision
-    alpha = tower_alpha(vision["hidden_size"], vision["intermediate_size"])
+    alpha = _cpu_config_alpha()
     samples = draw(np.random.default_rng(args.seed), args.samples, NativeResMix())
     D = 2
     tot = dict(steps=0, moving=0, moved_p=0, moved_c=0, exact_p=0, exact_c=0, min_c=0, excess=0,
@@ -331,13 +337,10 @@ def _timing_steps(directory):
 
 def timing_runs(args):
     """The micro-steps of runs' timing records (module docstring)."""
-    from megatron_mm_balance.bench.native_share import cpu_shapes
     from megatron_mm_balance.runtime.frames import plan_frame_encoders
-    from megatron_mm_balance.solver.cp_split import tower_alpha
     from megatron_mm_balance.solver.frames_exact import exact_min_level, exact_min_moved
 
-    vision = cpu_shapes().vision
-    alpha = tower_alpha(vision["hidden_size"], vision["intermediate_size"])
+    alpha = _cpu_config_alpha()
     print(f"frames cost p*(p+{alpha}) (the CPU config's 2*hidden+ffn); vision time = sum over micro-steps of "
           f"the largest rank's cost, over the mean")
     head = (f"{'run':<40} {'steps':>5} | {'before':>7} | {'plan, cap':>9} {'+swaps':>7} {'exact, cap':>10} | "

@@ -53,7 +53,8 @@ def lower_by_swaps(owner, encoder, cost, num_ranks: int, *, patches=None, patch_
         return enc
     cap = None if patch_cap is None else int(patch_cap)
     budget = [int(work)]
-    best, best_max = enc.copy(), int(_loads(owner, enc, cost, patches, transfer, D)[0].max())
+    start = int(_loads(owner, enc, cost, patches, transfer, D)[0].max())
+    best, best_max = enc.copy(), start
     while budget[0] > 0:
         change = _best_change(owner, enc, cost, patches, transfer, cap, D, partners, budget)
         if change is None:
@@ -67,7 +68,6 @@ def lower_by_swaps(owner, encoder, cost, num_ranks: int, *, patches=None, patch_
         now = int(_loads(owner, enc, cost, patches, transfer, D)[0].max())
         if now < best_max:
             best, best_max = enc.copy(), now
-    start = int(_loads(owner, np.asarray(encoder, dtype=np.int64), cost, patches, transfer, D)[0].max())
     return best if start - best_max >= max(1, start // 1024) else np.asarray(encoder, dtype=np.int64).copy()
 
 

@@ -101,6 +101,11 @@ def _best_change(owner, enc, cost, patches, transfer, cap, D, partners, budget):
         return None
     others = [r for r in np.lexsort((np.arange(D), load)).tolist() if r != h][:max(1, int(partners))]
     best = None
+
+    def weigh(u, r):
+        """What frames ``u`` weigh on rank ``r``: their cost, plus their transfer away from their owner."""
+        return cost[u] + np.where(owner[u] != r, transfer[u], 0)
+
     for l in others:
         if budget[0] <= 0:
             break
@@ -112,9 +117,6 @@ def _best_change(owner, enc, cost, patches, transfer, cap, D, partners, budget):
         a, bs = mine[ia.ravel()], back[ib.ravel()]
         has = bs >= 0                                            # [k, 2]
         bb = np.where(has, bs, 0)
-
-        def weigh(u, r):
-            return cost[u] + np.where(owner[u] != r, transfer[u], 0)
 
         def back_sum(values):
             return np.where(has, values, 0).sum(axis=1)

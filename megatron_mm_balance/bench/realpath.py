@@ -386,7 +386,8 @@ def analyze(results: List[RunResult], *, warmup: int, loss_tolerance: float,
             pred[mode] = {"laid_out_ms": statistics.median(laid), "perfect_ms": statistics.median(perfect),
                           "timed_span_ms": statistics.median(span),
                           "vision_share": statistics.median(shares),
-                          "where_the_time_goes_ms": {k: statistics.mean(x[k] for x in parts) for k in parts[0]}}
+                          "where_the_time_goes_ms": {k: statistics.mean(x[k] for x in parts if k in x)
+                                                     for k in parts[0]}}
             if placed:
                 pred[mode]["placed_ms"] = statistics.median(placed)
     if "off" in pred:
@@ -496,6 +497,17 @@ def format_report(rep: dict) -> str:
             lines.append(f"  {mode:<8} {w['vision_ms']:>8.0f} {w['vision_ms_per_1k_image_tokens']:>7.0f} "
                          f"{w['lm_compute_ms']:>10.0f} {w['waiting_ms']:>8.0f} {w['host_gap_ms']:>9.0f} "
                          f"{w['tail_ms']:>6.0f}")
+        split = [(mode, v["where_the_time_goes_ms"]) for mode, v in p["per_mode"].items()
+                 if "exchange_ms" in v["where_the_time_goes_ms"]]
+        if split:
+            lines.append("the image-level exchange's share of the vision forward (ms per iteration and rank; "
+                         "host clock):")
+            lines.append(f"  {'mode':<8} {'exchange':>8} {'gathers':>8} {'plan':>6} {'tower':>7} {'rest':>6} "
+                         f"{'tower calls per micro-batch':>28}")
+            for mode, w in split:
+                lines.append(f"  {mode:<8} {w['exchange_ms']:>8.0f} {w['exchange_gather_ms']:>8.0f} "
+                             f"{w['exchange_plan_ms']:>6.1f} {w['exchange_tower_ms']:>7.0f} "
+                             f"{w['exchange_rest_ms']:>6.0f} {w['tower_calls_per_microbatch']:>28.2f}")
     s = rep.get("simulated") or {}
     if s:
         lines.append("simulated (mm-balance simulate OFF_RUN/timing --timing run) vs measured:")

@@ -200,7 +200,7 @@ def wrap_train_data_iterator(train_data_iterator, cfg, pg_collection, *, state=N
     iterators = train_data_iterator if is_list else [train_data_iterator]
     groups = init_exchange_groups(_layout(pg_collection), num_chunks=len(iterators),
                                   timeout=core_cfg.timeout)
-    install_frame_balance(model, cfg, core_cfg, args, pg_collection, state)   # vision=images
+    install_frame_balance(model, cfg, core_cfg, args, pg_collection, state, timing)   # vision=images
     tb = getattr(state, "tensorboard_logger", None) if state is not None else None
     wandb = getattr(state, "wandb_logger", None) if state is not None else None
     coordinator = BridgeCoordinator(core_cfg, cost_fn=cost_fn_for(core_cfg, cfg.model),

@@ -57,6 +57,7 @@ scalars through Bridge's writers (else its own ``.mm_balance_vision`` events fil
 from __future__ import annotations
 
 import sys
+import time
 from typing import Callable, List, Optional
 
 import numpy as np
@@ -200,7 +201,8 @@ class BalancedFrames:
 
     def __init__(self, model, group, *, frame_cost: Callable[[int], int], patch_cap: Optional[int] = None,
                  report: Optional["FrameReport"] = None, rates: Optional[tuple] = None,
-                 flops_per_unit: Optional[float] = None, measured_rates: bool = False, overlap: bool = True):
+                 flops_per_unit: Optional[float] = None, measured_rates: bool = False, overlap: bool = True,
+                 detail: Optional[Callable[[str, float], None]] = None):
         from ..runtime.rates import RateMeter, RateWindow
         self.model, self.group, self.frame_cost = model, group, frame_cost
         self.patch_cap, self.report = patch_cap, report
@@ -210,6 +212,12 @@ class BalancedFrames:
         self.rates, self.flops_per_unit, self.measured_rates = rates, flops_per_unit, measured_rates
         #: transfers in flight while the tower encodes (:meth:`_overlapped`), else one after another
         self.overlap = overlap
+        #: ``detail(name, value)``: where this rank's share of the vision forward goes, per
+        #: micro-step (the timing records' ``details``; host clock): ``vision_gather_ms`` (the
+        #: unit table's all-gathers, waiting for the group's last rank included),
+        #: ``vision_plan_ms``, ``vision_tower_ms`` over ``vision_tower_calls`` calls, and
+        #: ``vision_exchange_ms``, the whole exchange (the rest of it: transfers and waits)
+        self.detail = detail
         self.vision = model.vision_model
         self._meter = RateMeter(next(self.vision.parameters()).device.type)
         self._link = RateWindow(min_amount=LINK_SAMPLE_MIN_BYTES)     # bytes / s of this rank's moves
@@ -280,6 +288,7 @@ class BalancedFrames:
         from ..runtime.frames import frame_figures, plan_frame_encoders
         from ..runtime.image_exchange import UnitExchange, gather_unit_table
 
+        started = time.perf_counter()
         device = next(self.vision.parameters()).device
         hw = frames_of(grid_thw)
         patches_here = hw[:, 0] * hw[:, 1]
@@ -288,8 +297,11 @@ class BalancedFrames:
         table = gather_unit_table(np.column_stack([costs, hw]).reshape(-1, 3),
                                   _header(pixels, int(patches_here.sum())) + self._rate_header(),
                                   self.group, device)
+        gathered = time.perf_counter()
+        self._note("vision_gather_ms", (gathered - started) * 1e3)
         if table is None:
             self._account(None)
+            self._note("vision_exchange_ms", (time.perf_counter() - started) * 1e3)
             return None
         in_dim, dtype, pixel_grad = self._agreed_inputs(table)
         cost, h, w = table.columns[:, 0], table.columns[:, 1], table.columns[:, 2]
@@ -315,6 +327,7 @@ class BalancedFrames:
         pixel_bytes = in_dim * torch.empty((), dtype=dtype).element_size()
         encode = lambda rows, units: self._encode(rows, table, units, device, pixel_grad or trains,  # noqa: E731
                                                   out_dtype)
+        self._note("vision_plan_ms", (time.perf_counter() - gathered) * 1e3)
         if self.overlap:
             back = self._overlapped(route, local, encode, cost, patches, pixel_bytes)
         else:
@@ -324,6 +337,7 @@ class BalancedFrames:
             self._meter.stop(started, moved_rows * pixel_bytes, self._link)
             back = route.to_owners(encode(arrived, route.encoded_units))
         embeddings, *deepstack = [part.contiguous() for part in back.split(self.width, dim=1)]
+        self._note("vision_exchange_ms", (time.perf_counter() - started) * 1e3)
         return embeddings, deepstack
 
     def _agreed_inputs(self, table):
@@ -427,11 +441,13 @@ class BalancedFrames:
                                requires_grad=needs_grad)
         grid = frame_grid(table.columns[units, 1:], device)
         self._encoding = True
-        started = self._meter.start()
+        started, wall = self._meter.start(), time.perf_counter()
         try:
             embeddings, deepstack = self.vision(hidden_states=rows, grid_thw=grid)
         finally:
             self._encoding = False
+        self._note("vision_tower_ms", (time.perf_counter() - wall) * 1e3)
+        self._note("vision_tower_calls", 1)
         if self.flops_per_unit is not None:
             self._meter.stop(started, self.flops_per_unit * float(table.columns[units, 0].sum()), self._tower)
         out = torch.cat([embeddings, *deepstack], dim=1)
@@ -440,6 +456,10 @@ class BalancedFrames:
                                f"{out.dtype} side by side, expected width {(1 + self.deepstack) * self.width} "
                                f"in {out_dtype}")
         return out
+
+    def _note(self, name: str, value: float) -> None:
+        if self.detail is not None:
+            self.detail(name, value)
 
     def _account(self, figures) -> None:
         self.last_figures = figures
@@ -554,10 +574,12 @@ def _report_writers(state, tensorboard_dir, reporter: bool) -> tuple:
 
 # -- installation -----------------------------------------------------------------------------
 
-def install_frame_balance(model, cfg, core_cfg, args, pg_collection, state=None) -> List[BalancedFrames]:
+def install_frame_balance(model, cfg, core_cfg, args, pg_collection, state=None, timing=None) -> List[BalancedFrames]:
     """``mm_balance.vision=images``: the vision groups (collective over the world: call on
     every rank at the same point) and the hooks on this rank's Qwen3-VL model chunks that
-    have a vision tower. Returns the installed hooks (none off the first pipeline stage)."""
+    have a vision tower. Returns the installed hooks (none off the first pipeline stage).
+    ``timing``: this rank's timing recorder (``mm_balance.timing``), whose records then split
+    the exchange's forward (:attr:`BalancedFrames.detail`)."""
     import torch.distributed as dist
 
     from ..megatron.config import live_iteration
@@ -596,5 +618,6 @@ def install_frame_balance(model, cfg, core_cfg, args, pg_collection, state=None)
                                         flops_per_unit=tower_flops_per_unit(cfg.model),
                                         measured_rates=getattr(cfg.mm_balance, "image_rates",
                                                                "settings") == "measured",
-                                        overlap=bool(getattr(cfg.mm_balance, "image_overlap", True))))
+                                        overlap=bool(getattr(cfg.mm_balance, "image_overlap", True)),
+                                        detail=None if timing is None else timing.add_detail))
     return installed

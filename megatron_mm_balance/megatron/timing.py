@@ -29,6 +29,10 @@ language-model times include waiting for peers inside the MoE all-to-alls; the
 analysis (``bench/realpath.py``, :mod:`megatron_mm_balance.cost.calibration`) takes
 each micro-step's fastest rank as the compute.
 
+A record may carry ``details``: figures a component inside the model adds to the
+micro-batch whose forward is running (:meth:`TimingRecorder.add_detail`; Bridge's
+``mm_balance.vision=images`` splits its exchange's forward with them).
+
 Records (one per micro-batch per rank) go to ``DIR/timing-rank<R>.jsonl`` when a
 directory is given (``--mm-balance-timing-dir``), are averaged per log interval into
 ``mm-balance-timing/*`` TensorBoard/W&B scalars and one log line, and feed the
@@ -106,6 +110,8 @@ class _Open:
     marks: Dict[str, object] = field(default_factory=dict)
     end_s: float = 0.0
     in_backward: bool = False
+    #: figures other components add to this micro-batch's record (:meth:`TimingRecorder.add_detail`)
+    details: Dict[str, float] = field(default_factory=dict)
 
     def mark(self, clock, name: str, *, last: bool = False) -> None:
         if last or name not in self.marks:
@@ -168,6 +174,15 @@ class TimingRecorder:
             self._cond.notify_all()
         return rec
 
+    def add_detail(self, name: str, value: float) -> None:
+        """Add ``value`` to the figure ``name`` of the micro-batch whose forward is running
+        (summed when added more than once); written as the record's ``details``. How a
+        component inside the model (the image-level vision exchange) splits its share of a
+        phase. Nothing when no training forward is running."""
+        rec = self._current
+        if rec is not None:
+            rec.details[name] = rec.details.get(name, 0.0) + float(value)
+
     def skip(self) -> None:
         """A forward that is not a training micro-batch (evaluation): nothing recorded."""
         self._current = None
@@ -217,6 +232,8 @@ class TimingRecorder:
         }
         if rec.grids is not None:
             out["grids"] = rec.grids
+        if rec.details:
+            out["details"] = {k: round(v, 4) for k, v in sorted(rec.details.items())}
         with self._cond:
             self._records.append(out)
             if len(self._records) > self.keep:

@@ -351,7 +351,7 @@ def time_breakdown(run: RunTrace) -> dict:
     vision = run.vf + run.vb
     lm_compute = ph.lm[:, 0, :]                                   # [I, G]
     wait = np.maximum(run.lf + run.lb - ph.lm, 0.0)
-    return {
+    out = {
         "vision_ms": float(vision.sum(axis=2).mean()),
         "vision_ms_per_1k_image_tokens": float(1000.0 * vision.sum() / max(tokens.sum(), 1.0)),
         "lm_compute_ms": float(lm_compute.sum(axis=1).mean()),
@@ -359,3 +359,27 @@ def time_breakdown(run: RunTrace) -> dict:
         "host_gap_ms": float(ph.gap.sum(axis=2).mean()),
         "tail_ms": float(np.median(ph.tail_ms)) if len(ph.tail_ms) else 0.0,
     }
+    out.update(vision_exchange_split(run))
+    return out
+
+
+#: the image-level exchange's split of the vision forward (the records' ``details``)
+EXCHANGE_DETAILS = ("vision_gather_ms", "vision_plan_ms", "vision_tower_ms", "vision_exchange_ms",
+                    "vision_tower_calls")
+
+
+def vision_exchange_split(run: RunTrace) -> dict:
+    """Where the image-level exchange's vision forward goes, per iteration and rank (ms; the
+    records' ``details``, written by ``mm_balance.vision=images`` with the timing hooks):
+    the all-gathers (waiting for the group's last rank included), the planning, the tower's
+    calls, and the rest of the exchange (transfers, waits and copies); with the tower calls
+    per micro-batch. Empty for runs without those details."""
+    if not any("details" in r for iteration in run.records for per_rank in iteration for r in per_rank):
+        return {}
+    d = {k: run._map(lambda r, k=k: float(r.get("details", {}).get(k, 0.0))) for k in EXCHANGE_DETAILS}
+    per = lambda a: float(a.sum(axis=2).mean())  # noqa: E731 - per iteration and rank
+    rest = d["vision_exchange_ms"] - d["vision_gather_ms"] - d["vision_plan_ms"] - d["vision_tower_ms"]
+    return {"exchange_gather_ms": per(d["vision_gather_ms"]), "exchange_plan_ms": per(d["vision_plan_ms"]),
+            "exchange_tower_ms": per(d["vision_tower_ms"]), "exchange_rest_ms": per(np.maximum(rest, 0.0)),
+            "exchange_ms": per(d["vision_exchange_ms"]),
+            "tower_calls_per_microbatch": float(d["vision_tower_calls"].mean())}

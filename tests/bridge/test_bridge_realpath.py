@@ -406,8 +406,10 @@ def test_images_mode_trains_as_off_within_the_control_band(runner, layout, bridg
     from megatron_mm_balance.megatron.band import DEFAULT_K
     from megatron_mm_balance.megatron.checkpoints import compare_checkpoints
     lay = IMAGE_LAYOUTS[layout]
+    timing_dir = bridge_runs_dir / f"{layout}-images-timing"       # DP=4: with the timing hooks
     off = runner(f"{layout}-off", lay, False)
-    images = runner(f"{layout}-images", lay, True, extra=IMAGE_EXTRA[layout])
+    images = runner(f"{layout}-images", lay, True,
+                    extra=IMAGE_EXTRA[layout] + ([f"mm_balance.timing_dir={timing_dir}"] if layout == "dp4" else []))
     ctl = runner(f"{layout}-control", lay, True, extra=["mm_balance.mode=control"])
     report = bu.check_band(off, images, ctl, f"Bridge fp32 {layout}, vision=images")
     vision = _vision_lines(images)
@@ -435,6 +437,26 @@ def test_images_mode_trains_as_off_within_the_control_band(runner, layout, bridg
     assert img_off.same and not (img_off.only_a or img_off.only_b), img_off.summary()
     band = max(ctl_off.norm_relative_difference, FP32_CHECKPOINT_FLOOR)
     assert img_off.norm_relative_difference <= DEFAULT_K * band, (img_off.summary(), ctl_off.summary())
+    if layout == "dp4":
+        _check_exchange_details(bu.timing_records(timing_dir), iters)
+
+
+def _check_exchange_details(records: dict, iters: int) -> None:
+    """Every micro-batch record of every rank splits its exchange's forward (``details``): the
+    all-gathers took time, the parts never exceed the whole, and over the run every rank
+    called the tower."""
+    assert sorted(records) == [0, 1, 2, 3], sorted(records)
+    for rank, recs in records.items():
+        assert len(recs) == iters * 4 and all("details" in r for r in recs), (rank, recs[:1])
+        for r in recs:
+            d = r["details"]
+            parts = d["vision_gather_ms"] + d.get("vision_plan_ms", 0.0) + d.get("vision_tower_ms", 0.0)
+            assert d["vision_gather_ms"] > 0 and parts <= d["vision_exchange_ms"] + 1e-3, (rank, r)
+        assert sum(r["details"].get("vision_tower_calls", 0) for r in recs) > 0, rank
+    every = [r["details"] for recs in records.values() for r in recs]
+    print("exchange forward per micro-batch, mean over ranks (ms): " + ", ".join(
+        f"{k[len('vision_'):]} {sum(d.get(k, 0.0) for d in every) / len(every):.1f}"
+        for k in ("vision_exchange_ms", "vision_gather_ms", "vision_plan_ms", "vision_tower_ms")))
 
 
 def test_images_mode_resume_equals_uninterrupted(runner, bridge_runs_dir):

@@ -165,6 +165,28 @@ def test_no_frame_anywhere_costs_one_collective_and_evaluation_none(results):
         assert r["eval"] == {"collectives": {"all_gather": 0, "batch_isend_irecv": 0}, "bit_equal": True}
 
 
+def test_the_timing_details_split_the_exchange(results):
+    """With a ``detail`` sink (the timing hooks' ``add_detail``), every rank's forward splits
+    the exchange: the all-gathers, the plan, one tower call per non-empty encode (the calls
+    Bridge's hooks see, less Bridge's own outer call where the rank holds frames), and the
+    whole, which the parts never exceed. With no frame anywhere: the gather only."""
+    for r in results:
+        for s in r["steps"]:
+            d, where = s["details"], (r["rank"], s["step"])
+            assert d["vision_gather_ms"] > 0 and d["vision_exchange_ms"] >= d["vision_gather_ms"], (where, d)
+            if s["figures"] is None:
+                assert set(d) == {"vision_gather_ms", "vision_exchange_ms"}, (where, d)
+                continue
+            outer = 1 if s["vision_calls"]["ref"] else 0
+            assert d.get("vision_tower_calls", 0) == s["vision_calls"]["balanced"] - outer, (where, d)
+            parts = d["vision_gather_ms"] + d["vision_plan_ms"] + d.get("vision_tower_ms", 0.0)
+            assert parts <= d["vision_exchange_ms"] + 1e-6, (where, d)
+    print("\nrank 0's exchange forward per micro-step (ms: whole / gathers / plan / tower, calls): " + "; ".join(
+        f"{s['step']}: {s['details']['vision_exchange_ms']:.1f} / {s['details']['vision_gather_ms']:.1f} / "
+        f"{s['details'].get('vision_plan_ms', 0):.1f} / {s['details'].get('vision_tower_ms', 0):.1f}, "
+        f"{int(s['details'].get('vision_tower_calls', 0))}" for s in results[0]["steps"]))
+
+
 def test_the_video_frames_encode_alone(results):
     """Bridge's tower attends per frame and positions each frame by (h, w): a video's grid
     (4, 16, 16) and four (1, 16, 16) rows of one call give the same outputs bit for bit; four

@@ -82,10 +82,10 @@ def main() -> None:
     first = hooks[0]
     first.remove()                                       # on only for the balanced runs
 
-    def hooked(rates=first.rates, measured=False, overlap=True):
+    def hooked(rates=first.rates, measured=False, overlap=True, detail=None):
         return BalancedFrames(model, first.group, frame_cost=first.frame_cost, report=first.report,
                               rates=rates, flops_per_unit=first.flops_per_unit, measured_rates=measured,
-                              overlap=overlap)
+                              overlap=overlap, detail=detail)
 
     ids = provider.image_token_id, provider.video_token_id, provider.vision_start_token_id, \
         provider.vision_end_token_id
@@ -97,7 +97,8 @@ def main() -> None:
         for dtype, key in ((torch.float32, "fp32"), (torch.float64, "fp64")):
             model.to(dtype)
             ref = _run(model, batch, dtype, step)
-            balanced = hooked()
+            details = {}
+            balanced = hooked(detail=lambda name, value: details.__setitem__(name, details.get(name, 0.0) + value))
             calls = _count_collectives()
             got = _run(model, batch, dtype, step)
             counts = calls.stop()
@@ -110,7 +111,7 @@ def main() -> None:
                 assert str(synchronous.last_plan) == str(balanced.last_plan)
                 figures = balanced.last_figures
                 entry.update(
-                    collectives=counts,
+                    collectives=counts, details=details,
                     plan=None if figures is None else {k: [int(x) for x in v]
                                                        for k, v in balanced.last_plan.items()},
                     figures=None if figures is None else figures.__dict__,

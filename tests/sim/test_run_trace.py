@@ -157,3 +157,24 @@ def test_noise_and_sync_batch_terms(tmp_path):
     parts = time_breakdown(run)
     assert parts["lm_compute_ms"] == pytest.approx(300.0) and parts["host_gap_ms"] == pytest.approx(10.0)
     assert parts["waiting_ms"] == pytest.approx((0 + 400) / 2)        # rank 1 waited 200 ms twice
+
+
+def test_the_image_exchange_split_from_the_records_details(tmp_path):
+    """Records with the image-level exchange's ``details`` (``mm_balance.vision=images`` with
+    the timing hooks) add its split of the vision forward to the breakdown, per iteration and
+    rank: the gathers, the plan, the tower and the rest of the exchange; runs without them
+    add nothing."""
+    from megatron_mm_balance.sim.run_trace import time_breakdown
+    run = load_run(str(two_by_two(tmp_path / "t")), skip_iterations=0)
+    assert "exchange_ms" not in time_breakdown(run)
+    for iteration in run.records:
+        for rank, per_rank in enumerate(iteration):
+            for m, r in enumerate(per_rank):
+                r["details"] = {"vision_gather_ms": 5.0 + rank, "vision_plan_ms": 1.0, "vision_tower_ms": 80.0,
+                                "vision_tower_calls": 2.0 if m == 0 else 1.0, "vision_exchange_ms": 100.0 + rank}
+    parts = time_breakdown(run)
+    # two micro-batches per iteration: rank 0 gathers 2 x 5 ms, rank 1 2 x 6 ms
+    assert parts["exchange_gather_ms"] == pytest.approx(11.0) and parts["exchange_plan_ms"] == pytest.approx(2.0)
+    assert parts["exchange_tower_ms"] == pytest.approx(160.0) and parts["exchange_ms"] == pytest.approx(201.0)
+    assert parts["exchange_rest_ms"] == pytest.approx(201.0 - 11.0 - 2.0 - 160.0)
+    assert parts["tower_calls_per_microbatch"] == pytest.approx(1.5)

@@ -95,11 +95,19 @@ WORLD=$(( NNODES * NPROC_PER_NODE ))
 DP=$(( WORLD / (TP * PP * CP) ))
 (( GBS % (MBS * DP) == 0 )) || die "GBS=$GBS is not a multiple of MBS*DP = $((MBS * DP))"
 
+# Whether torch sees a CUDA (or ROCm) device here. It sees none without a GPU device node
+# (/dev/nvidia*, Jetson's /dev/nvhost*, WSL's /dev/dxg, ROCm's /dev/kfd): then the answer needs
+# no interpreter start (importing torch takes seconds, for every launch on a CPU machine).
+cuda_visible() {
+  compgen -G "/dev/nvidia*" >/dev/null || compgen -G "/dev/nvhost*" >/dev/null || [ -e /dev/dxg ] \
+    || [ -e /dev/kfd ] || return 1
+  "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" >/dev/null 2>&1
+}
 # The CPU harness (configs that set CPU_HARNESS=auto, on a machine without CUDA).
 ENTRY=(examples/multimodal/train.py)
 CPU_RUN=0
 if [ "${CPU_HARNESS:-off}" = auto ] && [ "$DRY_RUN" != 1 ] && \
-   ! "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" >/dev/null 2>&1; then
+   ! cuda_visible; then
   CPU_RUN=1
   ENTRY=(-m megatron_mm_balance.testing.cpu_pretrain examples/multimodal/train.py)
 fi

@@ -564,11 +564,8 @@ def _report_writers(state, tensorboard_dir, reporter: bool) -> tuple:
     tb = getattr(state, "tensorboard_logger", None) if state is not None else None
     wandb = getattr(state, "wandb_logger", None) if state is not None else None
     if tb is None and wandb is None and reporter and tensorboard_dir:
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-            tb = SummaryWriter(log_dir=tensorboard_dir, filename_suffix=".mm_balance_vision")
-        except Exception:        # tensorboard not installed: the line only
-            tb = None
+        from ..megatron.telemetry import own_tensorboard_writer
+        tb = own_tensorboard_writer(tensorboard_dir, ".mm_balance_vision")     # None: the line only
     return tb, wandb
 
 

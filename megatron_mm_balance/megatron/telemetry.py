@@ -30,6 +30,7 @@ packs, permuted across micro-steps in balancing's order: ``packs_moved`` is 0 an
 """
 from __future__ import annotations
 
+import atexit
 from typing import Dict, Iterable, Optional
 
 from ..runtime.log_line import emit_line, format_line, read_lines  # noqa: F401  (read_lines: re-exported)
@@ -168,7 +169,7 @@ class Telemetry:
         if tb_writer is None and wandb_writer is None and reporter:
             tb_writer, wandb_writer = _megatron_writers()
             if tb_writer is None and tensorboard_dir and _on_last_stage_cp0():
-                tb_writer = _own_tensorboard_writer(tensorboard_dir)
+                tb_writer = own_tensorboard_writer(tensorboard_dir)
         self.tb_writer = tb_writer
         self.wandb_writer = wandb_writer
         self.lines = []   # the log lines written, newest last (bounded)
@@ -233,9 +234,14 @@ def _on_last_stage_cp0() -> bool:
         return True
 
 
-def _own_tensorboard_writer(log_dir: str):
+def own_tensorboard_writer(log_dir: str, suffix: str = ".mm_balance"):
+    """A TensorBoard writer of our own beside the run's events (None without tensorboard),
+    closed at exit: its writer thread flushes only every two minutes, so a job shorter than
+    that would otherwise leave its events unwritten."""
     try:
         from torch.utils.tensorboard import SummaryWriter
     except Exception:     # tensorboard not installed: log only
         return None
-    return SummaryWriter(log_dir=log_dir, filename_suffix=".mm_balance")
+    writer = SummaryWriter(log_dir=log_dir, filename_suffix=suffix)
+    atexit.register(writer.close)
+    return writer

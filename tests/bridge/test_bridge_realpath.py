@@ -71,7 +71,11 @@ def test_off_on_equal(runner, layout, bridge_runs_dir):
     for key in ("imbalance_before", "imbalance_after", "solver_ms", "allgather_ms", "consumer_wait_ms"):
         assert on.stat(key), f"{key} missing from the telemetry\n{on.tail()}"
     # TensorBoard: Bridge writes on the last rank; the reporting rank adds its own events file
-    assert list((bridge_runs_dir / f"{layout}-on" / "tensorboard").glob("*.mm_balance")), "no mm-balance events"
+    # ... every reported iteration's scalars in it (the writer is closed at exit: its thread
+    # flushes every 2 minutes or 10 events, which left a short job's last ones unwritten)
+    events = list((bridge_runs_dir / f"{layout}-on" / "tensorboard").glob("*.mm_balance"))
+    written = sum(p.read_bytes().count(b"mm-balance/imbalance_after\x15") for p in events)
+    assert events and written == len(on.stat("imbalance_after")), (events, written, on.stat("imbalance_after"))
     later = [on.stat("prefetched")[i] for i in sorted(on.stat("prefetched"))[1:]]
     assert later and all(v == 1.0 for v in later), f"global batches not prefetched: {on.stat('prefetched')}"
 
@@ -425,7 +429,9 @@ def test_images_mode_trains_as_off_within_the_control_band(runner, layout, bridg
     if layout in ("dp4",):                                   # image_rates=measured: the plan's rates
         assert last["tower_tflops"] == pytest.approx(last["tower_tflops_measured"], rel=1e-9), last
     # the reporting rank (the group's first) has no Bridge writer: its own events file
-    assert list((images.output_dir / "tensorboard").glob("*.mm_balance_vision")), "no mm-balance-vision events"
+    events = list((images.output_dir / "tensorboard").glob("*.mm_balance_vision"))     # every line's scalars
+    written = sum(p.read_bytes().count(b"mm-balance-vision/imbalance_after\x15") for p in events)
+    assert events and written == len(vision), (events, written, sorted(vision))
     ckpt = {name: str(r.output_dir / "checkpoints") for name, r in (("off", off), ("images", images), ("control", ctl))}
     img_off, ctl_off = compare_checkpoints(ckpt["off"], ckpt["images"]), compare_checkpoints(ckpt["off"], ckpt["control"])
     print(f"\n{layout} vision=images ({' '.join(IMAGE_EXTRA[layout][1:]) or 'rates: settings'}): frames moved "

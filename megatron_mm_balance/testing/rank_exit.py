@@ -7,8 +7,9 @@ half minute, measured on the tiny Bridge config, for nothing the job needs. :fun
 does what normal shutdown does that matters, in the same order (non-daemon threads joined,
 then the ``atexit`` handlers: TensorBoard and timing files closed, ``multiprocessing``'s
 children and managers stopped), flushes the standard streams and ends the process with exit
-status 0. Only on a normal return: a job that raises or calls ``sys.exit`` ends as before.
-The GPU path never imports this module.
+status 0. Only on a normal return: a job that raises or calls ``sys.exit`` ends as before;
+``MM_BALANCE_FULL_TEARDOWN=1`` keeps the teardown (the harnesses' ``main`` reads it). The GPU
+path never imports this module.
 """
 from __future__ import annotations
 

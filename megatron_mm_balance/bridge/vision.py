@@ -288,7 +288,7 @@ class BalancedFrames:
         from ..runtime.frames import frame_figures, plan_frame_encoders
         from ..runtime.image_exchange import UnitExchange, gather_unit_table
 
-        started = time.perf_counter()
+        began = time.perf_counter()
         device = next(self.vision.parameters()).device
         hw = frames_of(grid_thw)
         patches_here = hw[:, 0] * hw[:, 1]
@@ -298,10 +298,10 @@ class BalancedFrames:
                                   _header(pixels, int(patches_here.sum())) + self._rate_header(),
                                   self.group, device)
         gathered = time.perf_counter()
-        self._note("vision_gather_ms", (gathered - started) * 1e3)
+        self._note("vision_gather_ms", (gathered - began) * 1e3)
         if table is None:
             self._account(None)
-            self._note("vision_exchange_ms", (time.perf_counter() - started) * 1e3)
+            self._note("vision_exchange_ms", (time.perf_counter() - began) * 1e3)
             return None
         in_dim, dtype, pixel_grad = self._agreed_inputs(table)
         cost, h, w = table.columns[:, 0], table.columns[:, 1], table.columns[:, 2]
@@ -337,7 +337,7 @@ class BalancedFrames:
             self._meter.stop(started, moved_rows * pixel_bytes, self._link)
             back = route.to_owners(encode(arrived, route.encoded_units))
         embeddings, *deepstack = [part.contiguous() for part in back.split(self.width, dim=1)]
-        self._note("vision_exchange_ms", (time.perf_counter() - started) * 1e3)
+        self._note("vision_exchange_ms", (time.perf_counter() - began) * 1e3)
         return embeddings, deepstack
 
     def _agreed_inputs(self, table):

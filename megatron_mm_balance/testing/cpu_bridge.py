@@ -425,9 +425,8 @@ def main(argv: list[str] | None = None) -> None:
     _write_results_queue_by_fork()          # the launched job only: it saves checkpoints
     sys.argv = [argv[1], *argv[2:]]
     runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
-    if os.environ.get("MM_BALANCE_FULL_TEARDOWN") != "1":
-        from .rank_exit import finish
-        finish()                            # the job returned: end without the interpreter's teardown
+    from .rank_exit import finish
+    finish()                                # the job returned: end without the interpreter's teardown
 
 
 if __name__ == "__main__":

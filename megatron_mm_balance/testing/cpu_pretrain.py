@@ -483,9 +483,8 @@ def main(argv: list[str] | None = None) -> None:
     install()
     sys.argv = argv
     runpy.run_path(script, run_name="__main__")
-    if os.environ.get("MM_BALANCE_FULL_TEARDOWN") != "1":
-        from .rank_exit import finish
-        finish()                            # the job returned: end without the interpreter's teardown
+    from .rank_exit import finish
+    finish()                                # the job returned: end without the interpreter's teardown
 
 
 if __name__ == "__main__":

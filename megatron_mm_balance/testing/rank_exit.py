@@ -8,7 +8,7 @@ does what normal shutdown does that matters, in the same order (non-daemon threa
 then the ``atexit`` handlers: TensorBoard and timing files closed, ``multiprocessing``'s
 children and managers stopped), flushes the standard streams and ends the process with exit
 status 0. Only on a normal return: a job that raises or calls ``sys.exit`` ends as before;
-``MM_BALANCE_FULL_TEARDOWN=1`` keeps the teardown (the harnesses' ``main`` reads it). The GPU
+``MM_BALANCE_FULL_TEARDOWN=1`` keeps the teardown (:func:`finish` then returns). The GPU
 path never imports this module.
 """
 from __future__ import annotations
@@ -20,7 +20,10 @@ import threading
 
 
 def finish() -> None:
-    """End this process now, as a normal exit would minus the interpreter's teardown."""
+    """End this process now, as a normal exit would minus the interpreter's teardown; return
+    (and let the interpreter end as usual) with ``MM_BALANCE_FULL_TEARDOWN=1``."""
+    if os.environ.get("MM_BALANCE_FULL_TEARDOWN") == "1":
+        return
     shutdown = getattr(threading, "_shutdown", None)      # what Py_Finalize calls first
     if shutdown is not None:
         shutdown()

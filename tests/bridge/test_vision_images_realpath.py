@@ -167,18 +167,21 @@ def test_no_frame_anywhere_costs_one_collective_and_evaluation_none(results):
 
 def test_the_timing_details_split_the_exchange(results):
     """With a ``detail`` sink (the timing hooks' ``add_detail``), every rank's forward splits
-    the exchange: the all-gathers, the plan, one tower call per non-empty encode (the calls
+    the exchange, overlapped and synchronous: the all-gathers, the plan, one tower call per
+    non-empty encode (synchronous: one where the rank encodes a frame; overlapped: the calls
     Bridge's hooks see, less Bridge's own outer call where the rank holds frames), and the
     whole, which the parts never exceed. With no frame anywhere: the gather only."""
     for r in results:
-        for s in r["steps"]:
-            d, where = s["details"], (r["rank"], s["step"])
+        for s, key in [(s, key) for s in r["steps"] for key in ("details", "details_sync")]:
+            d, where = s[key], (r["rank"], s["step"], key)
             assert d["vision_gather_ms"] > 0 and d["vision_exchange_ms"] >= d["vision_gather_ms"], (where, d)
             if s["figures"] is None:
                 assert set(d) == {"vision_gather_ms", "vision_exchange_ms"}, (where, d)
                 continue
             outer = 1 if s["vision_calls"]["ref"] else 0
-            assert d.get("vision_tower_calls", 0) == s["vision_calls"]["balanced"] - outer, (where, d)
+            calls = (s["vision_calls"]["balanced"] - outer if key == "details"      # the overlapped run's
+                     else int(r["rank"] in s["plan"]["encoder"]))                  # synchronous: one call
+            assert d.get("vision_tower_calls", 0) == calls, (where, d)
             parts = d["vision_gather_ms"] + d["vision_plan_ms"] + d.get("vision_tower_ms", 0.0)
             assert parts <= d["vision_exchange_ms"] + 1e-6, (where, d)
     print("\nrank 0's exchange forward per micro-step (ms: whole / gathers / plan / tower, calls): " + "; ".join(

@@ -105,8 +105,11 @@ def main() -> None:
             balanced.remove()
             entry[key] = _diffs(ref, got)
             if key == "fp32":                             # the same plan, each exchange completed first
-                synchronous = hooked(overlap=False)
+                sync_details = {}
+                synchronous = hooked(overlap=False, detail=lambda name, value: sync_details.__setitem__(
+                    name, sync_details.get(name, 0.0) + value))
                 entry["fp32_sync"] = _diffs(ref, _run(model, batch, dtype, step))
+                entry["details_sync"] = sync_details
                 synchronous.remove()
                 assert str(synchronous.last_plan) == str(balanced.last_plan)
                 figures = balanced.last_figures

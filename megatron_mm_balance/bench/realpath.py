@@ -305,6 +305,50 @@ def measured_window(res: RunResult, warmup: int, switch: Optional[int] = None) -
     return [i for i in sorted(res.elapsed_ms) if i >= first]
 
 
+#: The placement objective on the off runs' measured packs (ms per iteration, :func:`reachable`):
+#: as laid out, by the image-token, the FLOP-cost and the measured-time placements, the floors
+#: of whole packs and of whole frames, and perfect balance.
+REACHABLE = ("unbalanced", "image_tokens", "flop_cost", "measured", "floor_packs", "floor_frames", "perfect")
+
+
+def reachable(trace, timing_dir: str) -> dict:
+    """Per iteration (ms) of a Qwen-VL ``off`` run's measured packs, the objective a placement
+    decides (:func:`~megatron_mm_balance.sim.run_trace.objective_ms`: each micro-step's vision
+    maximum plus its language maximum): as the run laid them out; by the placement on image
+    tokens (``mm_balance.cost=image-tokens``), on the FLOP-derived cost the run wrote beside
+    its records (:data:`~megatron_mm_balance.cost.replay.FLOPS_MODEL_FILE`,
+    ``mm_balance.cost=model``) and on the packs' measured times (a cost that knew them); the
+    floors no placement of whole packs, or of whole frames, goes below (frames weighed by
+    that cost); and perfect balance. Empty where the run wrote no such cost."""
+    from ..cost.model import load_cost_file
+    from ..cost.replay import FLOPS_MODEL_FILE
+    from ..sim.run_trace import (frame_ms_of, measured_costs, model_costs, objective_ms, placement_order,
+                                 predicted_floors)
+    path = os.path.join(timing_dir, FLOPS_MODEL_FILE)
+    if not os.path.isfile(path):
+        return {}
+    model = load_cost_file(path)
+    floors = predicted_floors(trace, frame_ms_of(model))
+    return {"unbalanced": objective_ms(trace), "image_tokens": objective_ms(trace, placement_order(trace)),
+            "flop_cost": objective_ms(trace, placement_order(trace, costs=model_costs(trace, model))),
+            "measured": objective_ms(trace, placement_order(trace, costs=measured_costs(trace))),
+            "floor_packs": floors["floor_packs_ms"], "floor_frames": floors["floor_frames_ms"],
+            "perfect": floors["perfect_ms"]}
+
+
+def objective_gains(objective: Optional[dict]) -> dict:
+    """``objective``: :func:`reachable`'s figures (mean ms per iteration) -> the report's
+    ``objective`` entry: each figure, its gain over the unbalanced layout, and its share of
+    perfect balance's gain."""
+    if not objective:
+        return {}
+    base, perfect = objective["unbalanced"], objective["perfect"]
+    best = base / perfect - 1.0
+    return {"objective": {key: {"ms": objective[key], "gain": base / objective[key] - 1.0,
+                                "share_of_perfect": (base / objective[key] - 1.0) / best if best > 0 else None}
+                          for key in REACHABLE}}
+
+
 def analyze(results: List[RunResult], *, warmup: int, loss_tolerance: float,
             auto_switch: Optional[int] = None, frames: bool = False) -> dict:
     """Everything the table and ``--json`` report (see the module docstring). ``frames``:
@@ -364,6 +408,7 @@ def analyze(results: List[RunResult], *, warmup: int, loss_tolerance: float,
     pred = {}
     for mode, runs in by_mode.items():
         laid, perfect, span, shares, placed, parts = [], [], [], [], [], []
+        reach = {}
         for r in runs:
             switch = auto_switch if mode == "auto" else None
             try:
@@ -382,6 +427,9 @@ def analyze(results: List[RunResult], *, warmup: int, loss_tolerance: float,
             if mode == "off":        # the same measured packs, laid out by the runtime's placement
                 q = predicted_times(trace, order=placement_order(trace))
                 placed += [float(q["laid_out_ms"][k]) for k in keep]
+                if frames:
+                    for key, values in reachable(trace, r.timing_dir).items():
+                        reach.setdefault(key, []).extend(float(values[k]) for k in keep)
         if laid:
             pred[mode] = {"laid_out_ms": statistics.median(laid), "perfect_ms": statistics.median(perfect),
                           "timed_span_ms": statistics.median(span),
@@ -390,6 +438,8 @@ def analyze(results: List[RunResult], *, warmup: int, loss_tolerance: float,
                                                      for k in parts[0]}}
             if placed:
                 pred[mode]["placed_ms"] = statistics.median(placed)
+            if reach:
+                pred[mode]["objective_ms"] = {key: statistics.mean(v) for key, v in reach.items()}
     if "off" in pred:
         off_p = pred["off"]["laid_out_ms"]
         report["predicted"] = {
@@ -398,6 +448,7 @@ def analyze(results: List[RunResult], *, warmup: int, loss_tolerance: float,
             "placement_ms": pred["off"].get("placed_ms"),
             "placement_gain": (off_p / pred["off"]["placed_ms"] - 1.0) if pred["off"].get("placed_ms") else None,
             "vision_share_at_mean_pack": pred["off"]["vision_share"],
+            **objective_gains(pred["off"].get("objective_ms")),
             **{f"{mode}_placement_ms": v["laid_out_ms"] for mode, v in pred.items() if mode != "off"},
             **{f"{mode}_placement_gain": off_p / v["laid_out_ms"] - 1.0 for mode, v in pred.items()
                if mode != "off"},
@@ -457,6 +508,21 @@ def simulate_against(results: List[RunResult], report: dict, *, warmup: int, fra
     return out
 
 
+#: :data:`REACHABLE`'s figures as the table names them
+OBJECTIVE_LABELS = (("unbalanced", "unbalanced"), ("image_tokens", "image tokens"), ("flop_cost", "FLOP cost"),
+                    ("measured", "measured times"), ("floor_packs", "floor of whole packs"),
+                    ("floor_frames", "of whole frames"), ("perfect", "perfect"))
+
+
+def _objective_figure(label: str, v: dict) -> str:
+    """``label ms (+gain%, share of perfect)``; the unbalanced layout without the gain,
+    perfect balance without the share."""
+    if label == "unbalanced":
+        return f"{label} {v['ms']:.0f}"
+    share = "" if v["share_of_perfect"] is None or label == "perfect" else f", {v['share_of_perfect']:.0%}"
+    return f"{label} {v['ms']:.0f} ({100 * v['gain']:+.1f}%{share})"
+
+
 def format_report(rep: dict) -> str:
     def f(v, spec=".1f"):
         return "-" if v is None else format(v, spec)
@@ -486,6 +552,11 @@ def format_report(rep: dict) -> str:
                      f"({f(None if p['placement_gain'] is None else 100 * p['placement_gain'], '+.1f')}%), "
                      f"perfect balance {p['perfect_ms']:.0f} ({100 * p['perfect_gain']:+.1f}%); vision share "
                      f"of a micro-batch at the mean pack {100 * p['vision_share_at_mean_pack']:.0f}%")
+        if p.get("objective"):
+            o = p["objective"]
+            lines.append("  the placement objective on the same packs (each micro-step's vision and language maxima, "
+                         "ms per iteration; share of perfect balance's gain):")
+            lines.append("    " + ", ".join(_objective_figure(label, o[key]) for key, label in OBJECTIVE_LABELS))
         lines.append("  each mode's own timings laid out as it ran: "
                      + ", ".join(f"{k[:-len('_placement_ms')]} {v:.0f}" for k, v in p.items()
                                  if k.endswith("_placement_ms")))

@@ -16,6 +16,10 @@ in the order the job computed them) and derives from it:
   simulator's micro-step timeline (:func:`~.timeline.simulate_timeline`): as laid out,
   and perfectly balanced (every micro-step's maximum equal to its mean), plus the
   measured per-iteration tail (optimizer step, logging);
+* :func:`objective_ms` and :func:`predicted_floors`: per iteration, the objective a placement
+  decides (each micro-step's vision and language maxima) on the measured packs, as laid out
+  or placed on any costs (image tokens, :func:`model_costs`, :func:`measured_costs`), and
+  the floors of whole packs and of whole frames below it;
 * :func:`fit_timing_model`: a :class:`~.timing.TimingModel` fitted from the timings
   (vision and language terms by the project's cost calibration, step overhead and
   per-micro-batch gaps measured), for ``mm-balance simulate DIR --timing run``.
@@ -175,18 +179,107 @@ def measured_phases(run: RunTrace) -> MeasuredPhases:
     return MeasuredPhases(run.vf + gap, lm, run.vb.copy(), gap, tail)
 
 
-def placement_order(run: RunTrace, *, sync: str = "microstep") -> np.ndarray:
-    """``[I, D, G]`` flat ``d * G + g`` indices: where the runtime's placement (image-token
-    costs, :func:`~megatron_mm_balance.solver.placement.plan_placement`) puts each iteration's
-    packs. The balanced jobs computed exactly these layouts of the same global batches."""
+def placement_order(run: RunTrace, *, sync: str = "microstep", costs: np.ndarray | None = None) -> np.ndarray:
+    """``[I, D, G]`` flat ``d * G + g`` indices: where the runtime's placement
+    (:func:`~megatron_mm_balance.solver.placement.plan_placement`) puts each iteration's
+    packs, on image-token costs or on ``costs`` (``[I, D, G]`` or ``[I, D, G, 2]`` integers,
+    :func:`model_costs`). The balanced jobs computed exactly these layouts of the same
+    global batches."""
     from ..solver.placement import plan_placement
     I, D, G = run.shape
-    tokens = run.image_tokens().astype(np.int64)
+    if costs is None:
+        costs = run.image_tokens().astype(np.int64)
+    elif costs.shape[:3] != (I, D, G):
+        raise ValueError(f"costs of shape {costs.shape} for a run of shape {(I, D, G)}")
     order = np.empty((I, D, G), dtype=np.int64)
     for i in range(I):
-        pl = plan_placement(tokens[i], sync=sync)
+        pl = plan_placement(costs[i], sync=sync)
         order[i] = pl.src_rank * G + pl.src_index
     return order
+
+
+def model_costs(run: RunTrace, model, *, sync: str = "microstep") -> np.ndarray:
+    """The integer costs ``mm_balance.cost=model`` balances the run's packs with, under
+    :class:`~megatron_mm_balance.cost.model.CostModel` ``model``: ``[I, D, G, 2]`` (vision,
+    language) under ``microstep`` sync, else ``[I, D, G]``. Needs Qwen-VL records (``grids``)."""
+    from ..cost.features import QwenVLFeatures
+    from ..cost.model import FeatureArrays
+    I, D, G = run.shape
+    features = QwenVLFeatures()
+    kind = "two-phase" if sync == "microstep" else "time"
+    packs = FeatureArrays.of([features.of_record(r) for row in run.records for per_rank in row for r in per_rank])
+    costs = model.integer_costs(packs, kind)
+    return costs.reshape((I, D, G, 2) if kind == "two-phase" else (I, D, G))
+
+
+def objective_ms(run: RunTrace, order: np.ndarray | None = None, *, sync: str = "microstep") -> np.ndarray:
+    """Per iteration (ms): the objective a placement decides, on the run's measured packs
+    (:func:`measured_phases`; every micro-step at the iteration's mean language phase),
+    laid out as the run computed them or by ``order`` (:func:`placement_order`), plus the
+    measured tail: under ``microstep`` sync the sum over micro-steps of the vision maximum
+    (a pack's forward, the gap before it and its backward) and the language maximum; under
+    ``step`` the largest rank total. The floors of :func:`predicted_floors` bound it from
+    below. (The timeline of :func:`predicted_times` pairs a pack's backward with the next
+    micro-step's forward instead, as the job runs.)"""
+    ph = measured_phases(run)
+    tail = float(np.median(ph.tail_ms)) if len(ph.tail_ms) else 0.0
+    vision = ph.vf + ph.vb
+    if order is not None:
+        vision = _permute(vision, order)
+    language = np.broadcast_to(ph.lm.mean(axis=(1, 2), keepdims=True), ph.lm.shape)
+    if sync == "microstep":
+        return vision.max(axis=1).sum(axis=1) + language.max(axis=1).sum(axis=1) + tail
+    return (vision + language).sum(axis=2).max(axis=1) + tail
+
+
+def measured_costs(run: RunTrace) -> np.ndarray:
+    """``[I, D, G, 2]`` integer microseconds: each pack's measured vision (forward, the gap
+    before it, backward) and the iteration's mean language phase, as costs for
+    :func:`placement_order`: the placement a cost estimate that knew every pack's time
+    would give."""
+    ph = measured_phases(run)
+    vision = np.rint((ph.vf + ph.vb) * 1000.0).astype(np.int64)
+    language = np.rint(np.broadcast_to(ph.lm.mean(axis=(1, 2), keepdims=True), ph.lm.shape) * 1000.0)
+    return np.stack([vision, language.astype(np.int64)], axis=-1)
+
+
+def frame_ms_of(model) -> "callable":
+    """``p -> ms``: a frame's vision forward under a cost model's per-patch, per-patch-squared
+    and per-unit terms (the relative weight of frames within a pack; its per-pack and
+    per-image terms do not split between frames)."""
+    a, b, c = model.vision_ms_per_token_sq, model.vision_ms_per_token, model.vision_ms_per_unit
+    return lambda p: a * p * p + b * p + c
+
+
+def predicted_floors(run: RunTrace, frame_ms, *, sync: str = "microstep") -> dict:
+    """Per iteration (ms), on the run's measured packs (:func:`measured_phases`, every
+    micro-step at the iteration's mean language phase, as :func:`predicted_times` lays out a
+    placement): perfect balance and what no placement of whole packs, or of whole frames,
+    beats (:func:`~megatron_mm_balance.solver.floors.batch_floors`), each with the measured
+    tail. A pack's heaviest frame takes its share of the pack's measured vision by
+    ``frame_ms`` (``p -> ms``, :func:`frame_ms_of`) over its frames (the records' grids, a
+    video's temporal patches apart); a pack without grids is one frame.
+    ``packs_exact``: whether every iteration's packs floor is the exact optimum."""
+    from ..solver.cp_split import frame_patches
+    from ..solver.floors import batch_floors
+    ph = measured_phases(run)
+    I, D, G = run.shape
+    tail = float(np.median(ph.tail_ms)) if len(ph.tail_ms) else 0.0
+    out = {"perfect_ms": np.empty(I), "floor_packs_ms": np.empty(I), "floor_frames_ms": np.empty(I),
+           "packs_exact": True}
+    for i in range(I):
+        vision = (ph.vf[i] + ph.vb[i]).ravel()
+        language = np.full(D * G, ph.lm[i].mean())
+        heaviest = vision.copy()
+        for k, rec in enumerate(r for per_rank in run.records[i] for r in per_rank):
+            costs = [frame_ms(p) for p in frame_patches(rec.get("grids") or [])]
+            if len(costs) > 1 and sum(costs) > 0:
+                heaviest[k] = vision[k] * max(costs) / sum(costs)
+        fl = batch_floors(vision, language, heaviest, D, sync=sync)
+        out["perfect_ms"][i], out["floor_packs_ms"][i], out["floor_frames_ms"][i] = (
+            fl.perfect + tail, fl.packs + tail, fl.frames + tail)
+        out["packs_exact"] &= fl.packs_exact
+    return out
 
 
 def _permute(a: np.ndarray, order: np.ndarray) -> np.ndarray:

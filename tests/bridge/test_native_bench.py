@@ -224,3 +224,32 @@ def test_the_launcher_gets_absolute_tree_paths(tmp_path, monkeypatch):
     assert env == {"MEGATRON_BRIDGE_DIR": os.path.join(str(tmp_path), "b"),
                    "MEGATRON_LM_DIR": os.path.join(str(tmp_path), "m")}
     assert MegatronLMFramework(megatron_lm="m").environment() == {"MEGATRON_LM_DIR": os.path.join(str(tmp_path), "m")}
+
+
+def test_what_the_off_runs_packs_could_reach(tmp_path):
+    """With the FLOP-derived cost a Qwen-VL run writes beside its records, the report adds the
+    placement objective on the off runs' measured packs: as laid out, by the image-token, the
+    FLOP-cost and the measured-time placements, the floors of whole packs and of whole frames, and perfect
+    balance, in that order of time (each placement at or above the packs floor, frames at or
+    below packs, perfect below all); without the file, none of it."""
+    from megatron_mm_balance.cost.model import CostModel
+    from megatron_mm_balance.cost.replay import FLOPS_MODEL_FILE
+    a = _write_run(tmp_path / "a", 3)
+    runs = [realpath.RunResult("off", 1, 0, 1.0, str(a), {i: 1000.0 for i in range(1, 6)})]
+    bare = realpath.analyze(runs, warmup=2, loss_tolerance=1e-5, frames=True)["predicted"]
+    assert "objective" not in bare and "placement objective" not in realpath.format_report(
+        {"modes": {}, "losses": [], "predicted": bare, "simulated": {}})
+    CostModel(vision_ms_per_token=0.02, vision_ms_per_token_sq=2e-5, llm_ms_per_len_sq=1e-5).save(
+        str(a / "timing" / FLOPS_MODEL_FILE))
+    rep = realpath.analyze(runs, warmup=2, loss_tolerance=1e-5, frames=True)
+    o = {k: v["ms"] for k, v in rep["predicted"]["objective"].items()}
+    eps = 1e-6
+    assert o["unbalanced"] > o["image_tokens"] >= o["floor_packs"] - eps and o["flop_cost"] >= o["floor_packs"] - eps
+    assert o["floor_packs"] >= o["floor_frames"] - eps and o["floor_frames"] >= o["perfect"] - eps
+    # the planner on the packs' own times: no costlier than either estimate, at the floor here
+    assert o["measured"] <= min(o["image_tokens"], o["flop_cost"]) + eps
+    assert o["measured"] == pytest.approx(o["floor_packs"], rel=1e-3)
+    share = rep["predicted"]["objective"]["floor_packs"]["share_of_perfect"]
+    assert 0 < share <= 1 and share == pytest.approx((o["unbalanced"] / o["floor_packs"] - 1)
+                                                      / (o["unbalanced"] / o["perfect"] - 1))
+    assert "floor of whole packs" in realpath.format_report(rep)

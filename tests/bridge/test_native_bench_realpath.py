@@ -49,6 +49,11 @@ def test_bridge_bench_realpath_smoke(bridge_python, bridge_trees, bridge_runs_di
                 "packs_placement_ms"):
         assert p.get(key) is not None, key
     assert p["perfect_ms"] <= p["unbalanced_ms"] and 0 < p["vision_share_at_mean_pack"] < 1
+    # the placement objective on the off run's packs, from the FLOP cost the run wrote
+    o = {k: v["ms"] for k, v in p["objective"].items()}
+    assert o["perfect"] <= o["floor_frames"] + 1e-6 and o["floor_frames"] <= o["floor_packs"] + 1e-6
+    assert o["floor_packs"] <= min(o["image_tokens"], o["flop_cost"], o["measured"], o["unbalanced"]) + 1e-6
+    assert "the placement objective on the same packs" in r.stdout
     assert rep["simulated"]["off"]["simulated_ms"] > 0 and rep["simulated"]["packs"]["simulated_ms"] > 0
     h = rep["holdout"]
     assert h["seed"] == 1 and [x["mode"] for x in h["runs"]] == ["off", "packs"]

@@ -178,3 +178,67 @@ def test_the_image_exchange_split_from_the_records_details(tmp_path):
     assert parts["exchange_tower_ms"] == pytest.approx(160.0) and parts["exchange_ms"] == pytest.approx(201.0)
     assert parts["exchange_rest_ms"] == pytest.approx(201.0 - 11.0 - 2.0 - 160.0)
     assert parts["tower_calls_per_microbatch"] == pytest.approx(1.5)
+
+
+def _with_grids(run, heavy_grids):
+    """The two-by-two run's records with grids: each light pack (128 patches) one frame, each
+    heavy pack (512) ``heavy_grids``."""
+    for iteration in run.records:
+        for per_rank in iteration:
+            for r in per_rank:
+                r["grids"] = heavy_grids if r["images"] == [512] else [[1, 8, 16]]
+    return run
+
+
+@pytest.mark.parametrize("heavy_grids, frames_floor", [
+    ([[1, 16, 16], [1, 16, 16]], 1510.0),     # two equal frames: frames can reach perfect balance
+    ([[1, 16, 32]], 1520.0),                  # one frame: no better than whole packs
+])
+def test_floors_of_whole_packs_and_frames_by_hand(tmp_path, heavy_grids, frames_floor):
+    """Per pack: vision = forward (with the gap before it) + backward: rank 0 900, 310; rank 1
+    300, 910; language 150 each. Perfect: (2420 + 4 * 150) / 2 = 1510. Whole packs: at best the
+    two heavy packs share a micro-step: 910 + 310 + 2 * 150 = 1520. Whole frames: a heavy
+    pack's heaviest frame is its vision's share by frame cost (half of it for two equal frames)."""
+    from megatron_mm_balance.sim.run_trace import predicted_floors
+    run = _with_grids(load_run(str(two_by_two(tmp_path / "t")), skip_iterations=0), heavy_grids)
+    fl = predicted_floors(run, lambda p: float(p))
+    np.testing.assert_allclose(fl["perfect_ms"], 1510.0 + 7900.0)
+    np.testing.assert_allclose(fl["perfect_ms"], predicted_times(run)["perfect_ms"])
+    np.testing.assert_allclose(fl["floor_packs_ms"], 1520.0 + 7900.0)
+    np.testing.assert_allclose(fl["floor_frames_ms"], frames_floor + 7900.0)
+
+
+def test_placement_on_a_cost_models_costs(tmp_path):
+    """``model_costs``: the two-phase integer costs ``mm_balance.cost=model`` balances with, from
+    the records' grids; the placement on them, and a refusal of costs of another run's shape."""
+    from megatron_mm_balance.cost.model import CostModel
+    from megatron_mm_balance.sim.run_trace import frame_ms_of, model_costs, placement_order
+    run = _with_grids(load_run(str(two_by_two(tmp_path / "t")), skip_iterations=0), [[1, 16, 32]])
+    model = CostModel(vision_ms_per_token=1e-3, vision_ms_per_token_sq=1e-6, vision_backward_ratio=2.0,
+                      llm_ms_per_token=1e-2, llm_backward_ratio=2.0)
+    costs = model_costs(run, model)
+    assert costs.shape == (3, 2, 2, 2) and costs.dtype.kind == "i"
+    heavy = 3 * (512e-3 + 512 ** 2 * 1e-6) * 1000          # forward + backward, microseconds
+    assert costs[0, 0, 0, 0] == pytest.approx(heavy, abs=1) and costs[0, 0, 1, 0] == pytest.approx(
+        3 * (128e-3 + 128 ** 2 * 1e-6) * 1000, abs=1)
+    assert len({int(c) for c in costs[..., 1].ravel()}) == 1          # the same language work
+    order = placement_order(run, costs=costs)
+    for i in range(3):      # a permutation; the heavy packs (flat 0 and 3) meet in one micro-step
+        assert sorted(order[i].ravel().tolist()) == [0, 1, 2, 3]
+        assert any({int(order[i, d, g]) for d in range(2)} == {0, 3} for g in range(2))
+    with pytest.raises(ValueError, match="shape"):
+        placement_order(run, costs=costs[:2])
+    assert frame_ms_of(model)(100) == pytest.approx(0.1 + 0.01)
+
+
+def test_the_placement_objective_as_laid_out_and_on_measured_costs(tmp_path):
+    """The two-by-two run's objective: as laid out each micro-step holds one heavy pack,
+    max(900, 300) + 150 + max(310, 910) + 150 = 2110; the placement on the packs' measured
+    times puts the heavy packs together, 910 + 150 + 310 + 150 = 1520 (the packs floor); with
+    the measured tail."""
+    from megatron_mm_balance.sim.run_trace import measured_costs, objective_ms, placement_order
+    run = load_run(str(two_by_two(tmp_path / "t")), skip_iterations=0)
+    np.testing.assert_allclose(objective_ms(run), 2110.0 + 7900.0)
+    costs = measured_costs(run)
+    assert costs.shape == (3, 2, 2, 2) and costs[0, 0, 0, 0] == 900_000 and costs[0, 1, 1, 1] == 150_000
+    np.testing.assert_allclose(objective_ms(run, placement_order(run, costs=costs)), 1520.0 + 7900.0)

@@ -306,9 +306,11 @@ def measured_window(res: RunResult, warmup: int, switch: Optional[int] = None) -
 
 
 #: The placement objective on the off runs' measured packs (ms per iteration, :func:`reachable`):
-#: as laid out, by the image-token, the FLOP-cost and the measured-time placements, the floors
-#: of whole packs and of whole frames, and perfect balance.
-REACHABLE = ("unbalanced", "image_tokens", "flop_cost", "measured", "floor_packs", "floor_frames", "perfect")
+#: as laid out, by the image-token, the FLOP-cost and the measured-time placements, the floor of
+#: whole packs, the frames spread after the image-token and after the heaviest-frame placements
+#: (``vision=images``), the floor of whole frames, and perfect balance.
+REACHABLE = ("unbalanced", "image_tokens", "flop_cost", "measured", "floor_packs",
+             "frames_after_image_tokens", "frames_after_heaviest_frame", "floor_frames", "perfect")
 
 
 def reachable(trace, timing_dir: str) -> dict:
@@ -319,20 +321,28 @@ def reachable(trace, timing_dir: str) -> dict:
     its records (:data:`~megatron_mm_balance.cost.replay.FLOPS_MODEL_FILE`,
     ``mm_balance.cost=model``) and on the packs' measured times (a cost that knew them); the
     floors no placement of whole packs, or of whole frames, goes below (frames weighed by
-    that cost); and perfect balance. Empty where the run wrote no such cost."""
+    that cost); the least the frame exchange (``vision=images``) can reach after the packs'
+    placement on image tokens, and after their placement on the heaviest frame
+    (``image_pack_cost=heaviest-frame``); and perfect balance. Empty where the run wrote no
+    such cost."""
     from ..cost.model import load_cost_file
     from ..cost.replay import FLOPS_MODEL_FILE
-    from ..sim.run_trace import (frame_ms_of, measured_costs, model_costs, objective_ms, placement_order,
-                                 predicted_floors)
+    from ..sim.run_trace import (frame_ms_of, frames_objective_ms, heaviest_frame_costs, measured_costs,
+                                 model_costs, objective_ms, placement_order, predicted_floors)
     path = os.path.join(timing_dir, FLOPS_MODEL_FILE)
     if not os.path.isfile(path):
         return {}
     model = load_cost_file(path)
-    floors = predicted_floors(trace, frame_ms_of(model))
+    frame_ms = frame_ms_of(model)
+    floors = predicted_floors(trace, frame_ms)
+    by_heaviest = placement_order(trace, costs=heaviest_frame_costs(trace, frame_ms))
     return {"unbalanced": objective_ms(trace), "image_tokens": objective_ms(trace, placement_order(trace)),
             "flop_cost": objective_ms(trace, placement_order(trace, costs=model_costs(trace, model))),
             "measured": objective_ms(trace, placement_order(trace, costs=measured_costs(trace))),
-            "floor_packs": floors["floor_packs_ms"], "floor_frames": floors["floor_frames_ms"],
+            "floor_packs": floors["floor_packs_ms"],
+            "frames_after_image_tokens": frames_objective_ms(trace, frame_ms, placement_order(trace)),
+            "frames_after_heaviest_frame": frames_objective_ms(trace, frame_ms, by_heaviest),
+            "floor_frames": floors["floor_frames_ms"],
             "perfect": floors["perfect_ms"]}
 
 
@@ -511,7 +521,9 @@ def simulate_against(results: List[RunResult], report: dict, *, warmup: int, fra
 #: :data:`REACHABLE`'s figures as the table names them
 OBJECTIVE_LABELS = (("unbalanced", "unbalanced"), ("image_tokens", "image tokens"), ("flop_cost", "FLOP cost"),
                     ("measured", "measured times"), ("floor_packs", "floor of whole packs"),
-                    ("floor_frames", "of whole frames"), ("perfect", "perfect"))
+                    ("frames_after_image_tokens", "frames after image tokens"),
+                    ("frames_after_heaviest_frame", "frames after heaviest frame"),
+                    ("floor_frames", "floor of whole frames"), ("perfect", "perfect"))
 
 
 def _objective_figure(label: str, v: dict) -> str:

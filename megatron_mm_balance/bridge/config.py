@@ -89,6 +89,10 @@ class MMBalanceBridgeConfig:
     #: runs (or a run and its resumption) may move other frames: the same results up to
     #: arithmetic order, not bit for bit
     image_rates: str = "settings"
+    #: ``vision=images``: what the packs are placed on before their frames are spread:
+    #: ``heaviest-frame``, each pack's heaviest frame (so the big frames share micro-steps and
+    #: the frames even out the rest); ``cost``, ``mm_balance.cost`` as with ``vision=packs``
+    image_pack_cost: str = "heaviest-frame"
     #: ``vision=images``: a rank encodes its kept frames while its moved frames' pixels and
     #: outputs are in flight (the received ones between them); false: each exchange completes
     #: before the tower runs

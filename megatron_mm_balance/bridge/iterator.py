@@ -29,7 +29,9 @@ What Bridge relies on, and how it is kept:
   (:func:`save_flops_model`) for ``mm-balance replay``.
 * ``mm_balance.vision=images``: after the packs, each training micro-step's frames are
   spread across the data-parallel group by hooks on the Qwen3-VL model
-  (:func:`~.vision.install_frame_balance`; its groups are created here, collectively).
+  (:func:`~.vision.install_frame_balance`; its groups are created here, collectively);
+  the packs are placed on their heaviest frame first (``image_pack_cost``,
+  :func:`~.vision.pack_cost_for`).
 * every rank of a data-parallel group reads data in Bridge's VLM steps (each tensor-,
   pipeline- and context-parallel rank draws from its own loader): one exchange group
   per data-parallel group (``pg_collection.dp``), created collectively over the world.
@@ -186,7 +188,7 @@ def wrap_train_data_iterator(train_data_iterator, cfg, pg_collection, *, state=N
     from .config import as_args
     from .cp_split import install_cp_split
     from .timing import install_bridge_timing
-    from .vision import install_frame_balance
+    from .vision import install_frame_balance, pack_cost_for
 
     args = as_args(mm, cfg, train_state=getattr(state, "train_state", None))
     core_cfg = checked_config(args)
@@ -203,7 +205,8 @@ def wrap_train_data_iterator(train_data_iterator, cfg, pg_collection, *, state=N
     install_frame_balance(model, cfg, core_cfg, args, pg_collection, state, timing)   # vision=images
     tb = getattr(state, "tensorboard_logger", None) if state is not None else None
     wandb = getattr(state, "wandb_logger", None) if state is not None else None
-    coordinator = BridgeCoordinator(core_cfg, cost_fn=cost_fn_for(core_cfg, cfg.model),
+    cost_fn = pack_cost_for(mm, cfg.model, cost_fn_for(core_cfg, cfg.model))    # vision=images: heaviest frame
+    coordinator = BridgeCoordinator(core_cfg, cost_fn=cost_fn,
                                     tb_writer=tb, wandb_writer=wandb, timing=timing,
                                     auto_features=auto_features_for(cfg.model))
     reporter = StopReporter(live_iteration(args))       # one line per rank when training stops

@@ -68,6 +68,8 @@ from .cp_split import QWEN3_VL_MODEL
 CHOICES = ("packs", "images")
 #: ``mm_balance.image_rates``: moves charged at the settings' rates, or at those the run measures
 RATE_CHOICES = ("settings", "measured")
+#: ``mm_balance.image_pack_cost``: what packs are placed on ahead of the frame exchange
+PACK_COST_CHOICES = ("heaviest-frame", "cost")
 #: a pixel exchange moving fewer bytes through a rank than this is not a link sample (it
 #: times the latency, not the link)
 LINK_SAMPLE_MIN_BYTES = 256 * 1024
@@ -96,6 +98,10 @@ def checked_vision(mm, model_cfg) -> str:
         raise MMBalanceConfigError(f"mm_balance.image_patch_cap must be a positive integer (patches), got {cap!r}")
     if not isinstance(getattr(mm, "image_overlap", True), bool):
         raise MMBalanceConfigError(f"mm_balance.image_overlap must be true or false, got {mm.image_overlap!r}")
+    pack_cost = getattr(mm, "image_pack_cost", PACK_COST_CHOICES[0])
+    if pack_cost not in PACK_COST_CHOICES:
+        raise MMBalanceConfigError(f"mm_balance.image_pack_cost must be one of {', '.join(PACK_COST_CHOICES)}, "
+                                   f"got {pack_cost!r}")
     rates = getattr(mm, "image_rates", "settings")
     if rates not in RATE_CHOICES:
         raise MMBalanceConfigError(f"mm_balance.image_rates must be one of {', '.join(RATE_CHOICES)}, got {rates!r}")
@@ -110,6 +116,24 @@ def checked_vision(mm, model_cfg) -> str:
     if refusal:
         raise MMBalanceConfigError(f"mm_balance.vision=images {refusal}")
     return vision
+
+
+def pack_cost_for(mm, model_cfg, default_cost):
+    """The pack placement's cost under ``mm_balance.vision=images`` with
+    ``image_pack_cost=heaviest-frame``: each pack's heaviest frame by the frame planner's own
+    per-frame cost (:func:`~.cp_split.frame_cost_for`,
+    :class:`~megatron_mm_balance.cost.pack.QwenVLHeaviestFrameCost`); else ``default_cost``
+    (``mm_balance.cost``'s)."""
+    if getattr(mm, "vision", "packs") != "images" or getattr(mm, "image_pack_cost", PACK_COST_CHOICES[0]) != \
+            "heaviest-frame":
+        return default_cost
+    from ..cost.pack import QwenVLHeaviestFrameCost
+    from ..solver.cp_split import tower_alpha
+    from .cp_split import frame_cost_for
+    from .timing import spatial_merge_size
+    vision = model_cfg.vision_config
+    alpha = tower_alpha(vision.hidden_size, vision.intermediate_size)
+    return QwenVLHeaviestFrameCost(spatial_merge_size(model_cfg), frame_cost_for(model_cfg), name=f"alpha={alpha}")
 
 
 def _refusal(mm, model_cfg) -> Optional[str]:

@@ -339,3 +339,34 @@ class QwenVLCost:
             return int(sum(self.features.encoder_tokens(pack)))
         f = self.features.pack_features(pack)
         return self.model.phase_costs(f) if self.phases else self.model.cost(f)
+
+
+class QwenVLHeaviestFrameCost:
+    """Callable ``micro-batch -> cost``: the cost of its heaviest frame, ``frame_cost(h*w)``
+    over every frame of its grids (a video's temporal patches apart); 0 for text only.
+
+    The pack cost of ``mm_balance.vision=images`` (``image_pack_cost=heaviest-frame``): the
+    frames of a micro-step are spread across the data-parallel group afterwards, so what a
+    micro-step's vision phase cannot go below is its mean or its heaviest frame, and only the
+    second depends on where the packs go. Placing packs on their heaviest frame puts the big
+    frames of a global batch into the same micro-steps, where they balance one another, and
+    leaves the frame exchange the rest (docs/bridge.md section 9)."""
+
+    components = 1
+
+    def __init__(self, spatial_merge_size: int, frame_cost, *, name: str = ""):
+        self.features = QwenVLGridFeatures(spatial_merge_size)
+        self.frame_cost = frame_cost
+        #: what ``frame_cost`` is (``alpha=...``), for the identity every rank shares
+        self.name = name
+
+    @property
+    def identity(self) -> str:
+        return f"megatron_mm_balance.qwen_vl_heaviest_frame(merge={self.features.merge}, {self.name})"
+
+    def __call__(self, pack) -> int:
+        frames = [h * w for t, h, w in self.grids_of(pack) for _ in range(int(t))]
+        return int(max((self.frame_cost(int(p)) for p in frames), default=0))
+
+    def grids_of(self, pack) -> list:
+        return self.features.grids(pack)

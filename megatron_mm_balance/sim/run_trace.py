@@ -251,6 +251,45 @@ def frame_ms_of(model) -> "callable":
     return lambda p: a * p * p + b * p + c
 
 
+def _heaviest_frame_ms(run: RunTrace, vision: np.ndarray, frame_ms) -> np.ndarray:
+    """``[I, D, G]``: each pack's heaviest frame, its share of the pack's measured vision by
+    ``frame_ms`` over its frames (the records' grids); a pack without grids is one frame."""
+    from ..solver.cp_split import frame_patches
+    I, D, G = run.shape
+    heaviest = vision.copy()
+    for i in range(I):
+        for d in range(D):
+            for g in range(G):
+                costs = [frame_ms(p) for p in frame_patches(run.records[i][d][g].get("grids") or [])]
+                if len(costs) > 1 and sum(costs) > 0:
+                    heaviest[i, d, g] = vision[i, d, g] * max(costs) / sum(costs)
+    return heaviest
+
+
+def heaviest_frame_costs(run: RunTrace, frame_ms) -> np.ndarray:
+    """``[I, D, G]`` integer microseconds: each pack's heaviest frame (measured vision shared
+    by ``frame_ms``), the costs ``mm_balance.vision=images`` places packs on by default."""
+    ph = measured_phases(run)
+    return np.rint(_heaviest_frame_ms(run, ph.vf + ph.vb, frame_ms) * 1000.0).astype(np.int64)
+
+
+def frames_objective_ms(run: RunTrace, frame_ms, order: np.ndarray | None = None) -> np.ndarray:
+    """Per iteration (ms): the least the objective of :func:`objective_ms` can be once the
+    frames of every micro-step are spread across the ranks (``mm_balance.vision=images``),
+    with the packs as laid out or placed by ``order``: each micro-step's vision at its mean
+    or its heaviest frame, whichever is more, plus its language maximum and the tail."""
+    ph = measured_phases(run)
+    D = run.shape[1]
+    tail = float(np.median(ph.tail_ms)) if len(ph.tail_ms) else 0.0
+    vision = ph.vf + ph.vb
+    heaviest = _heaviest_frame_ms(run, vision, frame_ms)
+    if order is not None:
+        vision, heaviest = _permute(vision, order), _permute(heaviest, order)
+    language = np.broadcast_to(ph.lm.mean(axis=(1, 2), keepdims=True), ph.lm.shape)
+    step_vision = np.maximum(vision.sum(axis=1) / D, heaviest.max(axis=1))
+    return step_vision.sum(axis=1) + language.max(axis=1).sum(axis=1) + tail
+
+
 def predicted_floors(run: RunTrace, frame_ms, *, sync: str = "microstep") -> dict:
     """Per iteration (ms), on the run's measured packs (:func:`measured_phases`, every
     micro-step at the iteration's mean language phase, as :func:`predicted_times` lays out a
@@ -260,21 +299,17 @@ def predicted_floors(run: RunTrace, frame_ms, *, sync: str = "microstep") -> dic
     ``frame_ms`` (``p -> ms``, :func:`frame_ms_of`) over its frames (the records' grids, a
     video's temporal patches apart); a pack without grids is one frame.
     ``packs_exact``: whether every iteration's packs floor is the exact optimum."""
-    from ..solver.cp_split import frame_patches
     from ..solver.floors import batch_floors
     ph = measured_phases(run)
     I, D, G = run.shape
     tail = float(np.median(ph.tail_ms)) if len(ph.tail_ms) else 0.0
     out = {"perfect_ms": np.empty(I), "floor_packs_ms": np.empty(I), "floor_frames_ms": np.empty(I),
            "packs_exact": True}
+    heaviest_all = _heaviest_frame_ms(run, ph.vf + ph.vb, frame_ms)
     for i in range(I):
         vision = (ph.vf[i] + ph.vb[i]).ravel()
         language = np.full(D * G, ph.lm[i].mean())
-        heaviest = vision.copy()
-        for k, rec in enumerate(r for per_rank in run.records[i] for r in per_rank):
-            costs = [frame_ms(p) for p in frame_patches(rec.get("grids") or [])]
-            if len(costs) > 1 and sum(costs) > 0:
-                heaviest[k] = vision[k] * max(costs) / sum(costs)
+        heaviest = heaviest_all[i].ravel()
         fl = batch_floors(vision, language, heaviest, D, sync=sync)
         out["perfect_ms"][i], out["floor_packs_ms"][i], out["floor_frames_ms"][i] = (
             fl.perfect + tail, fl.packs + tail, fl.frames + tail)

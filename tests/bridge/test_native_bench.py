@@ -246,6 +246,9 @@ def test_what_the_off_runs_packs_could_reach(tmp_path):
     eps = 1e-6
     assert o["unbalanced"] > o["image_tokens"] >= o["floor_packs"] - eps and o["flop_cost"] >= o["floor_packs"] - eps
     assert o["floor_packs"] >= o["floor_frames"] - eps and o["floor_frames"] >= o["perfect"] - eps
+    # frames spread after a placement: no worse than that placement's packs, never below the frames floor
+    assert o["floor_frames"] - eps <= o["frames_after_image_tokens"] <= o["image_tokens"] + eps
+    assert o["floor_frames"] - eps <= o["frames_after_heaviest_frame"] <= o["unbalanced"] + eps
     # the planner on the packs' own times: no costlier than either estimate, at the floor here
     assert o["measured"] <= min(o["image_tokens"], o["flop_cost"]) + eps
     assert o["measured"] == pytest.approx(o["floor_packs"], rel=1e-3)

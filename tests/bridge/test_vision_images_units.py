@@ -44,6 +44,8 @@ def test_defaults_keep_todays_behaviour():
     (dict(vision_tflops=float("inf")), {}, "mm_balance.vision_tflops must be a positive number"),
     (dict(image_rates="fast"), {}, "mm_balance.image_rates must be one of settings, measured, got 'fast'"),
     (dict(image_overlap="yes"), {}, "mm_balance.image_overlap must be true or false, got 'yes'"),
+    (dict(image_pack_cost="tokens"), {},
+     "mm_balance.image_pack_cost must be one of heaviest-frame, cost, got 'tokens'"),
     (dict(vision="images", enabled=False), {}, "vision=images needs mm_balance.enabled=true"),
     (dict(vision="images", mode="shadow"), {}, "mm_balance.mode=shadow moves nothing"),
     (dict(vision="images", mode="control"), {}, "mm_balance.mode=control moves nothing"),
@@ -121,3 +123,28 @@ def test_report_one_line_per_interval_from_the_reporting_rank(capsys):
     assert "micro_steps: 4 | frames: 12 | patches: 32 | frames_moved: 4" in lines[0]
     assert "micro_steps: 3 | frames: 3 |" in lines[1]      # iterations 3 (two empty micro-steps) and 4
     assert ("mm-balance-vision/frames_moved", 4.0, 2) in tb.scalars and not quiet.lines
+
+
+def test_images_mode_places_packs_on_their_heaviest_frame():
+    """``vision=images`` (``image_pack_cost=heaviest-frame``, the default) places packs on their
+    heaviest frame by the frame planner's cost ``p * (p + 2*hidden + ffn)``; ``cost`` and
+    ``vision=packs`` keep ``mm_balance.cost``'s."""
+    from megatron_mm_balance.bridge.vision import pack_cost_for
+    from megatron_mm_balance.cost.pack import QwenVLCost
+    model = _cfg().model
+    default = QwenVLCost(2)
+    assert pack_cost_for(MMBalanceBridgeConfig(enabled=True), model, default) is default
+    assert pack_cost_for(MMBalanceBridgeConfig(enabled=True, vision="images", image_pack_cost="cost"),
+                         model, default) is default
+    cost = pack_cost_for(MMBalanceBridgeConfig(enabled=True, vision="images"), model, default)
+    alpha = 2 * 64 + 128
+    assert cost.components == 1 and "alpha=256" in cost.identity
+    # one 32 x 32 image and a video of three 16 x 16 frames: the image's frame is the heaviest
+    pack = {"image_grid_thw": torch.tensor([[1, 32, 32]]), "video_grid_thw": torch.tensor([[3, 16, 16]])}
+    assert cost(pack) == 1024 * (1024 + alpha)
+    # a video's frames apart: three frames of 256 patches, not one of 768
+    assert cost({"video_grid_thw": [[3, 16, 16]]}) == 256 * (256 + alpha)
+    assert cost({"input_ids": torch.zeros(1, 8)}) == 0                      # text only
+    # many small frames weigh less than one large one of the same patch count (the patch count ties)
+    assert cost({"image_grid_thw": [[1, 8, 8]] * 16}) < cost({"image_grid_thw": [[1, 32, 32]]})
+    assert default({"image_grid_thw": [[1, 8, 8]] * 16}) == default({"image_grid_thw": [[1, 32, 32]]})

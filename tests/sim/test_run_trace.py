@@ -242,3 +242,21 @@ def test_the_placement_objective_as_laid_out_and_on_measured_costs(tmp_path):
     costs = measured_costs(run)
     assert costs.shape == (3, 2, 2, 2) and costs[0, 0, 0, 0] == 900_000 and costs[0, 1, 1, 1] == 150_000
     np.testing.assert_allclose(objective_ms(run, placement_order(run, costs=costs)), 1520.0 + 7900.0)
+
+
+def test_what_the_frame_exchange_can_reach_after_a_placement(tmp_path):
+    """Each micro-step's vision at its mean or its heaviest frame, whichever is more. Two equal
+    frames per heavy pack: as laid out, means 600 and 610 are above every frame, 1510 (perfect).
+    One frame per heavy pack: as laid out 900 + 910; placed on the heaviest frame the two heavy
+    packs share a micro-step, max(905, 910) + max(305, 310) = 1220; plus the language phases
+    (2 x 150) and the tail."""
+    from megatron_mm_balance.sim.run_trace import frames_objective_ms, heaviest_frame_costs, placement_order
+    linear = lambda p: float(p)  # noqa: E731
+    split = _with_grids(load_run(str(two_by_two(tmp_path / "a")), skip_iterations=0), [[1, 16, 16], [1, 16, 16]])
+    np.testing.assert_allclose(frames_objective_ms(split, linear), 1510.0 + 7900.0)
+    whole = _with_grids(load_run(str(two_by_two(tmp_path / "b")), skip_iterations=0), [[1, 16, 32]])
+    np.testing.assert_allclose(frames_objective_ms(whole, linear), 1810.0 + 300.0 + 7900.0)
+    costs = heaviest_frame_costs(whole, linear)
+    assert costs.shape == (3, 2, 2) and costs[0, 0, 0] == 900_000 and costs[0, 0, 1] == 310_000
+    order = placement_order(whole, costs=costs)
+    np.testing.assert_allclose(frames_objective_ms(whole, linear, order), 1220.0 + 300.0 + 7900.0)

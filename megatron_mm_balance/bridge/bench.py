@@ -15,6 +15,8 @@ ranks every micro-step, the transfers overlapped with the tower; refused in one 
 ``MMBalanceBridgeConfig`` has no ``vision`` field), ``images-sync`` (``images`` with each
 exchange completed before the tower: ``mm_balance.image_overlap=false``), ``images-measured``
 (``images`` charging moves at the rates the run measures: ``mm_balance.image_rates=measured``),
+``images-by-cost`` (``images`` with the packs placed on ``mm_balance.cost`` first instead of
+their heaviest frame: ``mm_balance.image_pack_cost=cost``),
 ``untimed`` (``off`` without the timing hooks).
 """
 from __future__ import annotations
@@ -35,7 +37,8 @@ CONFIG = REPO / "configs" / "bridge" / "qwen3_vl_moe_native_res_cpu.sh"
 MODES = ("off", "packs", "model")
 #: the image-level modes: their overrides beyond ``mm_balance.vision=images``
 IMAGE_MODES = {"images": [], "images-sync": ["mm_balance.image_overlap=false"],
-               "images-measured": ["mm_balance.image_rates=measured"]}
+               "images-measured": ["mm_balance.image_rates=measured"],
+               "images-by-cost": ["mm_balance.image_pack_cost=cost"]}
 #: ``mm_balance.cost`` values the ``packs`` and ``images`` modes take (``--cost``)
 COSTS = ("image-tokens", "model")
 

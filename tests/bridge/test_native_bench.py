@@ -140,6 +140,7 @@ def test_bridge_modes_and_refusals(monkeypatch):
     assert fw.mode_args("images-sync") == (
         "1", ["mm_balance.vision=images", "mm_balance.cost=image-tokens", "mm_balance.image_overlap=false"])
     assert fw.mode_args("images-measured")[1][-1] == "mm_balance.image_rates=measured"
+    assert fw.mode_args("images-by-cost")[1][-1] == "mm_balance.image_pack_cost=cost"
     assert {"images-sync", "images-measured"} <= set(fw.all_modes())
     with pytest.raises(realpath.BenchError, match="--cost must be one of"):
         bridge_bench.BridgeFramework(cost="tiles").check()

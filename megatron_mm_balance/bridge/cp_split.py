@@ -37,15 +37,20 @@ SPLIT_NAME = "qwen3vl_cp_split"
 CHOICES = ("cost", "count")
 
 
-def frame_cost_for(model_cfg):
-    """The per-frame cost ``p -> p * (p + 2*hidden + ffn)`` of the model's vision tower."""
+def frame_alpha_for(model_cfg) -> int:
+    """``alpha = 2*hidden + ffn`` of the model's vision tower (:func:`frame_cost_for`)."""
     vision = getattr(model_cfg, "vision_config", None)
     hidden = getattr(vision, "hidden_size", None)
     ffn = getattr(vision, "intermediate_size", None)
     if hidden is None or ffn is None:
         raise ValueError("mm_balance.cp_split=cost needs model.vision_config.hidden_size and "
                          "intermediate_size (the vision tower's sizes)")
-    return default_frame_cost(tower_alpha(hidden, ffn))
+    return tower_alpha(hidden, ffn)
+
+
+def frame_cost_for(model_cfg):
+    """The per-frame cost ``p -> p * (p + 2*hidden + ffn)`` of the model's vision tower."""
+    return default_frame_cost(frame_alpha_for(model_cfg))
 
 
 def cost_split_qwen3vl(bridge_split, frame_cost):

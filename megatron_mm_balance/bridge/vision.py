@@ -128,12 +128,10 @@ def pack_cost_for(mm, model_cfg, default_cost):
             "heaviest-frame":
         return default_cost
     from ..cost.pack import QwenVLHeaviestFrameCost
-    from ..solver.cp_split import tower_alpha
-    from .cp_split import frame_cost_for
+    from .cp_split import frame_alpha_for, frame_cost_for
     from .timing import spatial_merge_size
-    vision = model_cfg.vision_config
-    alpha = tower_alpha(vision.hidden_size, vision.intermediate_size)
-    return QwenVLHeaviestFrameCost(spatial_merge_size(model_cfg), frame_cost_for(model_cfg), name=f"alpha={alpha}")
+    return QwenVLHeaviestFrameCost(spatial_merge_size(model_cfg), frame_cost_for(model_cfg),
+                                   name=f"alpha={frame_alpha_for(model_cfg)}")
 
 
 def _refusal(mm, model_cfg) -> Optional[str]:

@@ -365,8 +365,5 @@ class QwenVLHeaviestFrameCost:
         return f"megatron_mm_balance.qwen_vl_heaviest_frame(merge={self.features.merge}, {self.name})"
 
     def __call__(self, pack) -> int:
-        frames = [h * w for t, h, w in self.grids_of(pack) for _ in range(int(t))]
-        return int(max((self.frame_cost(int(p)) for p in frames), default=0))
-
-    def grids_of(self, pack) -> list:
-        return self.features.grids(pack)
+        from .frames import grid_frames
+        return int(max((self.frame_cost(p) for p in grid_frames(self.features.grids(pack))), default=0))

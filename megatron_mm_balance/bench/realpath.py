@@ -174,8 +174,14 @@ class MegatronLMFramework:
     #: the bench's options left unset take these
     bench_defaults: ClassVar[dict] = DEFAULTS
 
+    #: the ranks' host side as the harness runs it (``--host``: only ``shared`` here)
+    host: ClassVar[str] = "shared"
+
     @classmethod
     def from_args(cls, a) -> "MegatronLMFramework":
+        if getattr(a, "host", None) not in (None, cls.host):
+            raise BenchError(f"--host {a.host}: the Megatron-LM bench runs its host side as 'shared' only "
+                             f"(--host gpu-node is a --bridge setting)")
         return cls(megatron_lm=a.megatron_lm or os.environ.get("MEGATRON_LM_DIR"),
                    calibration_iters=a.calibration_iters)
 
@@ -709,7 +715,7 @@ def run_bench(a) -> dict:
     print(f"bench-realpath ({fw.name}): {a.rounds} rounds x {', '.join(modes)}, {train_iters} iterations per run "
           f"(first {a.warmup} dropped), config {a.config}"
           + (f"; hold-out round on seed {a.holdout_seed}: off, {balanced[0]}" if a.holdout_seed is not None
-             and balanced else "") + f"; {_uptime()}", flush=True)
+             and balanced else "") + f"; host {fw.host}; {_uptime()}", flush=True)
     t0 = time.monotonic()
     run = dict(out=out, train_iters=train_iters, env_overrides=overrides, timeout=a.timeout, python=a.python,
                config=Path(a.config), framework=fw)
@@ -750,7 +756,7 @@ def report_of(results, a, modes, fw, holdout=(), **meta) -> dict:
                                   for r in holdout]
     rep["meta"] = {"framework": fw.name, "rounds": a.rounds, "modes": modes, "warmup": a.warmup,
                    "calibration_iters": a.calibration_iters, "config": str(a.config), "seed": a.seed,
-                   "samples": a.samples, **meta, "load_after": _uptime()}
+                   "samples": a.samples, "host": fw.host, **meta, "load_after": _uptime()}
     return rep
 
 
@@ -779,7 +785,20 @@ def reanalyze(a) -> dict:
     order = [m for m in fw.all_modes() if any(r.mode == m for r in results)]
     results.sort(key=lambda r: (order.index(r.mode), r.round))
     holdout.sort(key=lambda r: r.mode != "off")
-    return report_of(results, a, order, fw, holdout=holdout, reanalyzed=True, runs=len(results))
+    return report_of(results, a, order, fw, holdout=holdout, reanalyzed=True, runs=len(results),
+                     host=host_of_logs(out))
+
+
+#: the line the CPU harness prints when it drew the batches before the first iteration
+PREDRAWN_RE = re.compile(r"drew \d+ micro-batches before the first iteration")
+
+
+def host_of_logs(out: Path) -> str:
+    """``gpu-node`` when the runs under ``out`` drew their batches first (the harness's line
+    in ``train.log``), else ``shared``: what ``--reanalyze`` reports, whatever ``--host`` says."""
+    logs = sorted(out.glob("round*-*/train.log"))
+    drawn = [bool(PREDRAWN_RE.search(p.read_text(errors="replace"))) for p in logs]
+    return "gpu-node" if drawn and all(drawn) else "shared"
 
 
 def _uptime() -> str:
@@ -820,6 +839,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--holdout-seed", type=int, default=None, metavar="SEED",
                    help="also run off and the first balanced mode on a data set of this seed, and predict "
                         "their iteration times with the timing model fitted on the main off runs")
+    p.add_argument("--host", default=None, choices=("gpu-node", "shared"),
+                   help="--bridge: the ranks' host side; gpu-node (default): the batches drawn before the "
+                        "first iteration and the allocator keeping what it frees, as on a GPU node; shared: "
+                        "data workers and ranks on the same cores, glibc's defaults (docs/real_speed.md)")
     p.add_argument("--set", action="append", metavar="VAR=VALUE",
                    help="launcher/config environment override, e.g. GBS=8 (repeatable)")
     p.add_argument("--timeout", type=float, default=DEFAULTS["timeout"], help="seconds per run")

@@ -18,6 +18,10 @@ exchange completed before the tower: ``mm_balance.image_overlap=false``), ``imag
 ``images-by-cost`` (``images`` with the packs placed on ``mm_balance.cost`` first instead of
 their heaviest frame: ``mm_balance.image_pack_cost=cost``),
 ``untimed`` (``off`` without the timing hooks).
+
+``--host`` (:data:`HOST_ENV`): ``gpu-node`` by default, the ranks' host side as on a GPU node
+(the batches drawn before the first iteration, the allocator keeping what it frees);
+``shared``, the CPU harness as it runs by default.
 """
 from __future__ import annotations
 
@@ -41,6 +45,20 @@ IMAGE_MODES = {"images": [], "images-sync": ["mm_balance.image_overlap=false"],
                "images-by-cost": ["mm_balance.image_pack_cost=cost"]}
 #: ``mm_balance.cost`` values the ``packs`` and ``images`` modes take (``--cost``)
 COSTS = ("image-tokens", "model")
+#: What ``--host`` sets in the ranks' environment. ``gpu-node`` (the default) runs the host
+#: side as a GPU node does, where it is not on the training loop's cores: the train loader's
+#: micro-batches drawn before the first iteration (``testing/cpu_bridge.py``: on 2 cores the
+#: data workers otherwise take the cores the ranks compute on, more of them the less the
+#: ranks wait for each other), and glibc's allocator keeping the memory it frees (no mmap
+#: per large tensor, no trimming), as CUDA's caching allocator keeps its blocks: without it
+#: every large activation is mapped, faulted in page by page and unmapped again, which on
+#: this job cost about a third of each iteration. ``shared``: the harness as it runs by
+#: default (data workers and ranks share the cores; glibc's defaults).
+HOST_ENV = {
+    "gpu-node": {"MM_BALANCE_CPU_PREDRAW": "all", "MALLOC_MMAP_MAX_": "0",
+                 "MALLOC_TRIM_THRESHOLD_": str(1 << 40)},
+    "shared": {},
+}
 
 
 def bridge_images_available() -> bool:
@@ -56,6 +74,7 @@ class BridgeFramework:
     bridge: Optional[str] = None            # MEGATRON_BRIDGE_DIR (default: the Bridge PYTHON imports)
     megatron_lm: Optional[str] = None       # MEGATRON_LM_DIR (default: the one Bridge pins)
     cost: str = COSTS[0]
+    host: str = "gpu-node"
     name: ClassVar[str] = "bridge"
     launcher: ClassVar[Path] = LAUNCHER
     config: ClassVar[Path] = CONFIG
@@ -73,7 +92,8 @@ class BridgeFramework:
     @classmethod
     def from_args(cls, a) -> "BridgeFramework":
         return cls(bridge=a.bridge or os.environ.get("MEGATRON_BRIDGE_DIR") or None,
-                   megatron_lm=a.megatron_lm or None, cost=a.cost)
+                   megatron_lm=a.megatron_lm or None, cost=a.cost,
+                   host=getattr(a, "host", None) or cls.host)
 
     @staticmethod
     def python() -> str:
@@ -91,13 +111,16 @@ class BridgeFramework:
     def check(self) -> None:
         if self.cost not in COSTS:
             raise BenchError(f"--cost must be one of {', '.join(COSTS)}, got {self.cost!r}")
+        if self.host not in HOST_ENV:
+            raise BenchError(f"--host must be one of {', '.join(HOST_ENV)}, got {self.host!r}")
         for flag, d in (("--bridge", self.bridge), ("--megatron-lm", self.megatron_lm)):
             if d and not Path(d).is_dir():
                 raise BenchError(f"{flag} {d}: no such directory")
 
     def environment(self) -> dict:
-        """The launcher's tree variables, as absolute paths (the launcher runs elsewhere)."""
-        env = {}
+        """The launcher's tree variables, as absolute paths (the launcher runs elsewhere), and
+        the host side's settings of ``--host`` (:data:`HOST_ENV`)."""
+        env = dict(HOST_ENV[self.host])
         if self.bridge:
             env["MEGATRON_BRIDGE_DIR"] = os.path.abspath(self.bridge)
         if self.megatron_lm:

@@ -90,6 +90,13 @@ Each stand-in added here, with the CUDA-only (or GPU-stack-only) assumption it r
   kept that rank's gloo connections open, and its peers waited on them instead of
   failing), and the manager exits when the rank does, even a killed one (a spawned one
   outlived a killed rank, holding the launcher's output open).
+* **the data workers' cores** (only with ``MM_BALANCE_CPU_PREDRAW``, a benchmark setting:
+  ``mm-balance bench-realpath --bridge --host gpu-node``): on a GPU node the loader's
+  workers decode and process images on host cores the training loop does not need; on 2
+  cores they take the ranks' cores, and more of them the less the ranks wait for each
+  other. With it, each rank's train loader gives up the job's micro-batches at setup
+  (``PredrawnBatches``: the same batches in the same order), so the measured iterations
+  carry no data work under any mode. The loader's checkpoint state is not carried through.
 * **other fused kernels Bridge's providers ask for by default on GPU** (Qwen3-VL rope
   fusion, ``persist_layer_norm``, bias-activation / bias-dropout fusion,
   ``moe_permute_fusion``, grouped GEMM) are switched off by the config
@@ -393,6 +400,83 @@ def install_gloo_uneven_all_gather() -> None:
     dist.all_gather = all_gather
 
 
+#: ``MM_BALANCE_CPU_PREDRAW=all`` (or a micro-batch count): the benchmark's setting that
+#: moves the data loader's work before the clock starts (:func:`_predrawn_train_batches`).
+PREDRAW_ENV = "MM_BALANCE_CPU_PREDRAW"
+
+
+class PredrawnBatches:
+    """The first ``count`` items of ``iterable``, drawn at once, then the rest as they come.
+
+    Same items, same order: only *when* the loader does its work changes."""
+
+    def __init__(self, iterable, count: int):
+        self._inner = iter(iterable)
+        self._ready = []
+        for _ in range(count):
+            try:
+                self._ready.append(next(self._inner))
+            except StopIteration:
+                break
+        self._ready.reverse()
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return self._ready.pop() if self._ready else next(self._inner)
+
+
+def predraw_count(value: str, cfg, dp_size: int) -> int:
+    """Micro-batches to draw: ``all`` is the job's whole run on this rank
+    (``train_iters x global_batch_size / (micro_batch_size x dp_size)``), else a count."""
+    if value.strip().lower() == "all":
+        per_iteration = cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp_size)
+        return cfg.train.train_iters * per_iteration
+    try:
+        count = int(value)
+    except ValueError:
+        raise ValueError(f"{PREDRAW_ENV} must be 'all' or a micro-batch count (got {value!r})") from None
+    if count < 0:
+        raise ValueError(f"{PREDRAW_ENV} must not be negative (got {count})")
+    return count
+
+
+def _predrawn_train_batches() -> None:
+    """With ``MM_BALANCE_CPU_PREDRAW`` set, the train loader's micro-batches are drawn at
+    setup, before the first iteration.
+
+    On a GPU node the data workers run on host cores the training loop does not use; on a
+    2-core machine they take the cores the ranks compute on, and take more of them the less
+    the ranks wait for each other, so an unbalanced run gets its data almost for free and a
+    balanced one pays for it in compute. Drawing the batches first (the same batches, in the
+    same order, under every mode) takes that out of the measured iterations. Off by default;
+    ``mm-balance bench-realpath --bridge --predraw`` sets it. The loader's checkpoint state
+    (energon's ``save_state``) is not carried through, so a run with it saves no resumable
+    data position: a benchmark setting, not a training one."""
+    value = os.environ.get(PREDRAW_ENV, "").strip()
+    if not value or value == "0":
+        return
+    import torch
+    from megatron.bridge.training import setup as bsetup
+    from megatron.core.rerun_state_machine import RerunDataIterator
+    original = bsetup.setup_data_iterators
+
+    def setup_data_iterators(cfg, *a, **k):
+        train, valid, test = original(cfg, *a, **k)
+        count = predraw_count(value, cfg, torch.distributed.get_world_size(k.get("dp_group")))
+        chunks = train if isinstance(train, list) else [train]
+        for it in chunks:
+            if isinstance(it, RerunDataIterator):
+                it.iterable = PredrawnBatches(it.iterable, count)
+        if torch.distributed.get_rank() == 0:
+            print(f"mm-balance CPU harness: drew {count} micro-batches before the first iteration "
+                  f"({PREDRAW_ENV}={value})", flush=True)
+        return train, valid, test
+
+    bsetup.setup_data_iterators = setup_data_iterators
+
+
 def install() -> None:
     """Install every stand-in listed in the module docstring (idempotent)."""
     global _DONE
@@ -414,6 +498,7 @@ def install() -> None:
     _torch_adam_load_template()
     _wgrad_accumulation()
     install_gloo_uneven_all_gather()
+    _predrawn_train_batches()
     _DONE = True
 
 

@@ -532,3 +532,30 @@ def test_a_telemetry_figure_is_read_by_its_leading_number():
     assert run.stat("prefetched") == {4: 0.0, 5: 1.0}
     assert run.stat("packs_moved") == {4: 4.0, 5: 2.5}
     assert run.losses == {5: 6.305675}
+
+
+def test_predrawn_batches_are_the_loaders_own_in_order():
+    """The benchmark's predraw (MM_BALANCE_CPU_PREDRAW): the first N items are drawn when the
+    wrapper is made, then the same items come out in the same order, and the rest follow from
+    the loader as they are asked for; ``all`` is the job's micro-batches on one rank."""
+    from megatron_mm_balance.testing.cpu_bridge import PredrawnBatches, predraw_count
+    drawn = []
+
+    def loader():
+        for i in range(7):
+            drawn.append(i)
+            yield {"i": i}
+
+    it = PredrawnBatches(loader(), 4)
+    assert drawn == [0, 1, 2, 3]                                   # drawn up front
+    assert [next(it)["i"] for _ in range(5)] == [0, 1, 2, 3, 4] and drawn == [0, 1, 2, 3, 4]
+    assert [b["i"] for b in it] == [5, 6]
+    short = PredrawnBatches(iter(range(2)), 5)                      # a loader shorter than the count
+    assert list(short) == [0, 1]
+    cfg = types.SimpleNamespace(train=types.SimpleNamespace(train_iters=10, global_batch_size=16,
+                                                            micro_batch_size=1))
+    assert predraw_count("all", cfg, dp_size=2) == 80 and predraw_count(" ALL ", cfg, 4) == 40
+    assert predraw_count("12", cfg, 2) == 12
+    for bad, match in (("some", "must be 'all' or a micro-batch count"), ("-3", "must not be negative")):
+        with pytest.raises(ValueError, match=match):
+            predraw_count(bad, cfg, 2)

@@ -221,10 +221,38 @@ def test_the_launcher_gets_absolute_tree_paths(tmp_path, monkeypatch):
     from megatron_mm_balance.bench.realpath import MegatronLMFramework
     from megatron_mm_balance.bridge.bench import BridgeFramework
     monkeypatch.chdir(tmp_path)
-    env = BridgeFramework(bridge="b", megatron_lm="m").environment()
+    env = BridgeFramework(bridge="b", megatron_lm="m", host="shared").environment()
     assert env == {"MEGATRON_BRIDGE_DIR": os.path.join(str(tmp_path), "b"),
                    "MEGATRON_LM_DIR": os.path.join(str(tmp_path), "m")}
     assert MegatronLMFramework(megatron_lm="m").environment() == {"MEGATRON_LM_DIR": os.path.join(str(tmp_path), "m")}
+
+
+def test_host_settings_reach_the_ranks_and_the_report(tmp_path):
+    """--host gpu-node (the Bridge default) hands the ranks the harness's predraw and glibc's
+    keep-what-you-free settings; shared hands them nothing; the Megatron-LM bench refuses
+    gpu-node; --reanalyze reads the host from the runs' logs, not from the flag."""
+    import argparse
+    fw = bridge_bench.BridgeFramework.from_args(argparse.Namespace(bridge=None, megatron_lm=None, cost="model",
+                                                                   host=None))
+    assert fw.host == "gpu-node"
+    env = fw.environment()
+    assert env["MM_BALANCE_CPU_PREDRAW"] == "all" and env["MALLOC_MMAP_MAX_"] == "0"
+    assert int(env["MALLOC_TRIM_THRESHOLD_"]) >= 1 << 40
+    shared = bridge_bench.BridgeFramework(host="shared").environment()
+    assert not {"MM_BALANCE_CPU_PREDRAW", "MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_"} & set(shared)
+    with pytest.raises(realpath.BenchError, match="--host must be one of"):
+        bridge_bench.BridgeFramework(host="laptop").check()
+    with pytest.raises(realpath.BenchError, match="--host gpu-node: the Megatron-LM bench"):
+        realpath.MegatronLMFramework.from_args(argparse.Namespace(megatron_lm="m", calibration_iters=3,
+                                                                  host="gpu-node"))
+    for name, line in (("round1-off", "mm-balance CPU harness: drew 80 micro-batches before the first "
+                        "iteration (MM_BALANCE_CPU_PREDRAW=all)\n"), ("round1-packs", "iteration 1/ 10 |\n")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "train.log").write_text(line)
+    assert realpath.host_of_logs(tmp_path) == "shared"                  # one run without it
+    (tmp_path / "round1-packs" / "train.log").write_text("drew 80 micro-batches before the first iteration")
+    assert realpath.host_of_logs(tmp_path) == "gpu-node"
+    assert realpath.host_of_logs(tmp_path / "nothing") == "shared"
 
 
 def test_what_the_off_runs_packs_could_reach(tmp_path):

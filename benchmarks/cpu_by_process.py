@@ -31,18 +31,18 @@ def read_stat(pid: int):
     return int(rest[1]), comm, int(rest[11]) / TICK, int(rest[12]) / TICK, int(rest[7])
 
 
-def descendants(root: int) -> List[int]:
-    """Every live process under ``root`` (itself included)."""
+def descendants(root: int) -> Dict[int, tuple]:
+    """Every live process under ``root`` (itself included): its :func:`read_stat`, by pid."""
+    stats = {int(name): read_stat(int(name)) for name in os.listdir("/proc") if name.isdigit()}
     children: Dict[int, List[int]] = {}
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            st = read_stat(int(name))
-            if st:
-                children.setdefault(st[0], []).append(int(name))
-    out, todo = [], [root]
+    for pid, st in stats.items():
+        if st:
+            children.setdefault(st[0], []).append(pid)
+    out, todo = {}, [root]
     while todo:
         pid = todo.pop()
-        out.append(pid)
+        if stats.get(pid):
+            out[pid] = stats[pid]
         todo.extend(children.get(pid, []))
     return out
 
@@ -57,30 +57,32 @@ def role(comm: str, cmdline: str) -> str:
     return "other"
 
 
+def cmdline_of(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline") as f:
+            return f.read().replace("\0", " ")
+    except OSError:
+        return ""
+
+
 def main(argv: List[str]) -> int:
     if "--" not in argv or argv.index("--") == len(argv) - 1:
         print("usage: python benchmarks/cpu_by_process.py -- COMMAND [ARGS...]", file=sys.stderr)
         return 2
     cmd = argv[argv.index("--") + 1:]
     proc = subprocess.Popen(cmd)
-    last: Dict[int, tuple] = {}
+    first: Dict[int, tuple] = {}        # pid: (role, first seen s)
+    last: Dict[int, tuple] = {}         # pid: (last seen s, user s, kernel s, minor faults)
     start = time.monotonic()
     while proc.poll() is None:
-        for pid in descendants(proc.pid):
-            st = read_stat(pid)
-            if st is None:
-                continue
-            if pid not in last:
-                try:
-                    with open(f"/proc/{pid}/cmdline") as f:
-                        cmdline = f.read().replace("\0", " ")
-                except OSError:
-                    cmdline = ""
-                last[pid] = (role(st[1], cmdline), time.monotonic() - start, 0.0, *st[2:])
-            last[pid] = (last[pid][0], last[pid][1], time.monotonic() - start, *st[2:])
+        now = time.monotonic() - start
+        for pid, st in descendants(proc.pid).items():
+            if pid not in first:
+                first[pid] = (role(st[1], cmdline_of(pid)), now)
+            last[pid] = (now, *st[2:])
         time.sleep(1.0)
-    rows = sorted(((r, pid, t0, t1, u, s, mf) for pid, (r, t0, t1, u, s, mf) in last.items() if u + s > 0.05),
-                  key=lambda x: (x[2], x[1]))
+    rows = sorted(((first[pid][0], pid, first[pid][1], *last[pid]) for pid in last
+                   if last[pid][1] + last[pid][2] > 0.05), key=lambda x: (x[2], x[1]))
     print(f"\n{'role':<14} {'pid':>7} {'seen s':>13} {'CPU s':>7} {'kernel s':>9} {'minor faults':>13} "
           f"{'CPU share while seen':>21}")
     for r, pid, t0, t1, u, s, mf in rows:

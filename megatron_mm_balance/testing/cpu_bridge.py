@@ -451,7 +451,7 @@ def _predrawn_train_batches() -> None:
     the ranks wait for each other, so an unbalanced run gets its data almost for free and a
     balanced one pays for it in compute. Drawing the batches first (the same batches, in the
     same order, under every mode) takes that out of the measured iterations. Off by default;
-    ``mm-balance bench-realpath --bridge --predraw`` sets it. The loader's checkpoint state
+    ``mm-balance bench-realpath --bridge --host gpu-node`` (the default) sets it. The loader's checkpoint state
     (energon's ``save_state``) is not carried through, so a run with it saves no resumable
     data position: a benchmark setting, not a training one."""
     value = os.environ.get(PREDRAW_ENV, "").strip()
@@ -464,7 +464,8 @@ def _predrawn_train_batches() -> None:
 
     def setup_data_iterators(cfg, *a, **k):
         train, valid, test = original(cfg, *a, **k)
-        count = predraw_count(value, cfg, torch.distributed.get_world_size(k.get("dp_group")))
+        dp_group = k["dp_group"] if "dp_group" in k else a[3]    # (train_state, model_length, provider, dp_group)
+        count = predraw_count(value, cfg, torch.distributed.get_world_size(dp_group))
         chunks = train if isinstance(train, list) else [train]
         for it in chunks:
             if isinstance(it, RerunDataIterator):

@@ -1,11 +1,13 @@
 """Where a command's CPU goes, by process: run it, read every descendant's ``/proc/PID/stat``
-once a second, and print each process's CPU seconds (user + kernel), kernel seconds and minor
-page faults over its life, grouped by role (training rank, data worker, launcher, other).
+once a second, and print each process's CPU seconds (user + kernel), kernel seconds, minor
+page faults and peak resident memory over its life, grouped by role (training rank, data
+worker, launcher, other).
 
     python benchmarks/cpu_by_process.py -- mm-balance bench-realpath --bridge ... --modes off,images --rounds 1
 
 What it answers on a 2-core machine: how much of the cores the data workers take while the
-ranks train, and how much of a rank's time is the kernel's (page faults of large allocations).
+ranks train, how much of a rank's time is the kernel's (page faults of large allocations), and
+how much memory a rank touches at its peak (what ``--host gpu-node``'s heap must hold).
 Linux only; a process that lives less than a second may be missed.
 """
 from __future__ import annotations
@@ -29,6 +31,18 @@ def read_stat(pid: int):
     comm = text[text.index("(") + 1:text.rindex(")")]
     rest = text[text.rindex(")") + 2:].split()
     return int(rest[1]), comm, int(rest[11]) / TICK, int(rest[12]) / TICK, int(rest[7])
+
+
+def peak_rss_mb(pid: int) -> float:
+    """The process's peak resident memory so far (``VmHWM``, MiB), 0.0 when unreadable."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
+    return 0.0
 
 
 def descendants(root: int) -> Dict[int, tuple]:
@@ -72,24 +86,25 @@ def main(argv: List[str]) -> int:
     cmd = argv[argv.index("--") + 1:]
     proc = subprocess.Popen(cmd)
     first: Dict[int, tuple] = {}        # pid: (role, first seen s)
-    last: Dict[int, tuple] = {}         # pid: (last seen s, user s, kernel s, minor faults)
+    last: Dict[int, tuple] = {}         # pid: (last seen s, user s, kernel s, minor faults, peak MiB)
     start = time.monotonic()
     while proc.poll() is None:
         now = time.monotonic() - start
         for pid, st in descendants(proc.pid).items():
             if pid not in first:
                 first[pid] = (role(st[1], cmdline_of(pid)), now)
-            last[pid] = (now, *st[2:])
+            last[pid] = (now, *st[2:], max(peak_rss_mb(pid), last.get(pid, (0,) * 5)[4]))
         time.sleep(1.0)
     rows = sorted(((first[pid][0], pid, first[pid][1], *last[pid]) for pid in last
                    if last[pid][1] + last[pid][2] > 0.05), key=lambda x: (x[2], x[1]))
     print(f"\n{'role':<14} {'pid':>7} {'seen s':>13} {'CPU s':>7} {'kernel s':>9} {'minor faults':>13} "
-          f"{'CPU share while seen':>21}")
-    for r, pid, t0, t1, u, s, mf in rows:
+          f"{'CPU share while seen':>21} {'peak RSS MiB':>13}")
+    for r, pid, t0, t1, u, s, mf, peak in rows:
         share = (u + s) / max(t1 - t0, 1e-9)
-        print(f"{r:<14} {pid:>7} {t0:6.0f}-{t1:<6.0f} {u + s:7.1f} {s:9.1f} {mf:13,d} {share:21.2f}")
+        print(f"{r:<14} {pid:>7} {t0:6.0f}-{t1:<6.0f} {u + s:7.1f} {s:9.1f} {mf:13,d} {share:21.2f} "
+              f"{peak:13,.0f}")
     totals: Dict[str, List[float]] = {}
-    for r, _, _, _, u, s, mf in rows:
+    for r, _, _, _, u, s, mf, _ in rows:
         t = totals.setdefault(r, [0.0, 0.0, 0])
         t[0] += u + s
         t[1] += s

@@ -20,7 +20,8 @@ their heaviest frame: ``mm_balance.image_pack_cost=cost``),
 ``untimed`` (``off`` without the timing hooks).
 
 ``--host`` (:data:`HOST_ENV`): ``gpu-node`` by default, the ranks' host side as on a GPU node
-(the batches drawn before the first iteration, the allocator keeping what it frees);
+(the batches drawn before the first iteration, the allocator keeping what it frees, its pool
+faulted in at setup);
 ``shared``, the CPU harness as it runs by default.
 """
 from __future__ import annotations
@@ -52,11 +53,14 @@ COSTS = ("image-tokens", "model")
 #: ranks wait for each other), and glibc's allocator keeping the memory it frees (no mmap
 #: per large tensor, no trimming), as CUDA's caching allocator keeps its blocks: without it
 #: every large activation is mapped, faulted in page by page and unmapped again, which on
-#: this job cost about a third of each iteration. ``shared``: the harness as it runs by
-#: default (data workers and ranks share the cores; glibc's defaults).
+#: this job cost about a third of each iteration; and that allocator's pool warm from the
+#: start (3 GiB of each rank's heap faulted in at setup, above the job's peak): without it a
+#: rank that meets a larger frame than any before stalls for hundreds of milliseconds while
+#: its heap grows. ``shared``: the harness as it runs by default (data workers and ranks
+#: share the cores; glibc's defaults).
 HOST_ENV = {
     "gpu-node": {"MM_BALANCE_CPU_PREDRAW": "all", "MALLOC_MMAP_MAX_": "0",
-                 "MALLOC_TRIM_THRESHOLD_": str(1 << 40)},
+                 "MALLOC_TRIM_THRESHOLD_": str(1 << 40), "MM_BALANCE_CPU_HEAP_MB": "3072"},
     "shared": {},
 }
 

@@ -97,6 +97,12 @@ Each stand-in added here, with the CUDA-only (or GPU-stack-only) assumption it r
   other. With it, each rank's train loader gives up the job's micro-batches at setup
   (``PredrawnBatches``: the same batches in the same order), so the measured iterations
   carry no data work under any mode. The loader's checkpoint state is not carried through.
+* **the allocator's warm pool** (only with ``MM_BALANCE_CPU_HEAP_MB``, the same benchmark
+  setting): CUDA's caching allocator holds a job's peak after its first iterations; glibc,
+  even told to keep what it frees, faults in every page beyond the heap's peak so far, and
+  on native-resolution data a new largest frame stalls its rank for hundreds of
+  milliseconds in the measured iterations. With it, each rank faults in that much heap at
+  setup, after its loader's workers are forked, and hands it back to the allocator.
 * **other fused kernels Bridge's providers ask for by default on GPU** (Qwen3-VL rope
   fusion, ``persist_layer_norm``, bias-activation / bias-dropout fusion,
   ``moe_permute_fusion``, grouped GEMM) are switched off by the config
@@ -401,7 +407,7 @@ def install_gloo_uneven_all_gather() -> None:
 
 
 #: ``MM_BALANCE_CPU_PREDRAW=all`` (or a micro-batch count): the benchmark's setting that
-#: moves the data loader's work before the clock starts (:func:`_predrawn_train_batches`).
+#: moves the data loader's work before the clock starts (:func:`_host_side_at_setup`).
 PREDRAW_ENV = "MM_BALANCE_CPU_PREDRAW"
 
 
@@ -442,19 +448,76 @@ def predraw_count(value: str, cfg, dp_size: int) -> int:
     return count
 
 
-def _predrawn_train_batches() -> None:
+#: ``MM_BALANCE_CPU_HEAP_MB=N``: the benchmark's setting that faults in N MiB of each rank's
+#: heap before the first iteration (:func:`grow_heap`).
+HEAP_ENV = "MM_BALANCE_CPU_HEAP_MB"
+
+
+def heap_mb(value: str) -> int:
+    """The heap to grow at setup, in MiB (0: none)."""
+    try:
+        mb = int(value or 0)
+    except ValueError:
+        raise ValueError(f"{HEAP_ENV} must be a whole number of MiB (got {value!r})") from None
+    if mb < 0:
+        raise ValueError(f"{HEAP_ENV} must not be negative (got {mb})")
+    return mb
+
+
+def check_heap_settings(mb: int, env=os.environ) -> None:
+    """Refuse a heap the allocator would not keep, or whose pages the loader's workers share.
+
+    glibc maps large blocks outside the heap unless ``MALLOC_MMAP_MAX_=0`` and gives freed
+    heap back to the kernel above ``MALLOC_TRIM_THRESHOLD_``; and a worker forked after the
+    heap has grown shares its pages copy-on-write, so the rank's every first write to one
+    would copy it (the batches drawn first fork the workers at setup)."""
+    if not mb:
+        return
+    why = []
+    if env.get("MALLOC_MMAP_MAX_", "").strip() != "0":
+        why.append("MALLOC_MMAP_MAX_=0 (else the block is mapped outside the heap and unmapped when freed)")
+    try:
+        trim = int(env.get("MALLOC_TRIM_THRESHOLD_", "").strip())
+    except ValueError:
+        trim = -1
+    if trim < mb << 20:
+        why.append(f"MALLOC_TRIM_THRESHOLD_ of at least {mb << 20} (else the freed heap goes back to the kernel)")
+    if env.get(PREDRAW_ENV, "").strip() in ("", "0"):
+        why.append(f"{PREDRAW_ENV} (else the loader's workers fork after the heap grows and share its "
+                   f"pages copy-on-write)")
+    if why:
+        raise ValueError(f"{HEAP_ENV}={mb} needs " + "; ".join(why))
+
+
+def grow_heap(mb: int) -> None:
+    """Fault in ``mb`` MiB of this process's heap and free it: with the allocator keeping
+    what it frees (:func:`check_heap_settings`), later allocations up to that size reuse
+    resident pages instead of faulting new ones in during the measured iterations."""
+    if mb:
+        import torch
+        block = torch.empty(mb << 20, dtype=torch.uint8)
+        block.fill_(1)
+        del block
+
+
+def _host_side_at_setup() -> None:
     """With ``MM_BALANCE_CPU_PREDRAW`` set, the train loader's micro-batches are drawn at
-    setup, before the first iteration.
+    setup, before the first iteration; with ``MM_BALANCE_CPU_HEAP_MB`` set as well, the
+    rank's heap is grown after that.
 
     On a GPU node the data workers run on host cores the training loop does not use; on a
     2-core machine they take the cores the ranks compute on, and take more of them the less
     the ranks wait for each other, so an unbalanced run gets its data almost for free and a
     balanced one pays for it in compute. Drawing the batches first (the same batches, in the
-    same order, under every mode) takes that out of the measured iterations. Off by default;
-    ``mm-balance bench-realpath --bridge --host gpu-node`` (the default) sets it. The loader's checkpoint state
-    (energon's ``save_state``) is not carried through, so a run with it saves no resumable
-    data position: a benchmark setting, not a training one."""
+    same order, under every mode) takes that out of the measured iterations. Likewise a GPU
+    job's caching allocator holds its peak after the first iterations, where glibc faults in
+    each page past the heap's peak so far (:func:`grow_heap`). Off by default;
+    ``mm-balance bench-realpath --bridge --host gpu-node`` (the default) sets both. The
+    loader's checkpoint state (energon's ``save_state``) is not carried through, so a run
+    with it saves no resumable data position: a benchmark setting, not a training one."""
     value = os.environ.get(PREDRAW_ENV, "").strip()
+    mb = heap_mb(os.environ.get(HEAP_ENV, "").strip())
+    check_heap_settings(mb)
     if not value or value == "0":
         return
     import torch
@@ -470,9 +533,11 @@ def _predrawn_train_batches() -> None:
         for it in chunks:
             if isinstance(it, RerunDataIterator):
                 it.iterable = PredrawnBatches(it.iterable, count)
+        grow_heap(mb)
         if torch.distributed.get_rank() == 0:
             print(f"mm-balance CPU harness: drew {count} micro-batches before the first iteration "
-                  f"({PREDRAW_ENV}={value})", flush=True)
+                  f"({PREDRAW_ENV}={value})" + (f"; grew each rank's heap by {mb} MiB ({HEAP_ENV}={mb})"
+                                                 if mb else ""), flush=True)
         return train, valid, test
 
     bsetup.setup_data_iterators = setup_data_iterators
@@ -499,7 +564,7 @@ def install() -> None:
     _torch_adam_load_template()
     _wgrad_accumulation()
     install_gloo_uneven_all_gather()
-    _predrawn_train_batches()
+    _host_side_at_setup()
     _DONE = True
 
 

@@ -559,3 +559,49 @@ def test_predrawn_batches_are_the_loaders_own_in_order():
     for bad, match in (("some", "must be 'all' or a micro-batch count"), ("-3", "must not be negative")):
         with pytest.raises(ValueError, match=match):
             predraw_count(bad, cfg, 2)
+
+
+_HEAP_PROBE = """
+import os, resource, sys, torch
+from megatron_mm_balance.testing.cpu_bridge import grow_heap
+grow_heap(int(sys.argv[1]))
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+t = torch.empty(200 << 20, dtype=torch.uint8)
+t.fill_(2)
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+@pytest.mark.parametrize("grown_mb", [0, 256])
+def test_a_grown_heap_serves_the_next_large_tensor_without_faults(grown_mb):
+    """MM_BALANCE_CPU_HEAP_MB (``--host gpu-node``): with glibc keeping what it frees, the heap
+    grown at setup serves a later 200 MiB tensor from resident pages; without it the tensor's
+    ~51,000 pages are faulted in one by one (what stalled a rank meeting a larger frame)."""
+    env = dict(os.environ, MALLOC_MMAP_MAX_="0", MALLOC_TRIM_THRESHOLD_=str(1 << 40), OMP_NUM_THREADS="1",
+               PYTHONPATH=f"{bu.REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    r = subprocess.run([sys.executable, "-c", _HEAP_PROBE, str(grown_mb)], env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    faults = int(r.stdout.split()[-1])
+    if grown_mb:
+        assert faults < 5_000, faults
+    else:
+        assert faults > 40_000, faults
+
+
+def test_the_heap_setting_is_refused_where_it_would_not_hold():
+    """The heap is grown only where the allocator keeps it and the loader's workers are forked
+    already; every missing setting is named."""
+    from megatron_mm_balance.testing.cpu_bridge import check_heap_settings, heap_mb
+    assert heap_mb("") == 0 and heap_mb("3072") == 3072
+    for bad, match in (("3G", "whole number of MiB"), ("-1", "must not be negative")):
+        with pytest.raises(ValueError, match=match):
+            heap_mb(bad)
+    good = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 40), "MM_BALANCE_CPU_PREDRAW": "all"}
+    check_heap_settings(3072, good)
+    check_heap_settings(0, {})
+    with pytest.raises(ValueError) as e:
+        check_heap_settings(3072, {"MALLOC_TRIM_THRESHOLD_": "1024"})
+    assert all(k in str(e.value) for k in ("MALLOC_MMAP_MAX_=0", "MALLOC_TRIM_THRESHOLD_", "MM_BALANCE_CPU_PREDRAW"))
+    with pytest.raises(ValueError, match="MM_BALANCE_CPU_PREDRAW"):
+        check_heap_settings(64, dict(good, MM_BALANCE_CPU_PREDRAW="0"))

@@ -21,6 +21,7 @@ from megatron_mm_balance.bench import native_share, realpath
 from megatron_mm_balance.bridge import bench as bridge_bench
 from megatron_mm_balance.data import native_res as nr
 from megatron_mm_balance.sim.run_trace import frames_view
+from megatron_mm_balance.testing.cpu_bridge import check_heap_settings
 
 
 def _digest(root: Path) -> dict:
@@ -228,8 +229,8 @@ def test_the_launcher_gets_absolute_tree_paths(tmp_path, monkeypatch):
 
 
 def test_host_settings_reach_the_ranks_and_the_report(tmp_path):
-    """--host gpu-node (the Bridge default) hands the ranks the harness's predraw and glibc's
-    keep-what-you-free settings; shared hands them nothing; the Megatron-LM bench refuses
+    """--host gpu-node (the Bridge default) hands the ranks the harness's predraw and grown heap
+    and glibc's keep-what-you-free settings, which the harness accepts together; shared hands them nothing; the Megatron-LM bench refuses
     gpu-node; --reanalyze reads the host from the runs' logs, not from the flag."""
     import argparse
     fw = bridge_bench.BridgeFramework.from_args(argparse.Namespace(bridge=None, megatron_lm=None, cost="model",
@@ -237,9 +238,11 @@ def test_host_settings_reach_the_ranks_and_the_report(tmp_path):
     assert fw.host == "gpu-node"
     env = fw.environment()
     assert env["MM_BALANCE_CPU_PREDRAW"] == "all" and env["MALLOC_MMAP_MAX_"] == "0"
-    assert int(env["MALLOC_TRIM_THRESHOLD_"]) >= 1 << 40
+    assert int(env["MALLOC_TRIM_THRESHOLD_"]) >= 1 << 40 and int(env["MM_BALANCE_CPU_HEAP_MB"]) > 0
+    check_heap_settings(int(env["MM_BALANCE_CPU_HEAP_MB"]), env)        # the harness accepts them together
     shared = bridge_bench.BridgeFramework(host="shared").environment()
-    assert not {"MM_BALANCE_CPU_PREDRAW", "MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_"} & set(shared)
+    assert not {"MM_BALANCE_CPU_PREDRAW", "MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_",
+                "MM_BALANCE_CPU_HEAP_MB"} & set(shared)
     with pytest.raises(realpath.BenchError, match="--host must be one of"):
         bridge_bench.BridgeFramework(host="laptop").check()
     with pytest.raises(realpath.BenchError, match="--host gpu-node: the Megatron-LM bench"):

@@ -34,11 +34,12 @@ def test_bridge_bench_realpath_smoke(bridge_python, bridge_trees, bridge_runs_di
     rep = json.loads((out / "report.json").read_text())
 
     assert rep["meta"]["framework"] == "bridge" and list(rep["modes"]) == ["off", "packs"]
-    # --host gpu-node (the default): every rank's batches drawn before its first iteration
+    # --host gpu-node (the default): every rank's batches drawn and its heap grown before its first iteration
     assert rep["meta"]["host"] == "gpu-node" and "host gpu-node" in r.stdout
     for d in ("round1-off", "round1-packs", "holdout-off", "holdout-packs"):
         log = (out / d / "train.log").read_text(errors="replace")
         assert f"drew {(ITERS + WARMUP) * G} micro-batches before the first iteration" in log, d
+        assert "grew each rank's heap by" in log, d
     for mode, m in rep["modes"].items():
         it = m["iteration_ms"]
         assert it["n"] == ITERS and 0 < it["min"] <= it["median"] <= it["max"], mode

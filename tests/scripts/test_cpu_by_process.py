@@ -22,6 +22,8 @@ def test_a_busy_child_is_counted_and_the_exit_status_kept():
     faults = max(int(row[5].replace(",", "")) for row in rows)
     assert 1.5 <= cpu <= 4.0, r.stdout                 # its 2.5 s of CPU, read at 1 s steps
     assert faults > 1000, r.stdout                     # fresh megabytes touched page by page
+    peak = max(float(row[7].replace(",", "")) for row in rows)
+    assert 8 <= peak <= 1024, r.stdout                 # its 8 live MiB and the interpreter
     assert "by role: other" in r.stdout
 
 

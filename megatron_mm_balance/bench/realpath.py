@@ -26,8 +26,9 @@ that field). What differs per framework (launcher, config, modes and their overr
 data set, how the log prints losses) is one small object (:class:`MegatronLMFramework`,
 :class:`~megatron_mm_balance.bridge.bench.BridgeFramework`); the runs, the analysis and the simulation are shared.
 ``--holdout-seed`` adds a round of ``off`` and the first balanced mode on a data set of
-another seed, and the simulator's timing model fitted on the main ``off`` runs predicts
-those runs' measured iteration times (:func:`predict_holdout`).
+another seed (``--holdout-rounds N``: N of them, each after the main round of its number),
+and the simulator's timing model fitted on the main ``off`` runs predicts those runs'
+measured iteration times (:func:`predict_holdout`: the median over all their iterations).
 
 Every run has ``--mm-balance-timing-dir`` (per-pack timings, JSON Lines per rank). From
 Megatron's log: the median ``elapsed time per iteration`` and its spread per mode, after
@@ -696,6 +697,8 @@ def run_bench(a) -> dict:
         raise BenchError("--rounds and --iters must be >= 1 and --warmup >= 2 (the first iterations carry "
                          "start-up costs; Megatron averages a job's first two into its second log line)")
     balanced = [m for m in modes if m not in ("off", "untimed")]
+    if a.holdout_rounds < 1:
+        raise BenchError(f"--holdout-rounds must be >= 1 (got {a.holdout_rounds})")
     if a.holdout_seed is not None and a.holdout_seed == a.seed:
         raise BenchError(f"--holdout-seed {a.holdout_seed}: must differ from --seed (a data set the timing "
                          f"model was not fitted on)")
@@ -714,22 +717,29 @@ def run_bench(a) -> dict:
                          f"{a.calibration_iters + 2}, after the last ({train_iters}); lower it or raise --iters")
     print(f"bench-realpath ({fw.name}): {a.rounds} rounds x {', '.join(modes)}, {train_iters} iterations per run "
           f"(first {a.warmup} dropped), config {a.config}"
-          + (f"; hold-out round on seed {a.holdout_seed}: off, {balanced[0]}" if a.holdout_seed is not None
+          + (f"; {a.holdout_rounds} hold-out round(s) on seed {a.holdout_seed}: off, {balanced[0]}"
+             if a.holdout_seed is not None
              and balanced else "") + f"; host {fw.host}; {_uptime()}", flush=True)
     t0 = time.monotonic()
     run = dict(out=out, train_iters=train_iters, env_overrides=overrides, timeout=a.timeout, python=a.python,
                config=Path(a.config), framework=fw)
-    results = []
-    for rnd in range(1, a.rounds + 1):
-        for mode in (modes if rnd % 2 else modes[::-1]):
-            results.append(run_launcher(mode, rnd, data=data, **run))
-    holdout = []
-    if a.holdout_seed is not None and balanced:
-        hdata = fw.make_data(out / f"data-seed{a.holdout_seed}", a.samples, a.holdout_seed)
-        for mode in ("off", balanced[0]):
-            holdout.append(run_launcher(mode, 0, data=hdata, name=f"holdout-{mode}", **run))
+    results, holdout = [], []
+    hdata = (fw.make_data(out / f"data-seed{a.holdout_seed}", a.samples, a.holdout_seed)
+             if a.holdout_seed is not None and balanced else None)
+    for rnd in range(1, max(a.rounds, a.holdout_rounds if hdata else 0) + 1):
+        if rnd <= a.rounds:
+            for mode in (modes if rnd % 2 else modes[::-1]):
+                results.append(run_launcher(mode, rnd, data=data, **run))
+        if hdata is not None and rnd <= a.holdout_rounds:
+            for mode in (("off", balanced[0]) if rnd % 2 else (balanced[0], "off")):
+                holdout.append(run_launcher(mode, rnd, data=hdata, name=holdout_dir(mode, rnd), **run))
     return report_of(results, a, modes, fw, holdout=holdout, data=data, overrides=overrides,
                      wall_s=time.monotonic() - t0, train_iters=train_iters)
+
+
+def holdout_dir(mode: str, rnd: int) -> str:
+    """A hold-out run's directory: ``holdout-MODE`` for the first round, ``holdoutR-MODE`` after."""
+    return f"holdout-{mode}" if rnd == 1 else f"holdout{rnd}-{mode}"
 
 
 def report_of(results, a, modes, fw, holdout=(), **meta) -> dict:
@@ -777,14 +787,15 @@ def reanalyze(a) -> dict:
         m = re.fullmatch(r"round(\d+)-(.+)", d.name)
         if m and (d / "train.log").is_file():
             results.append(_result_of(d, m.group(2), int(m.group(1)), fw))
-    for d in sorted(out.glob("holdout-*")):
-        if (d / "train.log").is_file():
-            holdout.append(_result_of(d, d.name[len("holdout-"):], 0, fw))
+    for d in sorted(out.glob("holdout*-*")):
+        m = re.fullmatch(r"holdout(\d*)-(.+)", d.name)
+        if m and (d / "train.log").is_file():
+            holdout.append(_result_of(d, m.group(2), int(m.group(1) or 1), fw))
     if not results:
         raise BenchError(f"--reanalyze: no roundN-MODE/train.log under {out}")
     order = [m for m in fw.all_modes() if any(r.mode == m for r in results)]
     results.sort(key=lambda r: (order.index(r.mode), r.round))
-    holdout.sort(key=lambda r: r.mode != "off")
+    holdout.sort(key=lambda r: (r.mode != "off", r.round))
     return report_of(results, a, order, fw, holdout=holdout, reanalyzed=True, runs=len(results),
                      host=host_of_logs(out))
 
@@ -839,6 +850,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--holdout-seed", type=int, default=None, metavar="SEED",
                    help="also run off and the first balanced mode on a data set of this seed, and predict "
                         "their iteration times with the timing model fitted on the main off runs")
+    p.add_argument("--holdout-rounds", type=int, default=1, metavar="N",
+                   help="hold-out rounds, each run after the main round of the same number (so the machine's "
+                        "drift over the bench reaches both alike); default %(default)s")
     p.add_argument("--host", default=None, choices=("gpu-node", "shared"),
                    help="--bridge: the ranks' host side; gpu-node (default): the batches drawn before the "
                         "first iteration and the allocator keeping what it frees, as on a GPU node; shared: "

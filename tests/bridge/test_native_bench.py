@@ -207,12 +207,51 @@ def test_holdout_prediction_fits_one_run_and_predicts_another(tmp_path):
         v = out[mode]
         assert v["simulated_ms"] > 0 and v["rel_error"] == pytest.approx(v["simulated_ms"] / v["measured_ms"] - 1)
     assert out["packs"]["simulated_ms"] <= out["off"]["simulated_ms"]
+    two = realpath.predict_holdout(main, hold + [realpath.RunResult("off", 2, 0, 1.0, str(b), {i: 1700.0 for i in
+                                                                                             range(1, 6)})],
+                                   warmup=2, frames=True, simulated={"none": "off"})
+    assert two["off"]["iterations"] == 6 and two["off"]["measured_ms"] == 1600.0   # both rounds' iterations
+    assert two["off"]["simulated_ms"] == pytest.approx(out["off"]["simulated_ms"])
     # fitted on the run itself, the simulator's off figure is simulate_against's
     same = realpath.predict_holdout(main, [realpath.RunResult("off", 0, 0, 1.0, str(a), main[0].elapsed_ms)],
                                     warmup=2, frames=True, simulated={"none": "off"})
     rep = realpath.analyze(main, warmup=2, loss_tolerance=1e-5, frames=True)
     sim = realpath.simulate_against(main, rep, warmup=2, frames=True, simulated={"none": "off"})
     assert same["off"]["simulated_ms"] == pytest.approx(sim["off"]["simulated_ms"])
+
+
+def test_holdout_rounds_run_beside_the_main_rounds(tmp_path, monkeypatch):
+    """--holdout-rounds N: hold-out round r runs right after main round r (the extra ones after
+    the last), in alternating order like the main rounds, each in its own directory; the
+    prediction's measured figure is the median over all of them; 0 is refused."""
+    import argparse
+    calls = []
+
+    def launch(mode, rnd, *, data, name=None, **_):
+        calls.append(name or f"round{rnd}-{mode}")
+        return realpath.RunResult(mode, rnd, 0, 1.0, str(tmp_path / calls[-1]), {i: 1.0 for i in range(1, 5)})
+
+    fw = bridge_bench.BridgeFramework(host="shared")
+    monkeypatch.setattr(realpath, "framework_of", lambda a: fw)
+    monkeypatch.setattr(bridge_bench.BridgeFramework, "check", lambda self: None)
+    monkeypatch.setattr(bridge_bench.BridgeFramework, "make_data", lambda self, path, n, seed: {"seed": seed})
+    monkeypatch.setattr(realpath, "run_launcher", launch)
+    monkeypatch.setattr(realpath, "report_of", lambda results, a, modes, fw, holdout=(), **m: (results, holdout))
+    p = argparse.ArgumentParser()
+    realpath.add_arguments(p)
+    base = ["--bridge", "--modes", "off,packs", "--out", str(tmp_path), "--holdout-seed", "5"]
+    results, hold = realpath.run_bench(p.parse_args(base + ["--rounds", "2", "--holdout-rounds", "3"]))
+    assert calls == ["round1-off", "round1-packs", "holdout-off", "holdout-packs",
+                     "round2-packs", "round2-off", "holdout2-packs", "holdout2-off",
+                     "holdout3-off", "holdout3-packs"]
+    assert [(r.mode, r.round) for r in hold] == [("off", 1), ("packs", 1), ("packs", 2), ("off", 2),
+                                                 ("off", 3), ("packs", 3)]
+    calls.clear()
+    realpath.run_bench(p.parse_args(base + ["--rounds", "1"]))
+    assert calls == ["round1-off", "round1-packs", "holdout-off", "holdout-packs"]
+    with pytest.raises(realpath.BenchError, match="--holdout-rounds must be >= 1"):
+        realpath.run_bench(p.parse_args(base + ["--holdout-rounds", "0"]))
+    assert realpath.holdout_dir("off", 1) == "holdout-off" and realpath.holdout_dir("packs", 4) == "holdout4-packs"
 
 
 def test_the_launcher_gets_absolute_tree_paths(tmp_path, monkeypatch):

@@ -22,14 +22,15 @@ follows any 0.6.x whose model module still calls ``qwen3vl_cp_split`` by that na
 module that has lost it is refused with a clear error, never silently left at count).
 
 The per-frame cost is :func:`frame_cost_for` (the one place to swap in a calibrated
-per-frame model): ``p * (p + alpha)`` for ``p = h*w`` patches,
-``alpha = 2*hidden + ffn`` of the vision tower (``model.vision_config``).
+per-frame model): ``p * (p + alpha)`` for ``p = h*w`` patches, ``alpha`` the whole vision
+tower's multiply-adds per patch over those per squared patch
+(:meth:`~megatron_mm_balance.cost.flops.VisionTower.frame_alpha`, from ``model.vision_config``).
 """
 from __future__ import annotations
 
 import sys
 
-from ..solver.cp_split import cost_split, default_frame_cost, tower_alpha
+from ..solver.cp_split import cost_split, default_frame_cost
 
 #: The Bridge module whose forward calls ``qwen3vl_cp_split`` (looked up at call time).
 QWEN3_VL_MODEL = "megatron.bridge.models.qwen_vl.modelling_qwen3_vl.model"
@@ -38,18 +39,17 @@ CHOICES = ("cost", "count")
 
 
 def frame_alpha_for(model_cfg) -> int:
-    """``alpha = 2*hidden + ffn`` of the model's vision tower (:func:`frame_cost_for`)."""
-    vision = getattr(model_cfg, "vision_config", None)
-    hidden = getattr(vision, "hidden_size", None)
-    ffn = getattr(vision, "intermediate_size", None)
-    if hidden is None or ffn is None:
-        raise ValueError("mm_balance.cp_split=cost needs model.vision_config.hidden_size and "
-                         "intermediate_size (the vision tower's sizes)")
-    return tower_alpha(hidden, ffn)
+    """``alpha`` of the model's vision tower (:func:`frame_cost_for`): its layers' projections
+    and MLPs, the patch embedding and the mergers per patch, over its attention per squared
+    patch (:meth:`~megatron_mm_balance.cost.flops.VisionTower.frame_alpha`)."""
+    from ..cost.flops import VisionTower
+    tower = VisionTower.from_config(getattr(model_cfg, "vision_config", None) or {},
+                                    where="model.vision_config (the per-frame cost)")
+    return tower.frame_alpha()
 
 
 def frame_cost_for(model_cfg):
-    """The per-frame cost ``p -> p * (p + 2*hidden + ffn)`` of the model's vision tower."""
+    """The per-frame cost ``p -> p * (p + alpha)`` of the model's vision tower (:func:`frame_alpha_for`)."""
     return default_frame_cost(frame_alpha_for(model_cfg))
 
 

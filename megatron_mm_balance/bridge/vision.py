@@ -44,9 +44,10 @@ Megatron-LM path), on communicators of their own, created collectively at setup.
 Frames are first split across the context-parallel ranks (Bridge's split, or
 ``mm_balance.cp_split=cost``), then balanced across the data-parallel group of the same
 context-parallel rank; packs move first (the balanced iterator), frames then even out what
-packs cannot. The per-frame cost is :func:`~.cp_split.frame_cost_for` (``p * (p + 2*hidden
-+ ffn)``); no rank receiving frames ends above ``mm_balance.image_patch_cap`` patches
-(default: the most any rank held before balancing); a moved frame's transfer time counts on
+packs cannot. The per-frame cost is :func:`~.cp_split.frame_cost_for` (``p * (p + alpha)``,
+``alpha`` the whole tower's per-patch work over its per-squared-patch attention); no rank
+receiving frames ends above ``mm_balance.image_patch_cap`` patches (default: the most any
+rank held before balancing); a moved frame's transfer time counts on
 its receiver, at the settings' rates or (``mm_balance.image_rates=measured``) at those the
 group measures (:mod:`megatron_mm_balance.runtime.rates`: each rank's medians ride in the
 micro-step's first collective, so every rank agrees). Every log interval the group's first
@@ -166,16 +167,17 @@ def transfer_rates(mm, device_type: str) -> tuple:
 
 
 def tower_flops_per_unit(model_cfg) -> float:
-    """Forward FLOPs of one unit of the frame cost ``p * (p + 2*hidden + ffn)``: a layer
-    multiplies and adds ``2*hidden*p*(p + 2*hidden + ffn)`` times (QKV and output
-    projections, scores and values over the frame, a two-matrix MLP), so a unit is one
-    layer's attention multiply-adds per squared patch
+    """Forward FLOPs of one unit of the frame cost ``p * (p + alpha)``
+    (:func:`~.cp_split.frame_alpha_for`): the tower multiplies and adds
+    ``2*hidden*p*(p + alpha)`` times per full-attention layer (``alpha`` carries the
+    projections, MLPs, patch embedding and mergers), so a unit is one layer's attention
+    multiply-adds per squared patch
     (:meth:`~megatron_mm_balance.cost.flops.VisionTower.attention_macs_per_patch_sq`), two
-    FLOPs each, over the tower's depth."""
+    FLOPs each, over the full-attention layers."""
     from ..cost.flops import VisionTower
     tower = VisionTower.from_config(getattr(model_cfg, "vision_config", None) or {},
                                     where="mm_balance.vision=images: model.vision_config")
-    return 2.0 * tower.attention_macs_per_patch_sq() * tower.depth
+    return 2.0 * tower.attention_macs_per_patch_sq() * tower.full_attention_layers
 
 
 # -- frames of Qwen3-VL grids -----------------------------------------------------------------

@@ -144,6 +144,21 @@ class VisionTower:
         """One merger, per patch (its linears act on ``merge^2`` patches at once)."""
         return self.hidden ** 2 * self.merge ** 2 + self.hidden * self.out_hidden
 
+    def frame_alpha(self) -> int:
+        """``alpha`` of the per-frame cost ``p * (p + alpha)`` in units of the full-attention
+        layers' ``attention_macs_per_patch_sq() * p^2``: the whole tower's multiply-adds per
+        patch (every layer's projections and MLP, the window layers' attention, the patch
+        embedding and every merger) over its multiply-adds per squared frame patch, rounded.
+        One layer's ``2*hidden + ffn`` leaves out the embedding and the mergers, which in a
+        shallow tower are most of the per-patch work."""
+        if not self.full_attention_layers:
+            raise ValueError("the vision tower has no full-attention layer: a frame's cost has no "
+                             "quadratic term to scale alpha by")
+        linear = (self.depth * self.layer_macs_per_patch()
+                  + (self.depth - self.full_attention_layers) * self.window_macs_per_patch()
+                  + self.embed_macs_per_patch() + self.mergers * self.merger_macs_per_patch())
+        return round(linear / (self.attention_macs_per_patch_sq() * self.full_attention_layers))
+
 
 @dataclass(frozen=True)
 class TrainingRegime:

@@ -455,7 +455,8 @@ def _fake_qwen3vl_module(monkeypatch, with_split=True):
 
 
 def _cp_cfg(cp_split="cost", cp=2, vision_dp=True):
-    vision = types.SimpleNamespace(hidden_size=64, intermediate_size=128)
+    vision = types.SimpleNamespace(hidden_size=64, intermediate_size=128, depth=2, patch_size=16,
+                                   out_hidden_size=128)
     return types.SimpleNamespace(
         mm_balance=MMBalanceBridgeConfig(enabled=True, cp_split=cp_split),
         model=types.SimpleNamespace(context_parallel_size=cp, vision_dp_when_cp=vision_dp, vision_config=vision))

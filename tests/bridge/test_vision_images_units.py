@@ -13,7 +13,8 @@ from megatron_mm_balance.megatron.checks import MMBalanceConfigError
 
 def _cfg(**model):
     vision = types.SimpleNamespace(spatial_merge_size=2, hidden_size=64, intermediate_size=128,
-                                   deepstack_visual_indexes=[0])
+                                   deepstack_visual_indexes=[0], depth=1, patch_size=16, temporal_patch_size=2,
+                                   in_channels=3, out_hidden_size=128)
     fields = dict(expert_model_parallel_size=2, num_moe_experts=4, moe_router_load_balancing_type="aux_loss",
                   moe_aux_loss_coeff=1e-2, calculate_per_token_loss=False, hybrid_context_parallel=False,
                   vision_config=vision)
@@ -127,8 +128,9 @@ def test_report_one_line_per_interval_from_the_reporting_rank(capsys):
 
 def test_images_mode_places_packs_on_their_heaviest_frame():
     """``vision=images`` (``image_pack_cost=heaviest-frame``, the default) places packs on their
-    heaviest frame by the frame planner's cost ``p * (p + 2*hidden + ffn)``; ``cost`` and
-    ``vision=packs`` keep ``mm_balance.cost``'s."""
+    heaviest frame by the frame planner's cost ``p * (p + alpha)``, alpha the whole tower's
+    per-patch multiply-adds over its per-squared-patch ones; ``cost`` and ``vision=packs``
+    keep ``mm_balance.cost``'s."""
     from megatron_mm_balance.bridge.vision import pack_cost_for
     from megatron_mm_balance.cost.pack import QwenVLCost
     model = _cfg().model
@@ -137,8 +139,10 @@ def test_images_mode_places_packs_on_their_heaviest_frame():
     assert pack_cost_for(MMBalanceBridgeConfig(enabled=True, vision="images", image_pack_cost="cost"),
                          model, default) is default
     cost = pack_cost_for(MMBalanceBridgeConfig(enabled=True, vision="images"), model, default)
-    alpha = 2 * 64 + 128
-    assert cost.components == 1 and "alpha=256" in cost.identity
+    # one layer's projections and MLP 4*64^2 + 2*64*128, the patch embedding (3*2*16*16)*64, two
+    # mergers (the final and one deepstack) of 64^2*2^2 + 64*128 each; over 2*64 per squared patch
+    alpha = (4 * 64 ** 2 + 2 * 64 * 128 + 1536 * 64 + 2 * (64 ** 2 * 4 + 64 * 128)) // (2 * 64)
+    assert alpha == 1408 and cost.components == 1 and "alpha=1408" in cost.identity
     # one 32 x 32 image and a video of three 16 x 16 frames: the image's frame is the heaviest
     pack = {"image_grid_thw": torch.tensor([[1, 32, 32]]), "video_grid_thw": torch.tensor([[3, 16, 16]])}
     assert cost(pack) == 1024 * (1024 + alpha)

@@ -77,6 +77,30 @@ def test_derived_constants_of_the_real_towers():
     assert round(per_patch / per_sq) == 63154                 # 28 window layers: nearly linear
 
 
+@pytest.mark.parametrize("vc,shape,alpha", [
+    (QWEN3_VL, dict(layers=27, full=27, hidden=1152, ffn=4304, gated=False, window=0, patch_in=1536, mergers=4,
+                    out=2048), 7129),
+    (QWEN25_VL, dict(layers=32, full=4, hidden=1280, ffn=3420, gated=True, window=64, patch_in=1176, mergers=1,
+                     out=3584), 63203),
+    # the native-resolution bench's CPU tower (configs/bridge/qwen3_vl_moe_native_res_cpu.py): one layer,
+    # where 2*hidden + ffn = 352 would leave out the embedding and mergers, 3/4 of its per-patch work
+    (dict(depth=1, hidden_size=48, intermediate_size=256, patch_size=16, temporal_patch_size=2, in_channels=3,
+          spatial_merge_size=2, out_hidden_size=128, deepstack_visual_indexes=[0]),
+     dict(layers=1, full=1, hidden=48, ffn=256, gated=False, window=0, patch_in=1536, mergers=2, out=128), 1440),
+])
+def test_frame_alpha_is_the_whole_towers_linear_over_quadratic_work(vc, shape, alpha):
+    """``p * (p + alpha)`` (the frame planner's cost) is the whole tower's forward FLOPs up to a
+    constant factor: alpha is the independent count's linear over quadratic coefficient."""
+    p1, p2 = 1024, 4096
+    f1, f2 = forward_flops(p1, **shape), forward_flops(p2, **shape)
+    quad = (f2 / p2 - f1 / p1) / (p2 - p1)                 # f(p) = quad*p^2 + lin*p
+    lin = f1 / p1 - quad * p1
+    tower = VisionTower.from_config(vc)
+    assert tower.frame_alpha() == alpha == round(lin / quad)
+    with pytest.raises(ValueError, match="no full-attention layer"):
+        VisionTower.from_config(dict(QWEN25_VL, fullatt_block_indexes=[])).frame_alpha()
+
+
 def test_one_large_frame_against_sixteen_small_at_equal_patches():
     m = vision_cost_model(QWEN3_VL)
     big, small = m.phase_ms(grid_feature_arrays([[(1, 128, 128)], [(1, 32, 32)] * 16])).vision

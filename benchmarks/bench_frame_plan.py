@@ -30,8 +30,8 @@ The Bridge benchmark's own data: the train samples of ``mm-balance make-dataset
 --format bridge-qwen-vl --mix native-res --samples 256 --seed 0`` (``NativeResMix()``:
 1,024-token samples, frames of 64-3,136 patches), one sample per rank per micro-step at
 DP=2 (consecutive pairs in drawing order), frames costing ``p * (p + alpha)`` with the
-CPU config's ``alpha = 2*hidden + ffn`` of its tower (``configs/bridge/
-qwen3_vl_moe_native_res_cpu.py``; the Bridge glue's frame cost). Totals over the
+CPU config's ``alpha`` of its tower as the Bridge glue computes it (``configs/bridge/
+qwen3_vl_moe_native_res_cpu.py``; ``VisionTower.frame_alpha``: 1,440). Totals over the
 micro-steps: moved patches and cost against the exact least at each micro-step's target
 (MILP; patches: the least patches any placement at that target moves) and the certified
 minimum, the greedy's, and the vision time (sum of the largest loads) before, after, for
@@ -215,12 +215,12 @@ def native_rows(args):
 
 
 def _cpu_config_alpha() -> int:
-    """``2*hidden + ffn`` of the Bridge CPU config's tower: a frame of ``p`` patches costs
-    ``p * (p + alpha)`` (the Bridge glue's frame cost)."""
+    """``alpha`` of the Bridge CPU config's tower as the glue computes it (the whole tower's
+    per-patch work over its per-squared-patch attention, ``VisionTower.frame_alpha``): a
+    frame of ``p`` patches costs ``p * (p + alpha)``."""
     from megatron_mm_balance.bench.native_share import cpu_shapes
-    from megatron_mm_balance.solver.cp_split import tower_alpha
-    vision = cpu_shapes().vision
-    return tower_alpha(vision["hidden_size"], vision["intermediate_size"])
+    from megatron_mm_balance.cost.flops import VisionTower
+    return VisionTower.from_config(cpu_shapes().vision, where="the CPU config's tower").frame_alpha()
 
 
 def bridge_data(args):
@@ -270,7 +270,7 @@ def bridge_data(args):
     t = tot
     print(f"Bridge benchmark data: make-dataset --format bridge-qwen-vl --mix native-res --samples "
           f"{args.samples} --seed {args.seed}; DP=2, one sample per rank per micro-step; cost p*(p+{alpha}) "
-          f"(the CPU config's 2*hidden+ffn); transfer {args.transfer} per patch; patch cap "
+          f"(the CPU config's tower alpha); transfer {args.transfer} per patch; patch cap "
           f"{'the most any rank held' if args.cap else 'none'}")
     print(f"micro-steps {t['steps']}, with frames to move {t['moving']}; plan_frames CPU ms p50 "
           f"{_pct(ms, 50):.2f} max {max(ms):.2f}")
@@ -341,7 +341,7 @@ def timing_runs(args):
     from megatron_mm_balance.solver.frames_exact import exact_min_level, exact_min_moved
 
     alpha = _cpu_config_alpha()
-    print(f"frames cost p*(p+{alpha}) (the CPU config's 2*hidden+ffn); vision time = sum over micro-steps of "
+    print(f"frames cost p*(p+{alpha}) (the CPU config's tower alpha); vision time = sum over micro-steps of "
           f"the largest rank's cost, over the mean")
     head = (f"{'run':<40} {'steps':>5} | {'before':>7} | {'plan, cap':>9} {'+swaps':>7} {'exact, cap':>10} | "
             f"{'plan':>7} {'+swaps':>7} {'exact':>7} | {'bound':>7} | "

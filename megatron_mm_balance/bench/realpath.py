@@ -73,9 +73,9 @@ DEFAULTS = dict(rounds=3, iters=6, warmup=2, calibration_iters=3, samples=512, s
 ITER_RE = re.compile(r"\biteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([0-9.]+)"
                      r".*?\blm loss: ([0-9.Ee+-]+)")
 #: The cost-fit line of --mm-balance-cost auto.
-FIT_RE = re.compile(r"^\[mm-balance\] cost auto: (.*)$", re.M)
+FIT_RE = re.compile(r"\[mm-balance\] cost auto: (.*)$", re.M)
 #: The tile-balance line of --mm-balance-vision images (megatron/vision.py).
-VISION_RE = re.compile(r"^\[mm-balance\] vision images: micro-steps \d+-\d+: tiles (\d+), moved (\d+) .*?"
+VISION_RE = re.compile(r"\[mm-balance\] vision images: micro-steps \d+-\d+: tiles (\d+), moved (\d+) .*?"
                        r"per micro-step ([0-9.]+) -> ([0-9.]+) \(even split ([0-9.]+)\)", re.M)
 #: Telemetry fields read, by meaning (a renamed field is looked up under each name).
 FIELDS = {"consumer_wait_ms": ("consumer_wait_ms",), "exchange_ms": ("exchange_ms",),

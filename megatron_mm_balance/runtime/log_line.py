@@ -30,8 +30,11 @@ def format_line(iteration: int, summary: Dict[str, float], chunk: int = 0) -> st
     return f"[mm-balance] iteration {iteration}{where} | " + " | ".join(parts)
 
 
-#: a line :func:`format_line` wrote: iteration, `` chunk N`` or nothing, the fields
-LINE_RE = re.compile(r"^\[mm-balance\] iteration (\d+)(?: chunk (\d+))? \|(.*)$", re.M)
+#: a line :func:`format_line` wrote: iteration, `` chunk N`` or nothing, the fields. Not
+#: anchored at the line's start: our line goes out in one write, but another rank's
+#: ``print`` writes its text and its newline separately, and ours can land between the two
+#: (seen in CI: iteration 2's line behind another rank's text, lost to a reader anchored at ^)
+LINE_RE = re.compile(r"\[mm-balance\] iteration (\d+)(?: chunk (\d+))? \|(.*)$", re.M)
 #: a field's figure: its leading number
 _NUMBER_RE = re.compile(r"\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?|[-+]?inf|nan)")
 
@@ -40,8 +43,8 @@ def read_lines(text: str) -> Iterator[Tuple[int, int, Dict[str, float]]]:
     """``(iteration, chunk, {field: figure})`` of every line :func:`format_line` wrote in
     ``text`` (a log), in order: the one reader of those lines (compare-logs' control check,
     bench-realpath, the tests). A figure is its field's leading number, so that another
-    rank's output glued onto the line's end (ranks share the launcher's stdout) does not
-    change it; fields without a number (``note: ...``) are left out."""
+    rank's output glued onto the line's end or start (ranks share the launcher's stdout)
+    does not change it; fields without a number (``note: ...``) are left out."""
     for m in LINE_RE.finditer(text):
         fields = {}
         for part in m.group(3).split("|"):

@@ -546,7 +546,8 @@ def test_a_telemetry_line_goes_out_in_one_write(monkeypatch):
 def test_telemetry_lines_read_back_as_written():
     """read_lines, the one reader of format_line's lines: every figure as written (6
     significant digits), the chunk, numberless fields (the resume note) left out, a figure
-    with another rank's output glued on read by its leading number, other lines ignored."""
+    with another rank's output glued on read by its leading number, a line behind another
+    rank's unfinished one still read, other lines ignored."""
     from megatron_mm_balance.megatron.telemetry import resume_note
     from megatron_mm_balance.runtime.log_line import format_line, read_lines
     summary = {"packs_moved": 3.0, "imbalance_before": 1.234567891, "bytes_sent": 1.5e9, "cost_after": -2.0}
@@ -555,9 +556,11 @@ def test_telemetry_lines_read_back_as_written():
         format_line(5, summary) + resume_note(4),
         format_line(5, {"packs_moved": 1.0}, chunk=1),
         format_line(6, {"prefetched": 1.0}) + " [2026-12-03 03:01:20] iteration 6/ 6 | lm loss: 6.2E+00 |",
+        "WARNING: another rank's unfinished line" + format_line(7, {"packs_moved": 2.0}),
     ])
     lines = list(read_lines(text))
-    assert [(it, chunk) for it, chunk, _ in lines] == [(5, 0), (5, 1), (6, 0)]
+    assert [(it, chunk) for it, chunk, _ in lines] == [(5, 0), (5, 1), (6, 0), (7, 0)]
+    assert lines[3][2] == {"packs_moved": 2.0}
     first = lines[0][2]
     assert first == {"packs_moved": 3.0, "imbalance_before": 1.23457, "bytes_sent": 1.5e9, "cost_after": -2.0,
                      "resumed_from": 4.0}

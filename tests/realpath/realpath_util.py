@@ -33,10 +33,10 @@ RUN_TIMEOUT_S = 600
 CONFIG = REPO / "configs" / "megatron" / "tiny_cpu.sh"
 
 #: Our telemetry line: "[mm-balance] iteration 3 | ... | packs_moved: 7 | ...".
-MOVED_RE = re.compile(r"^\[mm-balance\] iteration (\d+) \|.*?\bpacks_moved: (\d+)", re.M)
+MOVED_RE = re.compile(r"\[mm-balance\] iteration (\d+) \|.*?\bpacks_moved: (\d+)", re.M)
 #: The same line's share of global batches the exchange thread pulled before the training
 #: loop asked for them ("prefetched: 1": all of them).
-PREFETCH_RE = re.compile(r"^\[mm-balance\] iteration (\d+) \|.*?\bprefetched: ([0-9.]+)", re.M)
+PREFETCH_RE = re.compile(r"\[mm-balance\] iteration (\d+) \|.*?\bprefetched: ([0-9.]+)", re.M)
 
 
 def megatron_lm_dir(tag: str = TAG) -> Optional[Path]:
@@ -152,7 +152,7 @@ def run(env: Dict[str, str], extra: List[str] = (), *, log_path: Path, timeout: 
 
 def telemetry_field(log: str, name: str) -> Dict[int, float]:
     """``{iteration: value}`` of one field of our telemetry lines (``... | name: value | ...``)."""
-    pat = re.compile(r"^\[mm-balance\] iteration (\d+) \|.*?\| " + re.escape(name) + r": ([0-9.eE+-]+)", re.M)
+    pat = re.compile(r"\[mm-balance\] iteration (\d+) \|.*?\| " + re.escape(name) + r": ([0-9.eE+-]+)", re.M)
     return {int(m.group(1)): float(m.group(2)) for m in pat.finditer(log)}
 
 

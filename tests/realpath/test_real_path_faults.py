@@ -85,7 +85,7 @@ CASES = [
                  r"pulled for this global batch \(per rank \[2, 1, 2, 2\]\) are not delivered",)),
 ]
 #: a line of ours that says why a rank stopped (or that it was killed)
-STOP_LINE = re.compile(r"^\[mm-balance\] rank (\d+): (training stops|stopped by |MM_BALANCE_FAULT=kill)"
+STOP_LINE = re.compile(r"\[mm-balance\] rank (\d+): (training stops|stopped by |MM_BALANCE_FAULT=kill)"
                        r"(.*)$", re.M)
 LOADED = re.compile(r"successfully loaded checkpoint from .* at iteration (\d+)")
 

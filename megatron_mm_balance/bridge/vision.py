@@ -18,7 +18,8 @@ Per training forward of a model chunk with a ``vision_model`` (the first pipelin
    after ``reorganize_inputs`` and, under context parallelism with ``vision_dp_when_cp``, its
    frame split: this rank's share), the tower's replaced ``forward`` all-gathers the frames'
    integer costs and sizes on this rank's vision group (:func:`gather_unit_table`: one small
-   collective with the counts, then the per-frame integers), plans which rank encodes each
+   collective with the counts, the headers and the per-frame integers, sized to the most
+   frames a rank has held so far; a second only when a rank holds more), plans which rank encodes each
    frame (:func:`~megatron_mm_balance.runtime.frames.plan_frame_encoders`: the same plan on
    every rank), sends pixel rows to their encoder ranks, runs the real tower on what
    arrived (through its own ``__call__``, so hooks still fire) and returns the main
@@ -34,7 +35,7 @@ Per training forward of a model chunk with a ``vision_model`` (the first pipelin
    placeholder that enters the gather. Either way backward meets the exchange where the
    other ranks do (after the decoder; under context parallelism after the gather's
    backward), and no value changes;
-3. a micro-step with no frame on any rank of the group costs the first collective only.
+3. a micro-step with no frame on any rank of the group costs that one collective only.
 
 Evaluation and no-grad forwards are not balanced (no collectives). The vision groups are
 the data-parallel groups of the first pipeline stage, one per tensor- and context-parallel
@@ -81,6 +82,9 @@ LINK_SAMPLE_MIN_BYTES = 256 * 1024
 #: (benchmarks/bench_cpu_transfer_rates.py; docs/bridge.md §9)
 NOMINAL_RATES = {"cuda": (25.0, 400.0), "cpu": (2.0, 0.05)}
 GATHER_NAME = "AllGatherVisionEmbeddings"
+#: frames per rank the unit table's first collective carries until a rank holds more (three
+#: integers each: a few hundred bytes)
+TABLE_ROWS_AT_START = 16
 #: dtype codes of the per-micro-step header (the same table on every rank)
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 
@@ -238,7 +242,7 @@ class BalancedFrames:
         self.overlap = overlap
         #: ``detail(name, value)``: where this rank's share of the vision forward goes, per
         #: micro-step (the timing records' ``details``; host clock): ``vision_gather_ms`` (the
-        #: unit table's all-gathers, waiting for the group's last rank included),
+        #: unit table's all-gather, waiting for the group's last rank included),
         #: ``vision_plan_ms``, ``vision_tower_ms`` over ``vision_tower_calls`` calls, and
         #: ``vision_exchange_ms``, the whole exchange (the rest of it: transfers and waits)
         self.detail = detail
@@ -252,6 +256,9 @@ class BalancedFrames:
         self.deepstack = len(model.vision_transformer_config.deepstack_visual_indexes)
         self.last_figures = None        # the latest micro-step's FrameFigures (None: no frames)
         self.last_plan = None           # and its frames: owner, cost, patches, encoder (arrays)
+        #: frames per rank the unit table's first collective carries: the most any rank has
+        #: held (read from the tables, so the same on every rank), so a micro-step costs one
+        self.table_rows = TABLE_ROWS_AT_START
         self._armed = False             # inside a training forward of the model
         self._done = False              # this forward took part in its exchange
         self._encoding = False          # inside the balanced encode: the real tower runs
@@ -320,13 +327,14 @@ class BalancedFrames:
         costs = np.array([int(self.frame_cost(int(p))) for p in patches_here], dtype=np.int64)
         table = gather_unit_table(np.column_stack([costs, hw]).reshape(-1, 3),
                                   _header(pixels, int(patches_here.sum())) + self._rate_header(),
-                                  self.group, device)
+                                  self.group, device, rows_in_first=self.table_rows)
         gathered = time.perf_counter()
         self._note("vision_gather_ms", (gathered - began) * 1e3)
         if table is None:
             self._account(None)
             self._note("vision_exchange_ms", (time.perf_counter() - began) * 1e3)
             return None
+        self.table_rows = max(self.table_rows, int(np.bincount(table.owner, minlength=table.num_ranks).max()))
         in_dim, dtype, pixel_grad = self._agreed_inputs(table)
         cost, h, w = table.columns[:, 0], table.columns[:, 1], table.columns[:, 2]
         patches = h * w

@@ -108,31 +108,48 @@ class UnitTable:
 
 
 def gather_unit_table(columns: np.ndarray, header: Sequence[int], group=None, device=None, *,
-                      stop_when_empty: bool = True) -> Optional[UnitTable]:
+                      stop_when_empty: bool = True, rows_in_first: int = 0) -> Optional[UnitTable]:
     """All-gather ``columns`` (``[units, k]`` int64 on each rank, ``k`` the same everywhere)
-    and ``header`` (the same length everywhere). Two collectives: the unit counts with the
-    headers, then the columns padded to the largest count. With ``stop_when_empty``, a
-    micro-step with no unit on any rank costs only the first (small) one and gives None.
+    and ``header`` (the same length everywhere).
+
+    The first collective carries each rank's unit count, its header and its first
+    ``rows_in_first`` rows (zero-padded to that many); a second one, the rows beyond, padded
+    to the largest remainder, runs only where some rank holds more (every rank knows from the
+    counts, so all run it or none). A caller that passes the most units a rank has held so far
+    (the same on every rank: read from the tables) pays one collective per micro-step, and
+    one host copy of its result (on NCCL a synchronisation with the GPU). With
+    ``stop_when_empty``, a micro-step with no unit on any rank gives None after the first.
     ``device``: where the collectives' tensors live (CPU for gloo, the GPU for NCCL)."""
     columns = np.asarray(columns, dtype=np.int64)
-    if columns.ndim != 2:
-        raise ValueError(f"unit columns must be [units, k], got shape {columns.shape}")
+    if columns.ndim != 2 or columns.shape[1] < 1:
+        raise ValueError(f"unit columns must be [units, k >= 1], got shape {columns.shape}")
+    if isinstance(rows_in_first, bool) or not isinstance(rows_in_first, (int, np.integer)) or rows_in_first < 0:
+        raise ValueError(f"rows_in_first must be a non-negative integer, got {rows_in_first!r}")
     world = dist.get_world_size(group)
-    head = torch.tensor([columns.shape[0], *header], dtype=torch.int64, device=device)
-    heads = [torch.empty_like(head) for _ in range(world)]
-    dist.all_gather(heads, head, group=group)
-    heads_np = torch.stack(heads).cpu().numpy()
-    counts = heads_np[:, 0]
-    total = int(counts.sum())
-    if total == 0 and stop_when_empty:
+    n, k, head_len = columns.shape[0], columns.shape[1], 1 + len(header)
+    first_rows = min(n, int(rows_in_first))
+    first = np.zeros(head_len + int(rows_in_first) * k, dtype=np.int64)
+    first[:head_len] = [n, *header]
+    first[head_len: head_len + first_rows * k] = columns[:first_rows].reshape(-1)
+    first_t = torch.from_numpy(first).to(device)
+    firsts = [torch.empty_like(first_t) for _ in range(world)]
+    dist.all_gather(firsts, first_t, group=group)
+    gathered = torch.stack(firsts).cpu().numpy()
+    heads_np, counts = gathered[:, 1:head_len], gathered[:, 0]
+    if int(counts.sum()) == 0 and stop_when_empty:
         return None
-    width = max(int(counts.max()), 1)
-    padded = torch.zeros((width, columns.shape[1]), dtype=torch.int64, device=device)
-    padded[: columns.shape[0]] = torch.from_numpy(columns).to(device)
-    parts = [torch.empty_like(padded) for _ in range(world)]
-    dist.all_gather(parts, padded, group=group)
-    table = np.concatenate([p[: int(k)].cpu().numpy() for p, k in zip(parts, counts)], axis=0)
-    return UnitTable(owners_of(counts), table, heads_np[:, 1:])
+    in_first = np.minimum(counts, int(rows_in_first))
+    pieces = [gathered[r, head_len: head_len + int(in_first[r]) * k].reshape(-1, k) for r in range(world)]
+    rest = int((counts - in_first).max())
+    if rest > 0:
+        padded = torch.zeros((rest, k), dtype=torch.int64, device=device)
+        padded[: n - first_rows] = torch.from_numpy(columns[first_rows:]).to(device)
+        parts = [torch.empty_like(padded) for _ in range(world)]
+        dist.all_gather(parts, padded, group=group)
+        more = torch.stack(parts).cpu().numpy()
+        pieces = [np.concatenate([pieces[r], more[r, : int(counts[r] - in_first[r])]]) for r in range(world)]
+    table = np.concatenate(pieces, axis=0) if pieces else np.zeros((0, k), dtype=np.int64)
+    return UnitTable(owners_of(counts), table.reshape(-1, k), heads_np)
 
 
 def _row_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:

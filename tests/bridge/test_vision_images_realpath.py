@@ -161,7 +161,12 @@ def test_measured_rates_replace_a_wrong_prior_on_every_rank_alike(results):
 
 
 def test_no_frame_anywhere_costs_one_collective_and_evaluation_none(results):
+    """A micro-step with no frame anywhere: the unit table's one all-gather; one with frames:
+    that one too (no rank holds more frames than it carries), then the point-to-point
+    transfers; an evaluation forward: nothing collective."""
     for r in results:
+        for s in r["steps"][:3]:
+            assert s["collectives"]["all_gather"] == 1, (s["step"], s["collectives"])
         last = r["steps"][3]
         assert last["collectives"] == {"all_gather": 1, "batch_isend_irecv": 0}, last
         assert last["figures"] is None

@@ -2,7 +2,8 @@
 counts in and out (as Qwen-VL frames: ``h*w`` pixel rows in, ``h*w/4`` rows out) encoded on
 other ranks equal the unbalanced encoder forward and backward (outputs, input gradients,
 encoder gradients), with a rank that holds no unit and one that encodes none; the unit table
-all-gather costs one collective when no rank has a unit. The overlapped encode (transfers in
+all-gather costs one collective when no rank has a unit, and when no rank holds more units
+than its first collective carries. The overlapped encode (transfers in
 flight while the encoder works on the kept units, ``UnitExchange.encode_overlapped``) is
 exact too, for every split of the kept units around the arrivals, with and without input
 gradients, on a plan where a rank sends and receives nothing and one exchanges nothing."""
@@ -31,6 +32,11 @@ def test_variable_size_units_are_exact_forward_and_backward():
         assert res["param_grad_diff"] <= 1e-12
         assert res["empty_table"] is None and res["empty_collectives"] == 1
         assert res["table_owner"] == [0, 0, 0, 0, 2, 2] and res["table_header"] == [[7], [-1], [7]]
+        # the first collective carries up to rows_in_first units of every rank: one collective
+        # where no rank holds more (rank 0 holds 4), the same table either way
+        assert res["first_rows"] == {"0": dict(collectives=2, same=True), "2": dict(collectives=2, same=True),
+                                     "4": dict(collectives=1, same=True), "9": dict(collectives=1, same=True),
+                                     "empty": dict(collectives=1, same=True)}, res["first_rows"]
     assert results[1]["encoded_rows"] == 16 + 36 and results[1]["local_rows"] == 0
     for res in results:
         assert len(res["overlapped"]) == 2 * 2 * 3
@@ -122,13 +128,26 @@ def _rank_main(rank: int, world: int, port: int, outdir: str) -> None:
         real = dist.all_gather
         dist.all_gather = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
         empty = gather_unit_table(np.zeros((0, 1), dtype=np.int64), [0])
+        empty_collectives = len(calls)
+        first_rows = {}
+        for rows_in_first in (0, 2, 4, 9):              # rank 0 holds 4 units: 2 needs a second
+            before = len(calls)
+            got = gather_unit_table(np.array(rows_here, dtype=np.int64).reshape(-1, 1),
+                                    [7 if rows_here else -1], rows_in_first=rows_in_first)
+            first_rows[rows_in_first] = dict(collectives=len(calls) - before, same=bool(
+                np.array_equal(got.owner, table.owner) and np.array_equal(got.columns, table.columns)
+                and np.array_equal(got.headers, table.headers)))
+        before = len(calls)
+        empty_first = gather_unit_table(np.zeros((0, 1), dtype=np.int64), [0], rows_in_first=4)
+        first_rows["empty"] = dict(collectives=len(calls) - before, same=empty_first is None)
         dist.all_gather = real
         res = {"rank": rank, "out_diff": float((out - ref_out).abs().max()) if out.numel() else 0.0,
                "input_grad_diff": float((bx.grad - ref_x.grad).abs().max()) if x.numel() else 0.0,
                "param_grad_diff": float((grads - ref_grads).abs().max()),
                "encoded_rows": ex.encoded_in_rows, "local_rows": ex.local_in_rows,
                "table_owner": table.owner.tolist(), "table_header": table.headers.tolist(),
-               "empty_table": empty, "empty_collectives": len(calls), "overlapped": overlapped}
+               "empty_table": empty, "empty_collectives": empty_collectives, "overlapped": overlapped,
+               "first_rows": first_rows}
     except BaseException as e:                              # reported, not hidden
         import traceback
         res = {"error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"}

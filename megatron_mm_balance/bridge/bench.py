@@ -16,7 +16,8 @@ ranks every micro-step, the transfers overlapped with the tower; refused in one 
 exchange completed before the tower: ``mm_balance.image_overlap=false``), ``images-measured``
 (``images`` charging moves at the rates the run measures: ``mm_balance.image_rates=measured``),
 ``images-by-cost`` (``images`` with the packs placed on ``mm_balance.cost`` first instead of
-their heaviest frame: ``mm_balance.image_pack_cost=cost``),
+their heaviest frame: ``mm_balance.image_pack_cost=cost``), ``packs-sync`` (``packs`` with the
+exchange inside the training loop's ``next()``: ``mm_balance.overlap=false``),
 ``untimed`` (``off`` without the timing hooks).
 
 ``--host`` (:data:`HOST_ENV`): ``gpu-node`` by default, the ranks' host side as on a GPU node
@@ -40,6 +41,10 @@ from .native_dataset import make_native_res_dataset
 LAUNCHER = REPO / "scripts" / "pretrain_bridge_vlm.sh"
 CONFIG = REPO / "configs" / "bridge" / "qwen3_vl_moe_native_res_cpu.sh"
 MODES = ("off", "packs", "model")
+#: ``packs-sync``: pack placement with each global batch's gather, plan and exchanges run inside
+#: the training loop's ``next()`` (``mm_balance.overlap=false``) instead of on the exchange
+#: thread, which on this host's two cores shares the ranks' cores and their interpreter lock
+SYNC_MODES = {"packs-sync": ["mm_balance.overlap=false"]}
 #: the image-level modes: their overrides beyond ``mm_balance.vision=images``
 IMAGE_MODES = {"images": [], "images-sync": ["mm_balance.image_overlap=false"],
                "images-measured": ["mm_balance.image_rates=measured"],
@@ -107,7 +112,7 @@ class BridgeFramework:
         return str(venv) if venv.is_file() else sys.executable
 
     def all_modes(self) -> tuple:
-        return MODES + tuple(IMAGE_MODES) + ("untimed",)
+        return MODES + tuple(SYNC_MODES) + tuple(IMAGE_MODES) + ("untimed",)
 
     def default_modes(self) -> tuple:
         return MODES + (("images",) if bridge_images_available() else ())
@@ -139,6 +144,8 @@ class BridgeFramework:
             return "1", [f"mm_balance.cost={self.cost}"]
         if mode == "model":
             return "1", ["mm_balance.cost=model"]
+        if mode in SYNC_MODES:
+            return "1", [f"mm_balance.cost={self.cost}", *SYNC_MODES[mode]]
         if mode in IMAGE_MODES:
             if not bridge_images_available():
                 raise BenchError(f"mode {mode} needs mm_balance.vision (image-level balancing on Bridge), which "

@@ -127,6 +127,8 @@ def test_bridge_modes_and_refusals(monkeypatch):
     assert fw.mode_args("off") == ("0", []) and fw.mode_args("untimed") == ("0", [])
     assert fw.mode_args("packs") == ("1", ["mm_balance.cost=image-tokens"])
     assert fw.mode_args("model") == ("1", ["mm_balance.cost=model"])
+    assert fw.mode_args("packs-sync") == ("1", ["mm_balance.cost=image-tokens", "mm_balance.overlap=false"])
+    assert "packs-sync" in fw.all_modes() and "packs-sync" not in fw.default_modes()
     assert fw.timing_args(Path("/x/timing")) == ["mm_balance.timing_dir=/x/timing"]
     with pytest.raises(realpath.BenchError, match="unknown mode 'sync'"):
         fw.mode_args("sync")

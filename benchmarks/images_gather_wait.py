@@ -15,47 +15,37 @@ median per micro-step.
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 from pathlib import Path
 
+import numpy as np
 
-def records(timing_dir: Path) -> dict:
-    """``{(iteration, micro-batch): [record of each rank]}`` of one run."""
-    out: dict = {}
-    for path in sorted(Path(timing_dir).glob("timing-rank*.jsonl")):
-        for line in path.read_text().splitlines():
-            rec = json.loads(line)
-            out.setdefault((rec["iteration"], rec["microbatch"]), []).append(rec)
-    return out
+from megatron_mm_balance.sim.run_trace import load_run
 
 
-def split_gather(micro_steps: dict, warmup: int) -> dict:
+def _per_step(run, value) -> np.ndarray:
+    """``[I, G, D]``: ``value(record)`` at every iteration, micro-step and rank."""
+    return np.array([[[value(r) for r in per_rank] for per_rank in iteration]
+                     for iteration in run.records], dtype=np.float64).transpose(0, 2, 1)
+
+
+def split_gather(timing_dir, warmup: int) -> dict:
     """Per-iteration sums over ranks of the gather, its collective part and the waiting, for
-    micro-steps with and without frames, and the collective's per-micro-step figures."""
-    sums = {kind: {"gather": 0.0, "collective": 0.0, "waiting": 0.0, "steps": 0} for kind in ("frames", "none")}
-    collective = []
-    iterations = set()
-    for (it, _mb), recs in micro_steps.items():
-        if it <= warmup:
-            continue
-        gathers = [r.get("details", {}).get("vision_gather_ms") for r in recs]
-        if any(g is None for g in gathers):
-            continue
-        iterations.add(it)
-        kind = "frames" if any(r.get("grids") for r in recs) else "none"
-        low = min(gathers)
-        sums[kind]["gather"] += sum(gathers)
-        sums[kind]["collective"] += low * len(gathers)
-        sums[kind]["waiting"] += sum(g - low for g in gathers)
-        sums[kind]["steps"] += 1
-        collective.append(low)
-    n = max(len(iterations), 1)
-    for kind in sums:
-        for key in ("gather", "collective", "waiting", "steps"):
-            sums[kind][key] /= n
-    return dict(iterations=len(iterations), per_iteration=sums,
-                collective_p50=statistics.median(collective) if collective else float("nan"))
+    micro-steps with and without frames (the run's complete iterations after the first
+    ``warmup``, ``load_run``), and the collective's per-micro-step median."""
+    run = load_run(str(timing_dir), skip_iterations=warmup)
+    gather = _per_step(run, lambda r: r.get("details", {}).get("vision_gather_ms", np.nan))
+    frames = _per_step(run, lambda r: bool(r.get("grids"))).any(axis=2)
+    timed = ~np.isnan(gather).any(axis=2)                        # every rank timed its gather
+    steps, with_frames = gather[timed], frames[timed]            # [S, D], [S]
+    low = steps.min(axis=1, keepdims=True)                       # the last to arrive: the collective
+    iterations = max(int(timed.any(axis=1).sum()), 1)
+    sums = {}
+    for kind, chosen in (("frames", with_frames), ("none", ~with_frames)):
+        g, c = steps[chosen], low[chosen]
+        sums[kind] = {"gather": float(g.sum()) / iterations, "collective": float(c.sum()) * g.shape[1] / iterations,
+                      "waiting": float((g - c).sum()) / iterations, "steps": int(chosen.sum()) / iterations}
+    return dict(iterations=int(timed.any(axis=1).sum()), per_iteration=sums,
+                collective_p50=float(np.median(low)) if low.size else float("nan"))
 
 
 def main(argv=None) -> None:
@@ -63,11 +53,11 @@ def main(argv=None) -> None:
     ap.add_argument("timing", nargs="+", help="timing directories of images runs")
     ap.add_argument("--warmup", type=int, default=2)
     a = ap.parse_args(argv)
-    print(f"per iteration, summed over ranks (ms); iterations <= {a.warmup} dropped")
+    print(f"per iteration, summed over ranks (ms); the first {a.warmup} iterations dropped")
     print(f"{'run':<40} {'iters':>5} | {'frames: gather':>14} {'collective':>10} {'waiting':>8} | "
           f"{'none: gather':>12} {'collective':>10} {'waiting':>8} {'steps':>5} | {'coll. p50':>9}")
     for d in a.timing:
-        s = split_gather(records(Path(d)), a.warmup)
+        s = split_gather(Path(d), a.warmup)
         f, z = s["per_iteration"]["frames"], s["per_iteration"]["none"]
         name = str(Path(d).parent)[-40:]
         print(f"{name:<40} {s['iterations']:>5} | {f['gather']:14.1f} {f['collective']:10.1f} {f['waiting']:8.1f} | "

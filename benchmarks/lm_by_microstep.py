@@ -14,33 +14,28 @@ than ``off`` at the same work shows where, in the iteration, something else took
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
+import numpy as np
 
-def micro_steps(run: Path, warmup: int) -> dict:
-    """``{(iteration, micro-batch): [records of each rank]}`` of one run's timing records."""
-    out: dict = {}
-    for path in sorted((run / "timing").glob("timing-rank*.jsonl")):
-        for line in path.read_text().splitlines():
-            rec = json.loads(line)
-            if rec["iteration"] > warmup:
-                out.setdefault((rec["iteration"], rec["microbatch"]), []).append(rec)
-    return out
+from megatron_mm_balance.sim.run_trace import load_run
+
+
+def _least(traces, phase) -> np.ndarray:
+    """``[iterations, G]``: at each micro-step, the least over ranks of ``phase(trace)``
+    (an ``[I, D, G]`` array), the runs' iterations one after another."""
+    return np.concatenate([phase(t).min(axis=1) for t in traces])
 
 
 def lm_by_index(runs, warmup: int) -> dict:
-    """Mean over micro-steps at each index of the least rank's language-model time, and of its
-    forward and backward (each the least over ranks)."""
-    sums: dict = {}
-    for run in runs:
-        for (_it, mb), recs in micro_steps(Path(run), warmup).items():
-            row = sums.setdefault(mb, [0.0, 0.0, 0.0, 0])
-            row[0] += min(r["lm_forward_ms"] + r["lm_backward_ms"] for r in recs)
-            row[1] += min(r["lm_forward_ms"] for r in recs)
-            row[2] += min(r["lm_backward_ms"] for r in recs)
-            row[3] += 1
-    return {mb: dict(lm=t / n, forward=f / n, backward=b / n, n=n) for mb, (t, f, b, n) in sorted(sums.items())}
+    """Mean over the runs' measured iterations (``load_run``: the first ``warmup`` dropped), at
+    each micro-step index, of the least rank's language-model time, and of its forward and
+    backward (each the least over ranks)."""
+    traces = [load_run(str(Path(run) / "timing"), skip_iterations=warmup) for run in runs]
+    lm = _least(traces, lambda t: t.lf + t.lb)
+    forward, backward = _least(traces, lambda t: t.lf), _least(traces, lambda t: t.lb)
+    return {g: dict(lm=float(lm[:, g].mean()), forward=float(forward[:, g].mean()),
+                    backward=float(backward[:, g].mean()), n=len(lm)) for g in range(lm.shape[1])}
 
 
 def main(argv=None) -> None:
@@ -50,8 +45,8 @@ def main(argv=None) -> None:
     ap.add_argument("--warmup", type=int, default=2)
     a = ap.parse_args(argv)
     out = Path(a.out)
-    print(f"language model ms per micro-step (the least rank's forward + backward; iterations <= {a.warmup} "
-          "dropped), by micro-step index; then the iteration's sum")
+    print(f"language model ms per micro-step (the least rank's forward + backward; the first {a.warmup} "
+          "iterations dropped), by micro-step index; then the iteration's sum")
     for mode in a.modes.split(","):
         runs = sorted(p for p in out.glob(f"round*-{mode}") if (p / "timing").is_dir())
         if not runs:

@@ -127,8 +127,9 @@ def gather_unit_table(columns: np.ndarray, header: Sequence[int], group=None, de
         raise ValueError(f"rows_in_first must be a non-negative integer, got {rows_in_first!r}")
     world = dist.get_world_size(group)
     n, k, head_len = columns.shape[0], columns.shape[1], 1 + len(header)
-    first_rows = min(n, int(rows_in_first))
-    first = np.zeros(head_len + int(rows_in_first) * k, dtype=np.int64)
+    rows_in_first = int(rows_in_first)
+    first_rows = min(n, rows_in_first)
+    first = np.zeros(head_len + rows_in_first * k, dtype=np.int64)
     first[:head_len] = [n, *header]
     first[head_len: head_len + first_rows * k] = columns[:first_rows].reshape(-1)
     first_t = torch.from_numpy(first).to(device)
@@ -138,7 +139,7 @@ def gather_unit_table(columns: np.ndarray, header: Sequence[int], group=None, de
     heads_np, counts = gathered[:, 1:head_len], gathered[:, 0]
     if int(counts.sum()) == 0 and stop_when_empty:
         return None
-    in_first = np.minimum(counts, int(rows_in_first))
+    in_first = np.minimum(counts, rows_in_first)
     pieces = [gathered[r, head_len: head_len + int(in_first[r]) * k].reshape(-1, k) for r in range(world)]
     rest = int((counts - in_first).max())
     if rest > 0:
@@ -148,8 +149,7 @@ def gather_unit_table(columns: np.ndarray, header: Sequence[int], group=None, de
         dist.all_gather(parts, padded, group=group)
         more = torch.stack(parts).cpu().numpy()
         pieces = [np.concatenate([pieces[r], more[r, : int(counts[r] - in_first[r])]]) for r in range(world)]
-    table = np.concatenate(pieces, axis=0) if pieces else np.zeros((0, k), dtype=np.int64)
-    return UnitTable(owners_of(counts), table.reshape(-1, k), heads_np)
+    return UnitTable(owners_of(counts), np.concatenate(pieces, axis=0), heads_np)
 
 
 def _row_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:

@@ -18,6 +18,7 @@ from typing import Dict, List, Optional
 
 from megatron_mm_balance.bench.runtime import free_port
 from megatron_mm_balance.megatron import logs as megatron_logs
+from megatron_mm_balance.runtime.log_line import read_lines
 from megatron_mm_balance.testing import megatron_tree
 
 REPO = Path(__file__).resolve().parents[2]
@@ -32,11 +33,6 @@ LAUNCHER = REPO / "scripts" / "pretrain_vlm_moe.sh"
 RUN_TIMEOUT_S = 600
 CONFIG = REPO / "configs" / "megatron" / "tiny_cpu.sh"
 
-#: Our telemetry line: "[mm-balance] iteration 3 | ... | packs_moved: 7 | ...".
-MOVED_RE = re.compile(r"\[mm-balance\] iteration (\d+) \|.*?\bpacks_moved: (\d+)", re.M)
-#: The same line's share of global batches the exchange thread pulled before the training
-#: loop asked for them ("prefetched: 1": all of them).
-PREFETCH_RE = re.compile(r"\[mm-balance\] iteration (\d+) \|.*?\bprefetched: ([0-9.]+)", re.M)
 
 
 def megatron_lm_dir(tag: str = TAG) -> Optional[Path]:
@@ -94,11 +90,14 @@ def parse_losses(log: str) -> Dict[int, float]:
 
 
 def parse_moved(log: str) -> Dict[int, int]:
-    return {int(m.group(1)): int(m.group(2)) for m in MOVED_RE.finditer(log)}
+    """Packs moved per iteration (our telemetry line's ``packs_moved``)."""
+    return {it: int(v) for it, v in telemetry_field(log, "packs_moved").items()}
 
 
 def parse_prefetched(log: str) -> Dict[int, float]:
-    return {int(m.group(1)): float(m.group(2)) for m in PREFETCH_RE.finditer(log)}
+    """The share of each iteration's global batches the exchange thread pulled before the
+    training loop asked for them (``prefetched: 1``: all of them)."""
+    return telemetry_field(log, "prefetched")
 
 
 def launcher_env(mlm: Path, data: Dict[str, str], *, mm_balance: bool, output_dir: Path,
@@ -151,9 +150,9 @@ def run(env: Dict[str, str], extra: List[str] = (), *, log_path: Path, timeout: 
 
 
 def telemetry_field(log: str, name: str) -> Dict[int, float]:
-    """``{iteration: value}`` of one field of our telemetry lines (``... | name: value | ...``)."""
-    pat = re.compile(r"\[mm-balance\] iteration (\d+) \|.*?\| " + re.escape(name) + r": ([0-9.eE+-]+)", re.M)
-    return {int(m.group(1)): float(m.group(2)) for m in pat.finditer(log)}
+    """``{iteration: value}`` of one field of our telemetry lines (``... | name: value | ...``,
+    the first model chunk's), as ``runtime/log_line.read_lines``, their one reader, reads them."""
+    return {it: fields[name] for it, chunk, fields in read_lines(log) if chunk == 0 and name in fields}
 
 
 def run_nodes(env: Dict[str, str], nnodes: int, nproc_per_node: int, extra: List[str] = (), *,

@@ -2,43 +2,29 @@
 collective itself (the last rank to arrive waits for nobody) and the other ranks' waiting."""
 from __future__ import annotations
 
-import importlib.util
-import json
-from pathlib import Path
-
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "images_gather_wait.py"
 
-
-def _module():
-    spec = importlib.util.spec_from_file_location("images_gather_wait", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def _write(tmp_path, rows):
+def _records(rows, rank):
     """rows: (iteration, micro-batch, gather ms of rank 0, of rank 1, frames anywhere)."""
-    for rank in (0, 1):
-        lines = [json.dumps(dict(iteration=it, microbatch=mb, rank=rank,
-                                 grids=[[1, 8, 8]] if frames and rank == 0 else [],
-                                 details=dict(vision_gather_ms=(g0, g1)[rank])))
-                 for it, mb, g0, g1, frames in rows]
-        (tmp_path / f"timing-rank{rank:05d}.jsonl").write_text("\n".join(lines) + "\n")
+    return [dict(iteration=it, microbatch=mb, grids=[[1, 8, 8]] if frames and rank == 0 else [],
+                 details=dict(vision_gather_ms=(g0, g1)[rank])) for it, mb, g0, g1, frames in rows]
 
 
-def test_the_last_rank_to_arrive_is_the_collective_the_rest_waiting(tmp_path, capsys):
-    _write(tmp_path, [(1, 0, 500.0, 1.0, True),                  # a warm-up iteration: dropped
-                      (3, 0, 2.0, 12.0, True), (3, 1, 3.0, 3.0, False),
-                      (4, 0, 7.0, 1.0, True), (4, 1, 1.0, 1.0, True)])
-    mod = _module()
-    s = mod.split_gather(mod.records(tmp_path), warmup=2)
+def test_the_last_rank_to_arrive_is_the_collective_the_rest_waiting(tmp_path, capsys, load_benchmark,
+                                                                      write_timing):
+    rows = [(1, 0, 500.0, 1.0, True), (1, 1, 500.0, 1.0, True),     # warm-up iterations: dropped
+            (2, 0, 500.0, 1.0, True), (2, 1, 500.0, 1.0, True),
+            (3, 0, 2.0, 12.0, True), (3, 1, 3.0, 3.0, False),
+            (4, 0, 7.0, 1.0, True), (4, 1, 1.0, 1.0, True)]
+    timing = write_timing(tmp_path / "timing", {r: _records(rows, r) for r in (0, 1)})
+    mod = load_benchmark("images_gather_wait")
+    s = mod.split_gather(timing, warmup=2)
     assert s["iterations"] == 2
     frames, none = s["per_iteration"]["frames"], s["per_iteration"]["none"]
     # frames: (2+12) + (7+1) + (1+1) = 24 over 2 iterations; collective 2*(2+1+1) = 8
     assert frames == pytest.approx(dict(gather=12.0, collective=4.0, waiting=8.0, steps=1.5))
     assert none == pytest.approx(dict(gather=3.0, collective=3.0, waiting=0.0, steps=0.5))
     assert s["collective_p50"] == pytest.approx(1.5)             # of 2, 3, 1, 1
-    mod.main([str(tmp_path)])
+    mod.main([str(timing)])
     assert "12.0" in capsys.readouterr().out

@@ -34,8 +34,10 @@ class MMBalanceBridgeConfig:
     #: ``auto``/``exchange``: move micro-batches; ``shadow``: gather costs, solve, log the
     #: predicted gain, move nothing; ``control``: every rank keeps its own micro-batches,
     #: reordered across micro-steps in balancing's order (the arithmetic-order band of
-    #: ``mm-balance compare-logs --control``; docs/bridge.md). Sampler mode needs
-    #: Megatron-LM's sampler: refused
+    #: ``mm-balance compare-logs --control``; docs/bridge.md); ``crossover-even`` /
+    #: ``crossover-odd``: exchange at iterations of that parity, shadow at the others (two
+    #: jobs time every iteration balanced and not: ``bench-realpath --crossover``). Sampler
+    #: mode needs Megatron-LM's sampler: refused
     mode: str = "auto"
     #: ``auto`` (microstep under expert parallel, else step), ``microstep``, ``step``
     sync: str = "auto"
@@ -119,7 +121,8 @@ def as_args(mm: MMBalanceBridgeConfig, cfg, *, train_state=None) -> types.Simple
     if mm.mode == "sampler":
         from ..megatron.checks import MMBalanceConfigError
         raise MMBalanceConfigError("mm_balance.mode=sampler needs Megatron-LM's pretraining sampler; "
-                                   "on Megatron-Bridge use mm_balance.mode=exchange (or auto, shadow, control)")
+                                   "on Megatron-Bridge use mm_balance.mode=exchange (or auto, shadow, control, "
+                                   "crossover-even, crossover-odd)")
     from .cp_split import checked_choice
     from .vision import checked_vision
     checked_choice(getattr(mm, "cp_split", "cost"))

@@ -64,6 +64,7 @@ from typing import Callable, List, Optional
 
 import numpy as np
 
+from ..megatron.config import MEASURING_MODES
 from ..runtime.log_line import emit_line
 from .cp_split import QWEN3_VL_MODEL
 
@@ -142,8 +143,9 @@ def pack_cost_for(mm, model_cfg, default_cost):
 def _refusal(mm, model_cfg) -> Optional[str]:
     if not getattr(mm, "enabled", False):
         return "needs mm_balance.enabled=true (packs move first, frames then even out what packs cannot)"
-    if getattr(mm, "mode", "auto") in ("shadow", "control"):
-        return f"moves frames between ranks; mm_balance.mode={mm.mode} moves nothing: use one of them"
+    if getattr(mm, "mode", "auto") in MEASURING_MODES:
+        return (f"moves frames between ranks; mm_balance.mode={mm.mode} moves nothing at some or all "
+                "iterations: use one of them")
     if getattr(mm, "cost", None) == "auto":
         return ("cannot be combined with mm_balance.cost=auto: a pack's vision timing would be that of "
                 "other ranks' frames; use mm_balance.cost=image-tokens or model")

@@ -43,7 +43,7 @@ one builder the glue and the ``validate_args`` patch (:func:`check_args`) use.
 """
 from __future__ import annotations
 
-from .config import UPSTREAM_BALANCERS, MegatronArgs, MMBalanceConfig, MMBalanceConfigError
+from .config import MEASURING_MODES, UPSTREAM_BALANCERS, MegatronArgs, MMBalanceConfig, MMBalanceConfigError
 
 __all__ = ["MMBalanceConfigError", "check_args", "checked_config", "global_aux_loss_coeff",
            "refuse_loss_changing", "refuse_upstream_balancers", "refuse_vision_images"]
@@ -98,9 +98,9 @@ def refuse_vision_images(cfg: MMBalanceConfig) -> None:
         return
     if not cfg.enabled:
         raise MMBalanceConfigError("--mm-balance-vision images needs --mm-balance")
-    if cfg.mode in ("shadow", "control"):
+    if cfg.mode in MEASURING_MODES:
         raise MMBalanceConfigError(f"--mm-balance-vision images moves tiles, --mm-balance-mode {cfg.mode} "
-                                   "moves nothing between ranks: use one of them")
+                                   "moves nothing between ranks at some or all iterations: use one of them")
     if cfg.cost == "auto":
         raise MMBalanceConfigError("--mm-balance-vision images cannot be combined with --mm-balance-cost "
                                    "auto: a pack's vision timing would be that of other ranks' tiles; "

@@ -35,7 +35,9 @@ from ..solver.placement import DEFAULT_BALANCE_TOLERANCE
 SYNC_CHOICES = ("auto", "microstep", "step")
 COST_CHOICES = ("image-tokens", "model", "auto")
 DEFAULT_CALIBRATION_ITERS = 10
-MODE_CHOICES = ("auto", "exchange", "sampler", "shadow", "control")
+MODE_CHOICES = ("auto", "exchange", "sampler", "shadow", "control", "crossover-even", "crossover-odd")
+#: the modes that gather costs and solve on every rank but move nothing at some or all batches
+MEASURING_MODES = ("shadow", "control", "crossover-even", "crossover-odd")
 VISION_CHOICES = ("packs", "images")
 #: the statistics interval when neither --mm-balance-log-interval nor --log-interval is set
 DEFAULT_LOG_INTERVAL = 100
@@ -275,7 +277,10 @@ class MMBalanceConfig:
                      "would do, but moves nothing; 'control' solves like the exchange, then every "
                      "rank keeps its own packs, reordered across micro-steps in balancing's order "
                      "(nothing crosses ranks): the arithmetic-order band that mm-balance "
-                     "compare-logs --control judges an off-vs-on difference against.",
+                     "compare-logs --control judges an off-vs-on difference against; "
+                     "'crossover-even'/'crossover-odd' exchange at iterations of that parity and "
+                     "run the others as shadow: two jobs, one of each, time every iteration "
+                     "balanced and not in the same processes (mm-balance bench-realpath --crossover).",
                      type=str, choices=MODE_CHOICES)
     vision: str = flag("packs", "--mm-balance-vision", "'packs' (default): the vision encoder "
                        "computes the tiles of the packs its rank holds. 'images': every micro-step, "
@@ -336,6 +341,8 @@ class MMBalanceConfig:
             balancer = BalancerConfig(sync=self.sync, overlap=bool(self.overlap), timeout=self.timeout,
                                       device=None, balance_tolerance=self.tolerance,
                                       shadow=self.mode == "shadow", control=self.mode == "control",
+                                      crossover=(self.mode.split("-", 1)[1]
+                                                 if self.mode.startswith("crossover-") else None),
                                       ranks_per_node=self.ranks_per_node)
         except SettingError as e:
             raise MMBalanceConfigError(f"{_RUNTIME_FLAGS[e.field]} {e.requirement}, got {e.value!r}") from None

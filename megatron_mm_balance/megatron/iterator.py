@@ -217,7 +217,8 @@ class Coordinator:
 class ExchangeCoordinator(Coordinator):
     """Exchange (shadow, control) mode: a :class:`~megatron_mm_balance.runtime.BalancedDataIterator`
     per chunk moves packed micro-batches between ranks (shadow: plans, logs, moves nothing;
-    control: every rank its own packs, reordered across micro-steps)."""
+    control: every rank its own packs, reordered across micro-steps; crossover: the exchange at
+    iterations of one parity, shadow at the others)."""
 
     def __init__(self, cfg: MMBalanceConfig, *, cost_fn=None, num_microbatches=None, timing=None,
                  auto_features=None, check_fn=None):

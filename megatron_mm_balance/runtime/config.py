@@ -21,6 +21,8 @@ from ..solver.placement import DEFAULT_BALANCE_TOLERANCE, SYNC_MODES
 
 #: seconds any wait on a peer may take before a clear error (the one default)
 DEFAULT_TIMEOUT_S = 300.0
+#: the parities :attr:`BalancerConfig.crossover` balances
+CROSSOVER_PARITIES = ("even", "odd")
 #: the tolerance's valid range, [0, TOLERANCE_BELOW): a fraction of the mean rank total
 TOLERANCE_BELOW = 1.0
 
@@ -64,6 +66,12 @@ class BalancerConfig:
     #: (:func:`~megatron_mm_balance.solver.placement.control_placement`): nothing crosses
     #: ranks. A run in this mode shows the job's arithmetic-order band (docs/megatron.md 7.3).
     control: bool = False
+    #: ``"even"`` or ``"odd"``: balance only the global batches of training iterations of
+    #: that parity, and deliver the others as shadow mode does (solved, nothing moved). Two
+    #: jobs, one of each parity, run every iteration once balanced and once not, on the same
+    #: data, each job's own speed in both: balancing's gain measured free of the drift
+    #: between jobs (``mm-balance bench-realpath --crossover``). None: every batch balanced.
+    crossover: Optional[str] = None
     #: how many global batches ``.stats`` keeps.
     stats_history: int = 1024
     #: the planner's override of the found nodes (the iterator's ``node_ids``): global rank
@@ -91,6 +99,11 @@ class BalancerConfig:
             raise SettingError("ranks_per_node", "must be an integer >= 1", rpn)
         if self.shadow and self.control:
             raise SettingError("control", "cannot be combined with shadow", self.control)
+        if self.crossover is not None:
+            if self.crossover not in CROSSOVER_PARITIES:
+                raise SettingError("crossover", "must be 'even', 'odd' or None", self.crossover)
+            if self.shadow or self.control:
+                raise SettingError("crossover", "cannot be combined with shadow or control", self.crossover)
         hist = self.stats_history
         if isinstance(hist, bool) or not isinstance(hist, int) or hist < 1:
             raise SettingError("stats_history", "must be an integer >= 1", hist)

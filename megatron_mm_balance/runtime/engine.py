@@ -37,7 +37,7 @@ from ..solver.topology import traffic
 from . import faults
 from .agreement import (INLINE_COSTS, STATUS_WHAT, BatchRecord, BatchStatus, check_agreement,
                         settings_hash, settings_string)
-from .config import BalancerConfig
+from .config import CROSSOVER_PARITIES, BalancerConfig
 from .errors import add_context, batch_name
 from .planner import node_of_ranks, plan_batch
 from .stats import BatchStats
@@ -119,8 +119,15 @@ class BatchPlan:
             consumer_wait_first_ms=consumer_wait_first_ms)
 
 
-def delivery_mode(config: BalancerConfig) -> str:
-    """How a batch's plan is delivered: ``"shadow"``, ``"control"`` or ``"exchange"``."""
+def delivery_mode(config: BalancerConfig, iteration: int | None = None) -> str:
+    """How the plan of the global batch of training ``iteration`` is delivered: ``"shadow"``,
+    ``"control"`` or ``"exchange"``. With ``config.crossover``, ``"exchange"`` at iterations of
+    that parity and ``"shadow"`` at the others; without an iteration, the setting itself
+    (``"crossover-even"``, ``"crossover-odd"``), which every rank must share."""
+    if config.crossover is not None:
+        if iteration is None:
+            return f"crossover-{config.crossover}"
+        return "exchange" if iteration % 2 == CROSSOVER_PARITIES.index(config.crossover) else "shadow"
     return "shadow" if config.shadow else "control" if config.control else "exchange"
 
 
@@ -302,13 +309,13 @@ class Engine:
         return flat.reshape(D, G) if self.components == 1 else flat.reshape(D, G, self.components)
 
     def _plan(self, gb, G, packs, costs, gather_ms, state_after) -> BatchPlan:
-        """Plan the batch (:func:`~.planner.plan_batch`); shadow mode delivers the identity,
-        control mode every rank's own packs in balancing's micro-step order (and records
-        that permutation's figures: nothing moved)."""
+        """Plan the batch (:func:`~.planner.plan_batch`); shadow mode (and crossover's other
+        parity) delivers the identity, control mode every rank's own packs in balancing's
+        micro-step order (and records that permutation's figures: nothing moved)."""
         self._beat("solving placement")
         t0 = time.perf_counter()
         solved, plan = plan_batch(costs, self.config, nodes=self.nodes)
-        mode = delivery_mode(self.config)
+        mode = delivery_mode(self.config, self.iteration_of(gb))
         scalar = costs.sum(axis=2) if costs.ndim == 3 else costs
         if mode == "shadow":
             delivered = Placement.identity(self.world, G)

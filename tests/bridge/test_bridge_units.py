@@ -120,6 +120,8 @@ def test_config_resolves_like_the_megatron_lm_path():
     assert cfg1.runtime().shadow
     cfg2 = checked_config(as_args(MMBalanceBridgeConfig(enabled=True, mode="control"), _bridge_cfg(ep=2)))
     assert cfg2.mode == "control" and cfg2.runtime().control and not cfg2.runtime().shadow
+    cfg3 = checked_config(as_args(MMBalanceBridgeConfig(enabled=True, mode="crossover-even"), _bridge_cfg(ep=2)))
+    assert cfg3.runtime().crossover == "even" and not cfg3.runtime().shadow
 
 
 @pytest.mark.parametrize("mm,cfg,match", [

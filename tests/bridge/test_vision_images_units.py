@@ -50,6 +50,7 @@ def test_defaults_keep_todays_behaviour():
     (dict(vision="images", enabled=False), {}, "vision=images needs mm_balance.enabled=true"),
     (dict(vision="images", mode="shadow"), {}, "mm_balance.mode=shadow moves nothing"),
     (dict(vision="images", mode="control"), {}, "mm_balance.mode=control moves nothing"),
+    (dict(vision="images", mode="crossover-odd"), {}, "mm_balance.mode=crossover-odd moves nothing"),
     (dict(vision="images", cost="auto"), {}, "cannot be combined with mm_balance.cost=auto"),
     (dict(vision="images"), dict(vision_config=types.SimpleNamespace(spatial_merge_size=2)),
      "needs a Qwen3-VL vision tower"),

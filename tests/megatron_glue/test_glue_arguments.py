@@ -143,6 +143,8 @@ def test_config_built_once_from_args_resolves_auto_and_defaults():
     assert shadow.runtime().shadow and shadow.runtime().balance_tolerance == 0.01
     control = checked_config(_parse(["--mm-balance", "--mm-balance-mode", "control"])).runtime()
     assert control.control and not control.shadow and not rt.control
+    crossover = checked_config(_parse(["--mm-balance", "--mm-balance-mode", "crossover-odd"])).runtime()
+    assert crossover.crossover == "odd" and not crossover.shadow and rt.crossover is None
     with pytest.raises(Exception):
         cfg.timeout = 1.0                                     # frozen
 

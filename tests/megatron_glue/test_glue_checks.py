@@ -149,6 +149,8 @@ def test_vision_images_settings():
                                                        "--mm-balance-mode", "shadow"))
     assert "control moves nothing" in refused(make_args("--mm-balance-vision", "images",
                                                         "--mm-balance-mode", "control"))
+    assert "crossover-even moves nothing" in refused(make_args("--mm-balance-vision", "images",
+                                                               "--mm-balance-mode", "crossover-even"))
     assert "--mm-balance-cost auto" in refused(make_args("--mm-balance-vision", "images",
                                                          "--mm-balance-cost", "auto"))
     assert "--context-parallel-size 1" in refused(make_args("--mm-balance-vision", "images",

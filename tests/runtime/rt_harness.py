@@ -440,6 +440,24 @@ def scenario_control(rank, world, G=4, batches=3, overlap=True):
             "delivered_checksums": [row[3] for row in got], "stats": stats}
 
 
+def scenario_crossover(rank, world, G=4, batches=4, overlap=True, parity="even", first_iteration=None):
+    """Crossover: balanced delivery at iterations of ``parity``, every rank's own packs in order
+    at the others (``first_iteration``: the training iteration of global batch 0)."""
+    from megatron_mm_balance.runtime import BalancedDataIterator
+    from megatron_mm_balance.runtime.config import BalancerConfig
+    pulled, got = [], []
+    src = recording_source(rank, batches * G, pulled)
+    cfg = BalancerConfig(crossover=parity, overlap=overlap, timeout=60)
+    with BalancedDataIterator(src, num_microbatches=G, config=cfg, first_iteration=first_iteration) as it:
+        _run_iterator(it, G, got)
+        stats = [row for row in stats_rows(it, ("mode", "shadow", "packs_moved", "packs_would_move",
+                                                "packs_sent", "packs_received"))
+                 if not row.get("exhausted")]
+    return {"pulled": [p[0] for p in pulled], "costs": [p[1] for p in pulled],
+            "checksums": [p[2] for p in pulled], "delivered": [row[2] for row in got],
+            "delivered_checksums": [row[3] for row in got], "stats": stats}
+
+
 def _outcome(fn):
     """Run ``fn``; describe the exception it raised (or "ok"), with the context the runtime
     attached to an error it re-raises unchanged."""

@@ -93,3 +93,45 @@ def test_control_and_shadow_together_refused():
     from megatron_mm_balance.runtime.config import BalancerConfig, SettingError
     with pytest.raises(SettingError, match="control cannot be combined with shadow"):
         BalancerConfig(control=True, shadow=True)
+
+
+@pytest.mark.parametrize("parity,first_iteration,overlap", [("even", None, True), ("odd", 7, False)])
+def test_crossover_balances_one_parity_and_delivers_the_other_as_drawn(parity, first_iteration, overlap):
+    """Crossover mode on real gloo ranks: the global batches of training iterations of
+    ``parity`` are delivered as the exchange places them, the others each rank's own packs in
+    their own order (nothing sent), every pack once; a resumed job counts from its own
+    first iteration."""
+    G, batches, world = 4, 4, 3
+    res = harness.launch(world, "crossover", hard_timeout=90, G=G, batches=batches, overlap=overlap,
+                         parity=parity, first_iteration=first_iteration)
+    for r, x in enumerate(res):
+        assert "delivered" in x, f"rank {r}: {x.get('error') or x}\n{x.get('log', '')}"
+        assert len(x["stats"]) == batches
+    balanced = 0
+    for gb in range(batches):
+        iteration = (first_iteration or 1) + gb
+        on = iteration % 2 == (0 if parity == "even" else 1)
+        sl = slice(gb * G, (gb + 1) * G)
+        solved = plan_placement(np.array([x["costs"][sl] for x in res]))
+        for r, x in enumerate(res):
+            got, st = x["delivered"][sl], x["stats"][gb]
+            assert st["mode"] == ("exchange" if on else "shadow")
+            assert st["packs_would_move"] == solved.moved().sum()
+            if on:
+                assert got == [res[s]["pulled"][sl][i] for s, i in zip(solved.src_rank[r], solved.src_index[r])]
+                assert st["packs_moved"] == solved.moved().sum()
+            else:
+                assert got == x["pulled"][sl]
+                assert st["packs_moved"] == st["packs_sent"] == st["packs_received"] == 0
+        balanced += on and bool(solved.moved().any())
+    assert balanced > 0, "no balanced batch moved a pack: the test would not see the exchange"
+    pulled = sorted(c for x in res for c in x["checksums"])
+    assert sorted(c for x in res for c in x["delivered_checksums"]) == pulled     # each pack once
+
+
+def test_crossover_settings_refused():
+    from megatron_mm_balance.runtime.config import BalancerConfig, SettingError
+    with pytest.raises(SettingError, match="crossover must be 'even', 'odd' or None"):
+        BalancerConfig(crossover="third")
+    with pytest.raises(SettingError, match="crossover cannot be combined with shadow or control"):
+        BalancerConfig(crossover="odd", shadow=True)

@@ -18,6 +18,9 @@ exchange completed before the tower: ``mm_balance.image_overlap=false``), ``imag
 ``images-by-cost`` (``images`` with the packs placed on ``mm_balance.cost`` first instead of
 their heaviest frame: ``mm_balance.image_pack_cost=cost``), ``packs-sync`` (``packs`` with the
 exchange inside the training loop's ``next()``: ``mm_balance.overlap=false``),
+``crossover-even`` and ``crossover-odd`` (``packs-sync`` at the even, or odd, iterations, the
+others as drawn: ``mm_balance.mode=crossover-*``; the two together time every iteration balanced
+and not inside the same jobs, ``benchmarks/crossover_gain.py``),
 ``untimed`` (``off`` without the timing hooks).
 
 ``--host`` (:data:`HOST_ENV`): ``gpu-node`` by default, the ranks' host side as on a GPU node
@@ -45,6 +48,12 @@ MODES = ("off", "packs", "model")
 #: the training loop's ``next()`` (``mm_balance.overlap=false``) instead of on the exchange
 #: thread, which on this host's two cores shares the ranks' cores and their interpreter lock
 SYNC_MODES = {"packs-sync": ["mm_balance.overlap=false"]}
+#: a pair of runs that time every iteration both ways inside the same jobs: ``packs-sync`` at
+#: the iterations of one parity, the others as drawn (gathered and solved, nothing moved). The
+#: exchange runs inside ``next()`` so each iteration carries its own exchange: overlapped, an
+#: unbalanced iteration would carry the next (balanced) batch's
+CROSSOVER_MODES = {f"crossover-{parity}": ["mm_balance.overlap=false", f"mm_balance.mode=crossover-{parity}"]
+                   for parity in ("even", "odd")}
 #: the image-level modes: their overrides beyond ``mm_balance.vision=images``
 IMAGE_MODES = {"images": [], "images-sync": ["mm_balance.image_overlap=false"],
                "images-measured": ["mm_balance.image_rates=measured"],
@@ -112,7 +121,7 @@ class BridgeFramework:
         return str(venv) if venv.is_file() else sys.executable
 
     def all_modes(self) -> tuple:
-        return MODES + tuple(SYNC_MODES) + tuple(IMAGE_MODES) + ("untimed",)
+        return MODES + tuple(SYNC_MODES) + tuple(CROSSOVER_MODES) + tuple(IMAGE_MODES) + ("untimed",)
 
     def default_modes(self) -> tuple:
         return MODES + (("images",) if bridge_images_available() else ())
@@ -144,8 +153,8 @@ class BridgeFramework:
             return "1", [f"mm_balance.cost={self.cost}"]
         if mode == "model":
             return "1", ["mm_balance.cost=model"]
-        if mode in SYNC_MODES:
-            return "1", [f"mm_balance.cost={self.cost}", *SYNC_MODES[mode]]
+        if mode in SYNC_MODES or mode in CROSSOVER_MODES:
+            return "1", [f"mm_balance.cost={self.cost}", *{**SYNC_MODES, **CROSSOVER_MODES}[mode]]
         if mode in IMAGE_MODES:
             if not bridge_images_available():
                 raise BenchError(f"mode {mode} needs mm_balance.vision (image-level balancing on Bridge), which "

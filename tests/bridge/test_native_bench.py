@@ -129,6 +129,9 @@ def test_bridge_modes_and_refusals(monkeypatch):
     assert fw.mode_args("model") == ("1", ["mm_balance.cost=model"])
     assert fw.mode_args("packs-sync") == ("1", ["mm_balance.cost=image-tokens", "mm_balance.overlap=false"])
     assert "packs-sync" in fw.all_modes() and "packs-sync" not in fw.default_modes()
+    assert fw.mode_args("crossover-odd") == ("1", ["mm_balance.cost=image-tokens", "mm_balance.overlap=false",
+                                                   "mm_balance.mode=crossover-odd"])
+    assert {"crossover-even", "crossover-odd"} <= set(fw.all_modes()) - set(fw.default_modes())
     assert fw.timing_args(Path("/x/timing")) == ["mm_balance.timing_dir=/x/timing"]
     with pytest.raises(realpath.BenchError, match="unknown mode 'sync'"):
         fw.mode_args("sync")

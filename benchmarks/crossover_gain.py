@@ -1,0 +1,123 @@
+"""Balancing's gain measured inside the same jobs: the crossover runs of a Bridge bench.
+
+    python benchmarks/crossover_gain.py OUT [--warmup 2]
+
+``OUT`` is a ``mm-balance bench-realpath --bridge --modes crossover-even,crossover-odd --out OUT``
+directory. In round ``R``, ``roundR-crossover-even`` balances the global batches of even training
+iterations and runs the odd ones as drawn (gathered and solved, nothing moved);
+``roundR-crossover-odd`` the other way round. Both read the same data, so every measured
+iteration is timed once balanced and once not, and each job runs half its iterations each way.
+
+A job's own speed (the machine's state while it ran, which on a shared 2-core host drifts by
+5-10% between jobs of the same work) multiplies all its iterations alike. Per round, with
+``on``/``off`` the summed Bridge iteration times of the iterations each job balanced or not:
+
+    even = off_odd_job(even iterations) / on_even_job(even iterations)
+    odd  = off_even_job(odd iterations) / on_odd_job(odd iterations)
+    gain = sqrt(even * odd) - 1
+
+The two jobs' speeds enter ``even`` and ``odd`` as reciprocal factors and cancel in the product;
+the data enters each ratio on both sides. Prints each round's gain, their geometric mean, and
+the mean over rounds of the paired per-iteration gains beside them; and the consumer's wait per
+iteration (gather, plan and exchange inside ``next()``) on the balanced and the unbalanced
+iterations, which shows the unbalanced iterations' overhead over a job without balancing (the
+cost gather and the plan).
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+from pathlib import Path
+
+from megatron_mm_balance.bench.realpath import RunResult, measured_window, parse_log
+
+PARITIES = ("even", "odd")
+
+
+def load(out: Path, rnd: int, parity: str) -> RunResult:
+    """Round ``rnd``'s ``crossover-<parity>`` run: Bridge's per-iteration times and our telemetry."""
+    d = out / f"round{rnd}-crossover-{parity}"
+    elapsed, losses, tele, fit = parse_log((d / "train.log").read_text(errors="replace"),
+                                           first_two_averaged=False)
+    return RunResult(f"crossover-{parity}", rnd, 0, 0.0, str(d), elapsed, losses, tele, fit)
+
+
+def balanced(parity: str, iteration: int) -> bool:
+    """Whether the ``crossover-<parity>`` job balanced ``iteration``."""
+    return iteration % 2 == PARITIES.index(parity)
+
+
+def round_gain(even: RunResult, odd: RunResult, warmup: int) -> dict:
+    """One round's crossover gain (module docstring), its two ratios, and the paired
+    per-iteration gains (off time over on time, minus 1) on the iterations both jobs measured."""
+    its = sorted(set(measured_window(even, warmup)) & set(measured_window(odd, warmup)))
+    if not any(i % 2 == 0 for i in its) or not any(i % 2 for i in its):
+        raise SystemExit(f"round {even.round}: the two jobs share no measured iteration of each parity")
+    ratios = {}
+    for parity, on_run, off_run in (("even", even, odd), ("odd", odd, even)):
+        mine = [i for i in its if balanced(parity, i)]
+        ratios[parity] = sum(off_run.elapsed_ms[i] for i in mine) / sum(on_run.elapsed_ms[i] for i in mine)
+    paired = [(odd if balanced("even", i) else even).elapsed_ms[i] /
+              (even if balanced("even", i) else odd).elapsed_ms[i] - 1 for i in its]
+    return dict(round=even.round, gain=math.sqrt(ratios["even"] * ratios["odd"]) - 1, ratios=ratios,
+                paired_mean=statistics.fmean(paired), iterations=len(its))
+
+
+def consumer_wait(run: RunResult, warmup: int) -> dict:
+    """Mean ``consumer_wait_ms`` per measured iteration, over the iterations the run balanced
+    and over those it did not (None where the telemetry lacks it)."""
+    parity = run.mode.rsplit("-", 1)[1]
+    out = {}
+    for on in (True, False):
+        waits = [run.telemetry[i].get("consumer_wait_ms") for i in measured_window(run, warmup)
+                 if balanced(parity, i) == on and i in run.telemetry]
+        waits = [w for w in waits if w is not None]
+        out["on" if on else "off"] = statistics.fmean(waits) if waits else None
+    return out
+
+
+def rounds_in(out: Path) -> list:
+    """The rounds that have both crossover runs."""
+    found = sorted(int(p.name[len("round"):].split("-", 1)[0]) for p in out.glob("round*-crossover-even"))
+    return [r for r in found if (out / f"round{r}-crossover-odd" / "train.log").is_file()]
+
+
+def report(out: Path, warmup: int) -> dict:
+    rounds = rounds_in(out)
+    if not rounds:
+        raise SystemExit(f"{out}: no round with both crossover-even and crossover-odd runs")
+    per_round, waits = [], []
+    for rnd in rounds:
+        even, odd = load(out, rnd, "even"), load(out, rnd, "odd")
+        per_round.append(round_gain(even, odd, warmup))
+        waits += [consumer_wait(even, warmup), consumer_wait(odd, warmup)]
+    overall = math.exp(statistics.fmean(math.log1p(r["gain"]) for r in per_round)) - 1
+
+    def mean_wait(key):
+        values = [w[key] for w in waits if w[key] is not None]
+        return statistics.fmean(values) if values else None
+    return dict(rounds=per_round, gain=overall, wait_on_ms=mean_wait("on"), wait_off_ms=mean_wait("off"))
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out")
+    ap.add_argument("--warmup", type=int, default=2)
+    a = ap.parse_args(argv)
+    rep = report(Path(a.out), a.warmup)
+    print(f"crossover: balancing's gain inside the same jobs (the first {a.warmup} iterations dropped)")
+    print("round   gain   even-iteration ratio  odd-iteration ratio  paired mean  iterations")
+    for r in rep["rounds"]:
+        print(f"{r['round']:>5} {r['gain']:+6.1%}   {r['ratios']['even']:19.3f}  {r['ratios']['odd']:19.3f}"
+              f"  {r['paired_mean']:+10.1%}  {r['iterations']:>10}")
+    gains = [r["gain"] for r in rep["rounds"]]
+    spread = f" (rounds {min(gains):+.1%} to {max(gains):+.1%})" if len(gains) > 1 else ""
+    print(f"all {len(gains)} rounds: {rep['gain']:+.1%}{spread}")
+    if rep["wait_on_ms"] is not None:
+        print(f"consumer wait per iteration: balanced {rep['wait_on_ms']:.1f} ms, "
+              f"unbalanced (gather and plan only) {rep['wait_off_ms']:.1f} ms")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,55 @@
+"""benchmarks/crossover_gain.py: the crossover estimate cancels each job's own speed."""
+from __future__ import annotations
+
+import pytest
+
+
+def _log(times: dict, waits: dict) -> str:
+    """A Bridge log: one line per iteration (its elapsed ms), and our telemetry's consumer wait."""
+    lines = []
+    for it, ms in sorted(times.items()):
+        lines.append(f" [2026-12-04 10:00:00] iteration {it:8d}/{len(times):8d} | consumed samples: 16 | "
+                     f"elapsed time per iteration (ms): {ms:.1f} | learning rate: 1.0E-04 | "
+                     f"lm loss: 6.400000E+00 | loss scale: 1.0 |")
+        lines.append(f"[mm-balance] iteration {it} | packs_moved: 2 | consumer_wait_ms: {waits[it]:.1f}")
+    return "\n".join(lines) + "\n"
+
+
+def _write_round(out, rnd, data, gain, speed_even, speed_odd):
+    """Round ``rnd``: iteration ``i`` costs ``data[i]`` ms unbalanced, ``data[i] / (1 + gain)``
+    balanced; each job's times scaled by its own speed factor."""
+    for parity, speed in (("even", speed_even), ("odd", speed_odd)):
+        on = {i: i % 2 == (0 if parity == "even" else 1) for i in data}
+        times = {i: speed * (ms / (1 + gain) if on[i] else ms) for i, ms in data.items()}
+        waits = {i: 60.0 if on[i] else 3.0 for i in data}
+        d = out / f"round{rnd}-crossover-{parity}"
+        d.mkdir(parents=True)
+        (d / "train.log").write_text(_log(times, waits))
+
+
+def test_the_jobs_own_speeds_cancel(tmp_path, load_benchmark):
+    mod = load_benchmark("crossover_gain")
+    data = {i: 1800.0 + 300.0 * ((i * 7) % 5) for i in range(1, 13)}     # iterations differ in work
+    _write_round(tmp_path, 1, data, 0.08, 1.00, 1.10)                   # the odd job ran 10% slower
+    _write_round(tmp_path, 2, data, 0.08, 0.93, 1.00)
+    rep = mod.report(tmp_path, warmup=2)
+    assert [r["round"] for r in rep["rounds"]] == [1, 2]
+    for r in rep["rounds"]:
+        assert r["gain"] == pytest.approx(0.08, rel=1e-3)              # whatever the speeds (ms printed to 0.1)
+        assert r["iterations"] == 10                                   # iterations 3..12
+    assert rep["gain"] == pytest.approx(0.08, rel=1e-3)
+    # the plain paired mean carries the speeds: each pair mixes the two jobs
+    biased = ((1.08 * 1.10 - 1) + (1.08 / 1.10 - 1)) / 2
+    assert rep["rounds"][0]["paired_mean"] == pytest.approx(biased, rel=1e-3) and biased > 0.0845
+    assert rep["wait_on_ms"] == pytest.approx(60.0) and rep["wait_off_ms"] == pytest.approx(3.0)
+
+
+def test_a_round_without_its_partner_is_left_out_and_none_is_an_error(tmp_path, load_benchmark):
+    mod = load_benchmark("crossover_gain")
+    data = {i: 2000.0 for i in range(1, 9)}
+    _write_round(tmp_path, 1, data, 0.05, 1.0, 1.0)
+    (tmp_path / "round2-crossover-even").mkdir()
+    assert mod.rounds_in(tmp_path) == [1]
+    assert mod.report(tmp_path, warmup=2)["gain"] == pytest.approx(0.05, rel=1e-3)
+    with pytest.raises(SystemExit, match="no round with both"):
+        mod.report(tmp_path / "round2-crossover-even", warmup=2)

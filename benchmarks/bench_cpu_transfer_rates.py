@@ -4,7 +4,10 @@ Two numbers turn a moved frame's bytes into frame cost (``bridge/vision.py``,
 ``NOMINAL_RATES["cpu"]``): the link's GB/s (here gloo point to point between two
 processes on this machine) and the tower's achieved TFLOP/s (here one fp32 transformer
 layer of the native benchmark's tower width, forward and backward, one thread, at three
-frame sizes). Prints both; run on a quiet machine:
+frame sizes). Prints both, and what a pack placement's swap costs on this host: two ranks
+each sending the other a pack of fp32 pixel rows through the exchange's own transport
+(``runtime/transport.PackTransport``: send, receive, finish), as two node-mates swap packs at a
+micro-step. Run on a quiet machine:
 
     python benchmarks/bench_cpu_transfer_rates.py
 """
@@ -76,7 +79,47 @@ def link_gbps(sizes=(1, 8, 64)) -> None:
             p.kill()
 
 
+def _swap_rank(rank: int, port: int, patches: int, repeats: int) -> None:
+    import statistics
+
+    import torch.distributed as dist
+
+    from megatron_mm_balance.runtime.transport import PackTransport
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    transport = PackTransport(dist.group.WORLD, [0, 1], rank, timeout=60)
+    pack = {"pixel_values": torch.randn(patches, 1536), "input_ids": torch.arange(1024),
+            "image_grid_thw": torch.tensor([[1, 2, patches // 2]])}
+    times = []
+    for step in range(repeats + 2):
+        dist.barrier()
+        t0 = time.perf_counter()
+        sent = transport.send(pack, 1 - rank, 0, step)
+        transport.receive(1 - rank, 0, step)
+        transport.finish(sent, 0, step)
+        times.append(time.perf_counter() - t0)
+    if rank == 0:
+        ms = sorted(t * 1e3 for t in times[2:])
+        mb = pack["pixel_values"].numel() * 4 / 1e6
+        print(f"pack swap, {patches} fp32 patches ({mb:.1f} MB each way): median {statistics.median(ms):.1f} ms "
+              f"[{ms[0]:.1f}-{ms[-1]:.1f}] over {repeats}", flush=True)
+    dist.destroy_process_group()
+
+
+def pack_swap(patches: int = 3000, repeats: int = 10) -> None:
+    port = free_port()
+    procs = [mp.get_context("spawn").Process(target=_swap_rank, args=(r, port, patches, repeats))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+        if p.is_alive():
+            p.kill()
+
+
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     tower_gflops()
     link_gbps()
+    pack_swap()

@@ -36,8 +36,8 @@ class MMBalanceBridgeConfig:
     #: reordered across micro-steps in balancing's order (the arithmetic-order band of
     #: ``mm-balance compare-logs --control``; docs/bridge.md); ``crossover-even`` /
     #: ``crossover-odd``: exchange at iterations of that parity, shadow at the others (two
-    #: jobs time every iteration balanced and not: ``bench-realpath --crossover``). Sampler
-    #: mode needs Megatron-LM's sampler: refused
+    #: jobs time every iteration balanced and not: ``bench-realpath --modes
+    #: crossover-even,crossover-odd``). Sampler mode needs Megatron-LM's sampler: refused
     mode: str = "auto"
     #: ``auto`` (microstep under expert parallel, else step), ``microstep``, ``step``
     sync: str = "auto"

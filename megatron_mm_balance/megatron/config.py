@@ -280,7 +280,8 @@ class MMBalanceConfig:
                      "compare-logs --control judges an off-vs-on difference against; "
                      "'crossover-even'/'crossover-odd' exchange at iterations of that parity and "
                      "run the others as shadow: two jobs, one of each, time every iteration "
-                     "balanced and not in the same processes (mm-balance bench-realpath --crossover).",
+                     "balanced and not in the same processes (mm-balance bench-realpath "
+                     "--bridge --modes crossover-even,crossover-odd).",
                      type=str, choices=MODE_CHOICES)
     vision: str = flag("packs", "--mm-balance-vision", "'packs' (default): the vision encoder "
                        "computes the tiles of the packs its rank holds. 'images': every micro-step, "

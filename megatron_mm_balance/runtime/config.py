@@ -70,7 +70,8 @@ class BalancerConfig:
     #: that parity, and deliver the others as shadow mode does (solved, nothing moved). Two
     #: jobs, one of each parity, run every iteration once balanced and once not, on the same
     #: data, each job's own speed in both: balancing's gain measured free of the drift
-    #: between jobs (``mm-balance bench-realpath --crossover``). None: every batch balanced.
+    #: between jobs (``bench-realpath --modes crossover-even,crossover-odd``). None: every
+    #: batch balanced.
     crossover: Optional[str] = None
     #: how many global batches ``.stats`` keeps.
     stats_history: int = 1024

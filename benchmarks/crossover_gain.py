@@ -1,9 +1,10 @@
-"""Balancing's gain measured inside the same jobs: the crossover runs of a Bridge bench.
+"""Balancing's gain measured inside the same jobs: the crossover runs of a real-path bench.
 
     python benchmarks/crossover_gain.py OUT [--warmup 2]
 
-``OUT`` is a ``mm-balance bench-realpath --bridge --modes crossover-even,crossover-odd --out OUT``
-directory. In round ``R``, ``roundR-crossover-even`` balances the global batches of even training
+``OUT`` is a ``mm-balance bench-realpath [--bridge] --modes crossover-even,crossover-odd --out OUT``
+directory (Megatron-Bridge's or Megatron-LM's; the iteration times read are each iteration's
+own from the third on, in both frameworks' logs). In round ``R``, ``roundR-crossover-even`` balances the global batches of even training
 iterations and runs the odd ones as drawn (gathered and solved, nothing moved);
 ``roundR-crossover-odd`` the other way round. Both read the same data, so every measured
 iteration is timed once balanced and once not, and each job runs half its iterations each way.
@@ -22,6 +23,14 @@ the mean over rounds of the paired per-iteration gains beside them; and the cons
 iteration (gather, plan and exchange inside ``next()``) on the balanced and the unbalanced
 iterations, which shows the unbalanced iterations' overhead over a job without balancing (the
 cost gather and the plan).
+
+Where ``OUT`` also has ``off`` runs (``roundR-off``), it checks the design's premise: each
+crossover iteration's time over the ``off`` job's same iteration, in the same round, averaged
+over the unbalanced and over the balanced iterations. Unbalanced iterations near 1.0 mean a
+crossover job's unbalanced iterations run as a job without balancing does, so the crossover
+gain is balancing's gain over ``off``; above 1.0, the crossover job's own data path costs its
+unbalanced iterations too (e.g. a whole batch pulled inside ``next()`` while the loader's
+workers share the cores), and the crossover gain is over that, not over ``off``.
 """
 from __future__ import annotations
 
@@ -77,6 +86,25 @@ def consumer_wait(run: RunResult, warmup: int) -> dict:
     return out
 
 
+def against_off(out: Path, rounds, warmup: int) -> dict:
+    """Mean over rounds' iterations of a crossover iteration's time over the ``off`` run's same
+    iteration (same round), for the unbalanced and the balanced iterations; {} without ``off``
+    runs."""
+    ratios = {"unbalanced": [], "balanced": []}
+    for rnd in rounds:
+        off_dir = out / f"round{rnd}-off"
+        if not (off_dir / "train.log").is_file():
+            continue
+        off = parse_log((off_dir / "train.log").read_text(errors="replace"), first_two_averaged=False)[0]
+        for parity in PARITIES:
+            run = load(out, rnd, parity)
+            for i in measured_window(run, warmup):
+                if i in off:
+                    key = "balanced" if balanced(parity, i) else "unbalanced"
+                    ratios[key].append(run.elapsed_ms[i] / off[i])
+    return {k: (statistics.fmean(v), len(v)) for k, v in ratios.items() if v}
+
+
 def rounds_in(out: Path) -> list:
     """The rounds that have both crossover runs."""
     found = sorted(int(p.name[len("round"):].split("-", 1)[0]) for p in out.glob("round*-crossover-even"))
@@ -97,7 +125,8 @@ def report(out: Path, warmup: int) -> dict:
     def mean_wait(key):
         values = [w[key] for w in waits if w[key] is not None]
         return statistics.fmean(values) if values else None
-    return dict(rounds=per_round, gain=overall, wait_on_ms=mean_wait("on"), wait_off_ms=mean_wait("off"))
+    return dict(rounds=per_round, gain=overall, wait_on_ms=mean_wait("on"), wait_off_ms=mean_wait("off"),
+                against_off=against_off(out, rounds, warmup))
 
 
 def main(argv=None) -> None:
@@ -117,6 +146,9 @@ def main(argv=None) -> None:
     if rep["wait_on_ms"] is not None:
         print(f"consumer wait per iteration: balanced {rep['wait_on_ms']:.1f} ms, "
               f"unbalanced (gather and plan only) {rep['wait_off_ms']:.1f} ms")
+    if rep["against_off"]:
+        cells = ", ".join(f"{k} {mean:.3f} ({n})" for k, (mean, n) in rep["against_off"].items())
+        print(f"crossover iterations over the off runs' same iterations (mean ratio, iterations): {cells}")
 
 
 if __name__ == "__main__":

@@ -14,7 +14,10 @@ order, so that load drifting over the rounds falls on every mode alike):
 * ``images`` (only when asked for in ``--modes``): ``overlap`` with
   ``--mm-balance-vision images`` (tiles also balanced across ranks every micro-step);
 * ``untimed`` (only when asked for in ``--modes``): ``off`` without the timing hooks,
-  which measures what the hooks cost.
+  which measures what the hooks cost;
+* ``crossover-even``, ``crossover-odd`` (only when asked for in ``--modes``): ``sync`` at the
+  iterations of that parity, the others as drawn (``--mm-balance-mode crossover-*``); the two
+  time every iteration balanced and not inside the same jobs (``benchmarks/crossover_gain.py``).
 
 ``--bridge`` runs the same bench on Megatron-Bridge (:class:`~megatron_mm_balance.bridge.bench.BridgeFramework`):
 ``scripts/pretrain_bridge_vlm.sh --config configs/bridge/qwen3_vl_moe_native_res_cpu.sh`` on a
@@ -63,9 +66,9 @@ REPO = Path(__file__).resolve().parents[2]
 LAUNCHER = REPO / "scripts" / "pretrain_vlm_moe.sh"
 CONFIG = REPO / "configs" / "megatron" / "vision_heavy_cpu.sh"
 MODES = ("off", "sync", "overlap", "auto")
-#: Not in the default rounds: pack and tile balancing together, and ``off`` without the
-#: timing hooks (to measure what they cost).
-EXTRA_MODES = ("images", "untimed")
+#: Not in the default rounds: pack and tile balancing together, ``off`` without the
+#: timing hooks (to measure what they cost), and the crossover pair.
+EXTRA_MODES = ("images", "untimed", "crossover-even", "crossover-odd")
 DEFAULTS = dict(rounds=3, iters=6, warmup=2, calibration_iters=3, samples=512, seed=0,
                 timeout=1800.0, loss_tolerance=1e-5)
 
@@ -150,6 +153,8 @@ def mode_flags(mode: str, calibration_iters: int) -> tuple:
         return "1", ["--mm-balance-vision", "images"]
     if mode == "auto":
         return "1", ["--mm-balance-cost", "auto", "--mm-balance-calibration-iters", str(calibration_iters)]
+    if mode in ("crossover-even", "crossover-odd"):
+        return "1", ["--no-mm-balance-overlap", "--mm-balance-mode", mode]
     raise BenchError(f"unknown mode {mode!r} (choose from {', '.join(MODES + EXTRA_MODES)})")
 
 

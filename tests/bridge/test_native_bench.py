@@ -132,6 +132,10 @@ def test_bridge_modes_and_refusals(monkeypatch):
     assert fw.mode_args("crossover-odd") == ("1", ["mm_balance.cost=image-tokens", "mm_balance.overlap=false",
                                                    "mm_balance.mode=crossover-odd"])
     assert {"crossover-even", "crossover-odd"} <= set(fw.all_modes()) - set(fw.default_modes())
+    megatron = realpath.MegatronLMFramework()
+    assert megatron.mode_args("crossover-even") == ("1", ["--no-mm-balance-overlap", "--mm-balance-mode",
+                                                         "crossover-even"])
+    assert {"crossover-even", "crossover-odd"} <= set(megatron.all_modes()) - set(megatron.default_modes())
     assert fw.timing_args(Path("/x/timing")) == ["mm_balance.timing_dir=/x/timing"]
     with pytest.raises(realpath.BenchError, match="unknown mode 'sync'"):
         fw.mode_args("sync")

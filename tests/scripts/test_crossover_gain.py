@@ -53,3 +53,21 @@ def test_a_round_without_its_partner_is_left_out_and_none_is_an_error(tmp_path, 
     assert mod.report(tmp_path, warmup=2)["gain"] == pytest.approx(0.05, rel=1e-3)
     with pytest.raises(SystemExit, match="no round with both"):
         mod.report(tmp_path / "round2-crossover-even", warmup=2)
+
+
+def test_the_premise_is_checked_against_the_off_runs(tmp_path, load_benchmark):
+    """With ``off`` runs beside them, the crossover iterations are compared with the off job's
+    same iterations: here the unbalanced ones run 6% slower than off, which the check shows."""
+    mod = load_benchmark("crossover_gain")
+    data = {i: 2000.0 + 100.0 * (i % 3) for i in range(1, 11)}
+    _write_round(tmp_path, 1, {i: 1.06 * ms for i, ms in data.items()}, 0.10, 1.0, 1.0)
+    off = tmp_path / "round1-off"
+    off.mkdir()
+    (off / "train.log").write_text(_log(data, {i: 0.0 for i in data}))
+    rep = mod.report(tmp_path, warmup=2)
+    assert rep["gain"] == pytest.approx(0.10, rel=1e-3)
+    unbalanced, n = rep["against_off"]["unbalanced"]
+    assert unbalanced == pytest.approx(1.06, rel=1e-3) and n == 8          # 4 of 8 measured, 2 jobs
+    assert rep["against_off"]["balanced"][0] == pytest.approx(1.06 / 1.10, rel=1e-3)
+    (off / "train.log").unlink()
+    assert mod.report(tmp_path, warmup=2)["against_off"] == {}

@@ -45,8 +45,8 @@ PARITIES = ("even", "odd")
 
 
 def load(out: Path, rnd: int, parity: str) -> RunResult:
-    """Round ``rnd``'s ``crossover-<parity>`` run: the framework's per-iteration times and our telemetry
-    (iteration 2's loss left as printed: only times are read)."""
+    """Round ``rnd``'s ``crossover-<parity>`` run: the framework's per-iteration times and our
+    telemetry (iteration 2's loss left as printed: only times are read)."""
     d = out / f"round{rnd}-crossover-{parity}"
     elapsed, losses, tele, fit = parse_log((d / "train.log").read_text(errors="replace"),
                                            first_two_averaged=False)

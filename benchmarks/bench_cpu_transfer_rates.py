@@ -68,15 +68,21 @@ def _link_rank(rank: int, port: int, sizes) -> None:
     dist.destroy_process_group()
 
 
-def link_gbps(sizes=(1, 8, 64)) -> None:
+def _on_two_ranks(target, *args) -> None:
+    """``target(rank, port, *args)`` in two spawned processes that meet over gloo at ``port``;
+    a process still running after 120 s is killed."""
     port = free_port()
-    procs = [mp.get_context("spawn").Process(target=_link_rank, args=(r, port, sizes)) for r in range(2)]
+    procs = [mp.get_context("spawn").Process(target=target, args=(r, port, *args)) for r in range(2)]
     for p in procs:
         p.start()
     for p in procs:
         p.join(timeout=120)
         if p.is_alive():
             p.kill()
+
+
+def link_gbps(sizes=(1, 8, 64)) -> None:
+    _on_two_ranks(_link_rank, sizes)
 
 
 def _swap_rank(rank: int, port: int, patches: int, repeats: int) -> None:
@@ -107,15 +113,7 @@ def _swap_rank(rank: int, port: int, patches: int, repeats: int) -> None:
 
 
 def pack_swap(patches: int = 3000, repeats: int = 10) -> None:
-    port = free_port()
-    procs = [mp.get_context("spawn").Process(target=_swap_rank, args=(r, port, patches, repeats))
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=120)
-        if p.is_alive():
-            p.kill()
+    _on_two_ranks(_swap_rank, patches, repeats)
 
 
 if __name__ == "__main__":

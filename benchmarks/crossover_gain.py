@@ -4,14 +4,15 @@
 
 ``OUT`` is a ``mm-balance bench-realpath [--bridge] --modes crossover-even,crossover-odd --out OUT``
 directory (Megatron-Bridge's or Megatron-LM's; the iteration times read are each iteration's
-own from the third on, in both frameworks' logs). In round ``R``, ``roundR-crossover-even`` balances the global batches of even training
-iterations and runs the odd ones as drawn (gathered and solved, nothing moved);
+own from the third on, in both frameworks' logs). In round ``R``, ``roundR-crossover-even``
+balances the global batches of even training iterations and runs the odd ones as drawn
+(gathered and solved, nothing moved);
 ``roundR-crossover-odd`` the other way round. Both read the same data, so every measured
 iteration is timed once balanced and once not, and each job runs half its iterations each way.
 
 A job's own speed (the machine's state while it ran, which on a shared 2-core host drifts by
 5-10% between jobs of the same work) multiplies all its iterations alike. Per round, with
-``on``/``off`` the summed Bridge iteration times of the iterations each job balanced or not:
+``on``/``off`` the summed iteration times of the iterations each job balanced or not:
 
     even = off_odd_job(even iterations) / on_even_job(even iterations)
     odd  = off_even_job(odd iterations) / on_odd_job(odd iterations)
@@ -44,13 +45,13 @@ from megatron_mm_balance.bench.realpath import RunResult, measured_window, parse
 PARITIES = ("even", "odd")
 
 
-def load(out: Path, rnd: int, parity: str) -> RunResult:
-    """Round ``rnd``'s ``crossover-<parity>`` run: the framework's per-iteration times and our
-    telemetry (iteration 2's loss left as printed: only times are read)."""
-    d = out / f"round{rnd}-crossover-{parity}"
+def load(out: Path, rnd: int, mode: str) -> RunResult:
+    """Round ``rnd``'s run of ``mode``: the framework's per-iteration times and our telemetry
+    (iteration 2's loss left as printed: only times are read)."""
+    d = out / f"round{rnd}-{mode}"
     elapsed, losses, tele, fit = parse_log((d / "train.log").read_text(errors="replace"),
                                            first_two_averaged=False)
-    return RunResult(f"crossover-{parity}", rnd, 0, 0.0, str(d), elapsed, losses, tele, fit)
+    return RunResult(mode, rnd, 0, 0.0, str(d), elapsed, losses, tele, fit)
 
 
 def balanced(parity: str, iteration: int) -> bool:
@@ -68,8 +69,10 @@ def round_gain(even: RunResult, odd: RunResult, warmup: int) -> dict:
     for parity, on_run, off_run in (("even", even, odd), ("odd", odd, even)):
         mine = [i for i in its if balanced(parity, i)]
         ratios[parity] = sum(off_run.elapsed_ms[i] for i in mine) / sum(on_run.elapsed_ms[i] for i in mine)
-    paired = [(odd if balanced("even", i) else even).elapsed_ms[i] /
-              (even if balanced("even", i) else odd).elapsed_ms[i] - 1 for i in its]
+    paired = []
+    for i in its:
+        on_run, off_run = (even, odd) if balanced("even", i) else (odd, even)
+        paired.append(off_run.elapsed_ms[i] / on_run.elapsed_ms[i] - 1)
     return dict(round=even.round, gain=math.sqrt(ratios["even"] * ratios["odd"]) - 1, ratios=ratios,
                 paired_mean=statistics.fmean(paired), iterations=len(its))
 
@@ -87,18 +90,16 @@ def consumer_wait(run: RunResult, warmup: int) -> dict:
     return out
 
 
-def against_off(out: Path, rounds, warmup: int) -> dict:
+def against_off(out: Path, runs: dict, warmup: int) -> dict:
     """Mean over rounds' iterations of a crossover iteration's time over the ``off`` run's same
     iteration (same round), for the unbalanced and the balanced iterations; {} without ``off``
-    runs."""
+    runs. ``runs``: each round's crossover runs, ``{round: (even, odd)}``."""
     ratios = {"unbalanced": [], "balanced": []}
-    for rnd in rounds:
-        off_dir = out / f"round{rnd}-off"
-        if not (off_dir / "train.log").is_file():
+    for rnd, pair in runs.items():
+        if not (out / f"round{rnd}-off" / "train.log").is_file():
             continue
-        off = parse_log((off_dir / "train.log").read_text(errors="replace"), first_two_averaged=False)[0]
-        for parity in PARITIES:
-            run = load(out, rnd, parity)
+        off = load(out, rnd, "off").elapsed_ms
+        for parity, run in zip(PARITIES, pair):
             for i in measured_window(run, warmup):
                 if i in off:
                     key = "balanced" if balanced(parity, i) else "unbalanced"
@@ -116,9 +117,9 @@ def report(out: Path, warmup: int) -> dict:
     rounds = rounds_in(out)
     if not rounds:
         raise SystemExit(f"{out}: no round with both crossover-even and crossover-odd runs")
+    runs = {rnd: tuple(load(out, rnd, f"crossover-{parity}") for parity in PARITIES) for rnd in rounds}
     per_round, waits = [], []
-    for rnd in rounds:
-        even, odd = load(out, rnd, "even"), load(out, rnd, "odd")
+    for even, odd in runs.values():
         per_round.append(round_gain(even, odd, warmup))
         waits += [consumer_wait(even, warmup), consumer_wait(odd, warmup)]
     overall = math.exp(statistics.fmean(math.log1p(r["gain"]) for r in per_round)) - 1
@@ -127,7 +128,7 @@ def report(out: Path, warmup: int) -> dict:
         values = [w[key] for w in waits if w[key] is not None]
         return statistics.fmean(values) if values else None
     return dict(rounds=per_round, gain=overall, wait_on_ms=mean_wait("on"), wait_off_ms=mean_wait("off"),
-                against_off=against_off(out, rounds, warmup))
+                against_off=against_off(out, runs, warmup))
 
 
 def main(argv=None) -> None:

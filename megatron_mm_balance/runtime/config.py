@@ -47,7 +47,8 @@ class BalancerConfig:
     #: ``"microstep"``: ranks meet every micro-step (MoE expert parallel), balance each
     #: micro-step; ``"step"``: ranks meet at the step's end, balance rank totals.
     sync: Literal["microstep", "step"] = "microstep"
-    #: exchange on a background thread ahead of the consumer.
+    #: exchange on a background thread ahead of the consumer. False: a global batch's whole
+    #: exchange runs inside its first ``next()`` (the ranks meet once per global batch).
     overlap: bool = True
     #: seconds any wait on a peer may take before a clear error.
     timeout: float = DEFAULT_TIMEOUT_S

@@ -345,9 +345,10 @@ class Engine:
             return ""
 
     # -- one micro-step's exchange -------------------------------------------
-    def step(self, plan: BatchPlan, k: int) -> Item:
+    def step(self, plan: BatchPlan, k: int, *, place: bool = True) -> Item:
         """Deliver micro-step ``k``: send the packs peers compute now, receive (or take)
-        the one this rank computes."""
+        the one this rank computes, placed on the target device (``place=False``: left on
+        the host for :meth:`~.transport.PackTransport.placed`)."""
         t0, cpu0 = time.perf_counter(), time.thread_time()
         gb, P, me, t = plan.global_batch, plan.placement, self.me, plan.traffic
         src_r, src_i = int(P.src_rank[me, k]), int(P.src_index[me, k])
@@ -367,9 +368,9 @@ class Engine:
                         t.inter_node_bytes_sent += sends[-1].nbytes
         if src_r == me:
             pack, plan.packs[src_i] = plan.packs[src_i], None
-            item = self.transport.local(pack)
+            item = self.transport.local(pack, place=place)
         else:
-            item, nbytes = self.transport.receive(src_r, gb, k)
+            item, nbytes = self.transport.receive(src_r, gb, k, place=place)
             t.packs_received += 1
             t.bytes_received += nbytes
         for pending in sends:
@@ -384,6 +385,18 @@ class Engine:
         self._beat(f"micro-step {k} of {self.name_batch(gb)} exchanged")
         return item
 
+
+    def exchange_batch(self, plan: BatchPlan) -> list:
+        """Every micro-step's exchange of the batch at once, in micro-step order (each rank
+        runs the same steps in the same order, as the exchange thread does): the items of
+        micro-steps 0..G-1, each still on the host until
+        :meth:`~.transport.PackTransport.placed` puts it on the device at its delivery.
+
+        Without the exchange thread this is what ``next()`` runs at a batch's first
+        micro-step: the ranks meet once per global batch, right after the optimizer step
+        where they already met, instead of at every micro-step that moves a pack, where a
+        rank still finishing its previous micro-step's backward keeps its partner waiting."""
+        return [self.step(plan, k, place=False) for k in range(plan.num_microbatches)]
 
 
 def pack_keys(pack) -> str:

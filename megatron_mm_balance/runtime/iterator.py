@@ -14,7 +14,10 @@ Life of a global batch (``num_microbatches = G``):
    background thread runs steps 2-3 ahead of the consumer through a bounded
    queue (one micro-batch ready plus one in flight), so micro-step ``k+1``'s
    exchange hides behind micro-step ``k``'s compute; with ``overlap=False`` the
-   same calls run inside ``next()``.
+   first ``next()`` of the batch runs them all, micro-step by micro-step
+   (:meth:`~.engine.Engine.exchange_batch`): the ranks meet once per global
+   batch, where the optimizer step has just aligned them, and each pack goes to
+   the device when it is delivered.
 
 With an int ``num_microbatches`` the thread runs across global-batch
 boundaries: batch ``b+1``'s pull, all-gather, solve and first exchange hide
@@ -241,6 +244,7 @@ class BalancedDataIterator:
         self._gb = -1
         self._G = 0
         self._k = 0
+        self._staged = None                 # without the thread: the batch's exchanged items
         self._wait_ms = self._wait_first_ms = 0.0
         if not self.enabled:
             return
@@ -329,19 +333,17 @@ class BalancedDataIterator:
                 self._worker.requests.put((self._gb, self._G))
         else:
             try:
-                self._plan = self._engine.start_batch(self._gb, self._G)
+                plan = self._engine.start_batch(self._gb, self._G)
+                self._staged = collections.deque(self._engine.exchange_batch(plan))
             except BaseException as e:
                 self._fail(e)
 
     def _get_item(self) -> Item:
         if self._worker is None:
             try:
-                item = self._engine.step(self._plan, self._k)
+                return self._engine.transport.placed(self._staged.popleft())
             except BaseException as e:
                 self._fail(e)
-            if item.last:
-                self._plan = None
-            return item
         w = self._worker
         started = time.monotonic()
         while True:
@@ -477,7 +479,7 @@ class BalancedDataIterator:
                 pass
         self._owned_group = None
         self._engine = None
-        self._plan = None
+        self._staged = None
         self._source = None
 
     def __enter__(self):

@@ -42,6 +42,11 @@ class Item:
     #: consumer completes the batch's statistics (and takes the source state paired with it)
     batch: object = None
     num_microbatches: int = 0          # the global batch's G, as the thread ran it
+    #: False: exchanged but still where it arrived (a received pack as its ``(header, data)``
+    #: host buffers in ``staged``, a local one as drawn); :meth:`PackTransport.placed`
+    #: puts it on the target device when it is delivered
+    placed: bool = True
+    staged: tuple = ()
 
     @property
     def last(self) -> bool:
@@ -143,9 +148,10 @@ class PackTransport:
         for w in pending.works:
             self.wait(w, "sending a pack", gb, (pending.peer,), step)
 
-    def receive(self, peer: int, gb: int, step: int):
+    def receive(self, peer: int, gb: int, step: int, *, place: bool = True):
         """``(item, nbytes)``: the pack group rank ``peer`` sends at micro-step ``step``,
-        placed on the target device."""
+        placed on the target device (``place=False``: left in its host buffers, see
+        :meth:`placed`)."""
         src = self.ranks[peer]
 
         def recv(t, what):
@@ -174,15 +180,29 @@ class PackTransport:
                  for r in refs]
         for w in works:
             self.wait(w, "receiving a pack", gb, (src,), step)
-        return self.place(header, data), PACK_RECORD_BYTES + hlen + sum(r.nbytes for r in refs)
+        item = self.place(header, data) if place else Item(None, placed=False, staged=(header, data))
+        return item, PACK_RECORD_BYTES + hlen + sum(r.nbytes for r in refs)
 
     # -- device placement ----------------------------------------------------------------
-    def local(self, pack) -> Item:
-        """A pack this rank drew and computes itself, on the target device."""
+    def local(self, pack, *, place: bool = True) -> Item:
+        """A pack this rank drew and computes itself, on the target device (``place=False``:
+        as drawn, see :meth:`placed`)."""
+        if not place:
+            return Item(pack, placed=False)
         if self.device is None or _all_on(pack, self.device):
             return Item(pack)
         header, data = wire.encode(pack, pin_memory=self.device.type == "cuda")
         return self.place(header, data)
+
+    def placed(self, item: Item) -> Item:
+        """``item`` on the target device: what :meth:`receive` or :meth:`local` return, placed
+        now when they were asked not to place it (a whole global batch exchanged ahead holds its
+        packs on the host and moves each to the device only when it is delivered)."""
+        if item.placed:
+            return item
+        out = self.place(*item.staged) if item.staged else self.local(item.pack)
+        out.batch, out.num_microbatches = item.batch, item.num_microbatches
+        return out
 
     def place(self, header, data) -> Item:
         """Decode a host data buffer onto the target device(s)."""

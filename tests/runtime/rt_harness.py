@@ -458,6 +458,33 @@ def scenario_crossover(rank, world, G=4, batches=4, overlap=True, parity="even",
             "delivered_checksums": [row[3] for row in got], "stats": stats}
 
 
+def scenario_whole_batch(rank, world, G=4, batches=3):
+    """Without the exchange thread, the first ``next()`` of a global batch exchanges all of
+    it: rank 0 takes every micro-step of each batch while the other ranks, after their first
+    micro-step, wait in a barrier that rank 0 joins only when it has its whole batch. An
+    exchange that met at later micro-steps would leave rank 0 waiting for a peer's pack
+    until the timeout."""
+    import torch.distributed as dist
+    from megatron_mm_balance.runtime import BalancedDataIterator
+    from megatron_mm_balance.runtime.config import BalancerConfig
+    pulled, got = [], []
+    src = recording_source(rank, batches * G, pulled)
+    with BalancedDataIterator(src, num_microbatches=G,
+                              config=BalancerConfig(overlap=False, timeout=10)) as it:
+        for gb in range(batches):
+            for k in range(G):
+                if rank != 0 and k == 1:
+                    dist.barrier()
+                p = next(it)
+                got.append([gb, k, p["id"], checksum(p)])
+            if rank == 0:
+                dist.barrier()
+        stats = [row for row in stats_rows(it, ("packs_moved", "packs_sent", "packs_received"))]
+    return {"pulled": [p[0] for p in pulled], "costs": [p[1] for p in pulled],
+            "checksums": [p[2] for p in pulled], "delivered": [row[2] for row in got],
+            "delivered_checksums": [row[3] for row in got], "stats": stats}
+
+
 def _outcome(fn):
     """Run ``fn``; describe the exception it raised (or "ok"), with the context the runtime
     attached to an error it re-raises unchanged."""

@@ -130,3 +130,26 @@ def test_two_phase_costs_ride_the_all_gather_and_place_identically(overlap):
                 want = pulled[plc.src_rank[r, k]][gb * G + plc.src_index[r, k]][0]
                 assert row[2] == want and row[3] == by_id[want]
     assert moved > 0
+
+
+def test_without_the_thread_a_whole_batch_is_exchanged_at_its_first_micro_step():
+    """``overlap=False``: the first ``next()`` of a global batch runs its whole exchange, so a
+    peer that stops after its first micro-step (here, in a barrier) no longer holds up the
+    packs this rank receives at later micro-steps; what arrives is still exactly the
+    placement, each pack once."""
+    G, batches, world = 4, 3, 2
+    res = harness.launch(world, "whole_batch", hard_timeout=90, G=G, batches=batches)
+    for r, x in enumerate(res):
+        assert "delivered" in x, f"rank {r}: {x.get('error') or x}\n{x.get('log', '')}"
+    later = 0
+    for gb in range(batches):
+        sl = slice(gb * G, (gb + 1) * G)
+        solved = plan_placement(np.array([x["costs"][sl] for x in res]))
+        for r, x in enumerate(res):
+            assert x["delivered"][sl] == [res[s]["pulled"][sl][i]
+                                          for s, i in zip(solved.src_rank[r], solved.src_index[r])]
+            assert x["stats"][gb]["packs_moved"] == solved.moved().sum()
+        later += int((solved.src_rank[0, 1:] != 0).sum())
+    assert later > 0, "rank 0 received no pack after micro-step 0: the test would not see a meeting"
+    pulled = sorted(c for x in res for c in x["checksums"])
+    assert sorted(c for x in res for c in x["delivered_checksums"]) == pulled

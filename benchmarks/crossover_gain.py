@@ -32,6 +32,13 @@ crossover job's unbalanced iterations run as a job without balancing does, so th
 gain is balancing's gain over ``off``; above 1.0, the crossover job's own data path costs its
 unbalanced iterations too (e.g. a whole batch pulled inside ``next()`` while the loader's
 workers share the cores), and the crossover gain is over that, not over ``off``.
+
+That comparison is between jobs, so it carries their speeds. Where the runs kept their per-pack
+timings (``ROUND/timing``), each job's language-model compute per iteration (the language phase
+of the rank that reached it last, :func:`~megatron_mm_balance.sim.run_trace.measured_phases`:
+every pack costs the language model about the same, balanced or not) over the ``off`` job's
+same iterations gives the job's own speed against ``off``; the premise is printed again with
+that speed divided out.
 """
 from __future__ import annotations
 
@@ -41,6 +48,7 @@ import statistics
 from pathlib import Path
 
 from megatron_mm_balance.bench.realpath import RunResult, measured_window, parse_log
+from megatron_mm_balance.sim.run_trace import RunTraceError, load_run, measured_phases
 
 PARITIES = ("even", "odd")
 
@@ -107,6 +115,48 @@ def against_off(out: Path, runs: dict, warmup: int) -> dict:
     return {k: (statistics.fmean(v), len(v)) for k, v in ratios.items() if v}
 
 
+def lm_compute(run_dir: Path, warmup: int) -> dict:
+    """``{iteration: ms}``: the language-model compute of each measured iteration (summed over
+    its micro-steps) from the run's per-pack timings; {} without them."""
+    try:
+        trace = load_run(str(run_dir / "timing"), skip_iterations=warmup)
+    except RunTraceError:
+        return {}
+    per_iteration = measured_phases(trace).lm[:, 0, :].sum(axis=1)
+    return dict(zip(trace.iterations, (float(x) for x in per_iteration)))
+
+
+def job_speeds(out: Path, runs: dict, warmup: int) -> dict:
+    """Each crossover job's language-model compute over the ``off`` job's on the same iterations
+    (same round), ``{(round, parity): ratio}``: above 1, the job ran slower than ``off`` on the
+    same work. {} without ``off`` runs or timings."""
+    speeds = {}
+    for rnd, pair in runs.items():
+        off = lm_compute(out / f"round{rnd}-off", warmup)
+        for parity in PARITIES:
+            mine = lm_compute(out / f"round{rnd}-crossover-{parity}", warmup)
+            common = [i for i in mine if i in off and off[i] > 0]
+            if common:
+                speeds[(rnd, parity)] = statistics.fmean(mine[i] / off[i] for i in common)
+    return speeds
+
+
+def against_off_at_speed(out: Path, runs: dict, warmup: int, speeds: dict) -> dict:
+    """:func:`against_off` with each crossover iteration's ratio divided by its job's speed
+    (:func:`job_speeds`); rounds without a speed are left out."""
+    ratios = {"unbalanced": [], "balanced": []}
+    for rnd, pair in runs.items():
+        if not all((rnd, p) in speeds for p in PARITIES):
+            continue
+        off = load(out, rnd, "off").elapsed_ms
+        for parity, run in zip(PARITIES, pair):
+            for i in measured_window(run, warmup):
+                if i in off:
+                    key = "balanced" if balanced(parity, i) else "unbalanced"
+                    ratios[key].append(run.elapsed_ms[i] / off[i] / speeds[(rnd, parity)])
+    return {k: (statistics.fmean(v), len(v)) for k, v in ratios.items() if v}
+
+
 def rounds_in(out: Path) -> list:
     """The rounds that have both crossover runs."""
     found = sorted(int(p.name[len("round"):].split("-", 1)[0]) for p in out.glob("round*-crossover-even"))
@@ -127,8 +177,10 @@ def report(out: Path, warmup: int) -> dict:
     def mean_wait(key):
         values = [w[key] for w in waits if w[key] is not None]
         return statistics.fmean(values) if values else None
+    speeds = job_speeds(out, runs, warmup)
     return dict(rounds=per_round, gain=overall, wait_on_ms=mean_wait("on"), wait_off_ms=mean_wait("off"),
-                against_off=against_off(out, runs, warmup))
+                against_off=against_off(out, runs, warmup), speeds=speeds,
+                against_off_at_speed=against_off_at_speed(out, runs, warmup, speeds))
 
 
 def main(argv=None) -> None:
@@ -151,6 +203,13 @@ def main(argv=None) -> None:
     if rep["against_off"]:
         cells = ", ".join(f"{k} {mean:.3f} ({n})" for k, (mean, n) in rep["against_off"].items())
         print(f"crossover iterations over the off runs' same iterations (mean ratio, iterations): {cells}")
+    if rep["speeds"]:
+        by_parity = {p: [v for (_, q), v in rep["speeds"].items() if q == p] for p in PARITIES}
+        cells = ", ".join(f"crossover-{p} {statistics.fmean(v):.3f}" for p, v in by_parity.items() if v)
+        print(f"each job's language-model compute over the off job's, same iterations (its speed): {cells}")
+    if rep["against_off_at_speed"]:
+        cells = ", ".join(f"{k} {mean:.3f} ({n})" for k, (mean, n) in rep["against_off_at_speed"].items())
+        print(f"  the same ratios with each job's speed divided out: {cells}")
 
 
 if __name__ == "__main__":

@@ -350,22 +350,59 @@ class Engine:
         the one this rank computes, placed on the target device (``place=False``: left on
         the host for :meth:`~.transport.PackTransport.placed`)."""
         t0, cpu0 = time.perf_counter(), time.thread_time()
+        sends = self._post_sends(plan, k)
+        item = self._take(plan, k, place)
+        self._finish_sends(plan, sends)
+        self._account(plan, t0, cpu0)
+        return item
+
+    def exchange_batch(self, plan: BatchPlan) -> list:
+        """Every micro-step's exchange of the batch at once: the items of micro-steps
+        0..G-1, each still on the host until :meth:`~.transport.PackTransport.placed` puts
+        it on the device at its delivery.
+
+        Without the exchange thread this is what ``next()`` runs at a batch's first
+        micro-step: the ranks meet once per global batch, right after the optimizer step
+        where they already met, instead of at every micro-step that moves a pack, where a
+        rank still finishing its previous micro-step's backward keeps its partner waiting.
+        All of this rank's sends are posted first, then the receives run in micro-step
+        order: a pair's messages still match in the order posted (each rank posts its sends
+        and its receives in micro-step order), and the transfers of different micro-steps,
+        in both directions, share the link instead of taking turns."""
+        t0, cpu0 = time.perf_counter(), time.thread_time()
+        G = plan.num_microbatches
+        sends = [s for k in range(G) for s in self._post_sends(plan, k)]
+        items = [self._take(plan, k, place=False) for k in range(G)]
+        self._finish_sends(plan, sends)
+        self._account(plan, t0, cpu0)
+        return items
+
+    def _post_sends(self, plan: BatchPlan, k: int) -> list:
+        """Post the sends of the packs peers compute at micro-step ``k``, counted in the
+        batch's traffic; ``[(k, pending), ...]``."""
         gb, P, me, t = plan.global_batch, plan.placement, self.me, plan.traffic
-        src_r, src_i = int(P.src_rank[me, k]), int(P.src_index[me, k])
-        sends = []
         if self.fault is not None:
             self.fault.at_exchange(self.iteration_of(gb), k, self.name_batch(gb))
-        if self.world > 1:
-            self._beat(f"exchange of micro-step {k} of {self.name_batch(gb)}")
-            for dst in range(self.world):
-                if dst != me and int(P.src_rank[dst, k]) == me:
-                    idx = int(P.src_index[dst, k])
-                    pack, plan.packs[idx] = plan.packs[idx], None
-                    sends.append(self.transport.send(pack, dst, gb, k))
-                    t.packs_sent += 1
-                    t.bytes_sent += sends[-1].nbytes
-                    if self.traffic_nodes is not None and self.traffic_nodes[dst] != self.traffic_nodes[me]:
-                        t.inter_node_bytes_sent += sends[-1].nbytes
+        sends = []
+        if self.world == 1:
+            return sends
+        self._beat(f"exchange of micro-step {k} of {self.name_batch(gb)}")
+        for dst in range(self.world):
+            if dst != me and int(P.src_rank[dst, k]) == me:
+                idx = int(P.src_index[dst, k])
+                pack, plan.packs[idx] = plan.packs[idx], None
+                pending = self.transport.send(pack, dst, gb, k)
+                sends.append((k, pending))
+                t.packs_sent += 1
+                t.bytes_sent += pending.nbytes
+                if self.traffic_nodes is not None and self.traffic_nodes[dst] != self.traffic_nodes[me]:
+                    t.inter_node_bytes_sent += pending.nbytes
+        return sends
+
+    def _take(self, plan: BatchPlan, k: int, place: bool) -> Item:
+        """Micro-step ``k``'s pack of this rank: its own, or received from its owner."""
+        gb, P, me, t = plan.global_batch, plan.placement, self.me, plan.traffic
+        src_r, src_i = int(P.src_rank[me, k]), int(P.src_index[me, k])
         if src_r == me:
             pack, plan.packs[src_i] = plan.packs[src_i], None
             item = self.transport.local(pack, place=place)
@@ -373,30 +410,23 @@ class Engine:
             item, nbytes = self.transport.receive(src_r, gb, k, place=place)
             t.packs_received += 1
             t.bytes_received += nbytes
-        for pending in sends:
-            self.transport.finish(pending, gb, k)
-        t.exchange_ms += (time.perf_counter() - t0) * 1e3
-        # CPU time of the thread that ran it (the exchange thread with overlap): its share of
-        # the core the training thread also needs.
-        t.exchange_cpu_ms += (time.thread_time() - cpu0) * 1e3
         item.num_microbatches = plan.num_microbatches
         if k == plan.num_microbatches - 1:
             item.batch = plan
         self._beat(f"micro-step {k} of {self.name_batch(gb)} exchanged")
         return item
 
+    def _finish_sends(self, plan: BatchPlan, sends: list) -> None:
+        for k, pending in sends:
+            self.transport.finish(pending, plan.global_batch, k)
 
-    def exchange_batch(self, plan: BatchPlan) -> list:
-        """Every micro-step's exchange of the batch at once, in micro-step order (each rank
-        runs the same steps in the same order, as the exchange thread does): the items of
-        micro-steps 0..G-1, each still on the host until
-        :meth:`~.transport.PackTransport.placed` puts it on the device at its delivery.
-
-        Without the exchange thread this is what ``next()`` runs at a batch's first
-        micro-step: the ranks meet once per global batch, right after the optimizer step
-        where they already met, instead of at every micro-step that moves a pack, where a
-        rank still finishing its previous micro-step's backward keeps its partner waiting."""
-        return [self.step(plan, k, place=False) for k in range(plan.num_microbatches)]
+    @staticmethod
+    def _account(plan: BatchPlan, t0: float, cpu0: float) -> None:
+        t = plan.traffic
+        t.exchange_ms += (time.perf_counter() - t0) * 1e3
+        # CPU time of the thread that ran it (the exchange thread with overlap): its share of
+        # the core the training thread also needs.
+        t.exchange_cpu_ms += (time.thread_time() - cpu0) * 1e3
 
 
 def pack_keys(pack) -> str:

@@ -71,3 +71,46 @@ def test_the_premise_is_checked_against_the_off_runs(tmp_path, load_benchmark):
     assert rep["against_off"]["balanced"][0] == pytest.approx(1.06 / 1.10, rel=1e-3)
     (off / "train.log").unlink()
     assert mod.report(tmp_path, warmup=2)["against_off"] == {}
+
+
+def _write_timing(run_dir, iterations, lm_ms, G=2, ranks=2):
+    """Per-pack timing records: every micro-batch's language model ``lm_ms[i] / G`` (forward
+    and backward halves), no images."""
+    import json
+    d = run_dir / "timing"
+    d.mkdir()
+    for r in range(ranks):
+        rows, t = [], 0.0
+        for i in iterations:
+            for k in range(G):
+                half = lm_ms[i] / G / 2
+                rows.append(dict(iteration=i, microbatch=k, rank=r, images=[], lengths=[1024],
+                                 vision_forward_ms=0.0, vision_backward_ms=0.0, lm_forward_ms=half,
+                                 lm_backward_ms=half, start_s=t, end_s=t + 2 * half / 1e3))
+                t += 2 * half / 1e3
+        (d / f"timing-rank{r:05d}.jsonl").write_text("".join(json.dumps(x) + "\n" for x in rows))
+
+
+def test_the_premise_with_each_jobs_speed_divided_out(tmp_path, load_benchmark):
+    """A crossover job that ran 5% slower than ``off`` on the same work (its language model's
+    compute 5% longer) shows unbalanced iterations at 1.05 of ``off``; with its speed divided
+    out they are at 1.00, and the balanced ones at 1 / (1 + gain)."""
+    mod = load_benchmark("crossover_gain")
+    data = {i: 2000.0 + 100.0 * (i % 3) for i in range(1, 11)}
+    lm = {i: 1200.0 + 10.0 * i for i in data}
+    _write_round(tmp_path, 1, data, 0.10, 1.05, 1.05)
+    for parity in ("even", "odd"):
+        _write_timing(tmp_path / f"round1-crossover-{parity}", data, {i: 1.05 * ms for i, ms in lm.items()})
+    off = tmp_path / "round1-off"
+    off.mkdir()
+    (off / "train.log").write_text(_log(data, {i: 0.0 for i in data}))
+    _write_timing(off, data, lm)
+    rep = mod.report(tmp_path, warmup=2)
+    assert rep["speeds"] == {(1, "even"): pytest.approx(1.05), (1, "odd"): pytest.approx(1.05)}
+    assert rep["against_off"]["unbalanced"][0] == pytest.approx(1.05, rel=1e-3)
+    assert rep["against_off_at_speed"]["unbalanced"][0] == pytest.approx(1.0, rel=1e-3)
+    assert rep["against_off_at_speed"]["balanced"][0] == pytest.approx(1 / 1.10, rel=1e-3)
+    for d in tmp_path.glob("round1-*/timing"):
+        for f in d.iterdir():
+            f.unlink()
+    assert mod.report(tmp_path, warmup=2)["speeds"] == {}           # no timings: no speed figure

@@ -160,12 +160,34 @@ def mode_flags(mode: str, calibration_iters: int) -> tuple:
 
 # -- frameworks ---------------------------------------------------------------------------
 
+#: What ``--host`` sets in the ranks' environment (both frameworks' harnesses read it,
+#: ``testing/host_side.py``). ``gpu-node`` (Bridge's default) runs the host side as a GPU node
+#: does, where it is not on the training loop's cores: the train loader's micro-batches drawn
+#: before the first iteration (on 2 cores the data workers otherwise take the cores the ranks
+#: compute on, more of them the less the ranks wait for each other), and glibc's allocator keeping the memory it frees (no mmap
+#: per large tensor, no trimming), as CUDA's caching allocator keeps its blocks: without it
+#: every large activation is mapped, faulted in page by page and unmapped again, which on
+#: this job cost about a third of each iteration; and that allocator's pool warm from the
+#: start (3 GiB of each rank's heap faulted in at setup, above the job's peak): without it a
+#: rank that meets a larger frame than any before stalls for hundreds of milliseconds while
+#: its heap grows. ``shared``: the harness as it runs by default (data workers and ranks
+#: share the cores; glibc's defaults).
+HOST_ENV = {
+    "gpu-node": {"MM_BALANCE_CPU_PREDRAW": "all", "MALLOC_MMAP_MAX_": "0",
+                 "MALLOC_TRIM_THRESHOLD_": str(1 << 40), "MM_BALANCE_CPU_HEAP_MB": "3072"},
+    "shared": {},
+}
+
+
 @dataclass
 class MegatronLMFramework:
     """Megatron-LM's examples/multimodal through ``scripts/pretrain_vlm_moe.sh``."""
 
     megatron_lm: Optional[str] = None
     calibration_iters: int = DEFAULTS["calibration_iters"]
+    #: the ranks' host side (``--host``, :data:`HOST_ENV`); ``shared`` by default, as this
+    #: bench's published figures ran
+    host: str = "shared"
     name: ClassVar[str] = "megatron-lm"
     launcher: ClassVar[Path] = LAUNCHER
     config: ClassVar[Path] = CONFIG
@@ -180,16 +202,10 @@ class MegatronLMFramework:
     #: the bench's options left unset take these
     bench_defaults: ClassVar[dict] = DEFAULTS
 
-    #: the ranks' host side as the harness runs it (``--host``: only ``shared`` here)
-    host: ClassVar[str] = "shared"
-
     @classmethod
     def from_args(cls, a) -> "MegatronLMFramework":
-        if getattr(a, "host", None) not in (None, cls.host):
-            raise BenchError(f"--host {a.host}: the Megatron-LM bench runs its host side as 'shared' only "
-                             f"(--host gpu-node is a --bridge setting)")
         return cls(megatron_lm=a.megatron_lm or os.environ.get("MEGATRON_LM_DIR"),
-                   calibration_iters=a.calibration_iters)
+                   calibration_iters=a.calibration_iters, host=getattr(a, "host", None) or cls.host)
 
     def all_modes(self) -> tuple:
         return MODES + EXTRA_MODES
@@ -202,10 +218,13 @@ class MegatronLMFramework:
             raise BenchError("set --megatron-lm (or MEGATRON_LM_DIR) to a Megatron-LM checkout with our patches")
         if not (Path(self.megatron_lm) / "examples" / "multimodal" / "train.py").is_file():
             raise BenchError(f"{self.megatron_lm}: no examples/multimodal/train.py")
+        if self.host not in HOST_ENV:
+            raise BenchError(f"--host must be one of {', '.join(HOST_ENV)}, got {self.host!r}")
 
     def environment(self) -> dict:
-        """The launcher's tree variable, as an absolute path (the launcher runs elsewhere)."""
-        return {"MEGATRON_LM_DIR": os.path.abspath(self.megatron_lm)}
+        """The launcher's tree variable, as an absolute path (the launcher runs elsewhere), and
+        the host side's settings of ``--host`` (:data:`HOST_ENV`)."""
+        return {**HOST_ENV[self.host], "MEGATRON_LM_DIR": os.path.abspath(self.megatron_lm)}
 
     def mode_args(self, mode: str) -> tuple:
         return mode_flags(mode, self.calibration_iters)
@@ -859,9 +878,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="hold-out rounds, each run after the main round of the same number (so the machine's "
                         "drift over the bench reaches both alike); default %(default)s")
     p.add_argument("--host", default=None, choices=("gpu-node", "shared"),
-                   help="--bridge: the ranks' host side; gpu-node (default): the batches drawn before the "
-                        "first iteration and the allocator keeping what it frees, as on a GPU node; shared: "
-                        "data workers and ranks on the same cores, glibc's defaults (docs/real_speed.md)")
+                   help="the ranks' host side; gpu-node (the --bridge default): the batches drawn before the "
+                        "first iteration and the allocator keeping what it frees, as on a GPU node; shared "
+                        "(the Megatron-LM default): data workers and ranks on the same cores, glibc's "
+                        "defaults (docs/real_speed.md)")
     p.add_argument("--set", action="append", metavar="VAR=VALUE",
                    help="launcher/config environment override, e.g. GBS=8 (repeatable)")
     p.add_argument("--timeout", type=float, default=DEFAULTS["timeout"], help="seconds per run")

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar, Dict, Optional
 
-from ..bench.realpath import DEFAULTS, REPO, BenchError, register_framework
+from ..bench.realpath import DEFAULTS, HOST_ENV, REPO, BenchError, register_framework
 from .config import MMBalanceBridgeConfig
 from .native_dataset import make_native_res_dataset
 
@@ -60,25 +60,6 @@ IMAGE_MODES = {"images": [], "images-sync": ["mm_balance.image_overlap=false"],
                "images-by-cost": ["mm_balance.image_pack_cost=cost"]}
 #: ``mm_balance.cost`` values the ``packs`` and ``images`` modes take (``--cost``)
 COSTS = ("image-tokens", "model")
-#: What ``--host`` sets in the ranks' environment. ``gpu-node`` (the default) runs the host
-#: side as a GPU node does, where it is not on the training loop's cores: the train loader's
-#: micro-batches drawn before the first iteration (``testing/cpu_bridge.py``: on 2 cores the
-#: data workers otherwise take the cores the ranks compute on, more of them the less the
-#: ranks wait for each other), and glibc's allocator keeping the memory it frees (no mmap
-#: per large tensor, no trimming), as CUDA's caching allocator keeps its blocks: without it
-#: every large activation is mapped, faulted in page by page and unmapped again, which on
-#: this job cost about a third of each iteration; and that allocator's pool warm from the
-#: start (3 GiB of each rank's heap faulted in at setup, above the job's peak): without it a
-#: rank that meets a larger frame than any before stalls for hundreds of milliseconds while
-#: its heap grows. ``shared``: the harness as it runs by default (data workers and ranks
-#: share the cores; glibc's defaults).
-HOST_ENV = {
-    "gpu-node": {"MM_BALANCE_CPU_PREDRAW": "all", "MALLOC_MMAP_MAX_": "0",
-                 "MALLOC_TRIM_THRESHOLD_": str(1 << 40), "MM_BALANCE_CPU_HEAP_MB": "3072"},
-    "shared": {},
-}
-
-
 def bridge_images_available() -> bool:
     """Whether ``cfg.mm_balance`` has the ``vision`` field (image-level balancing on Bridge)."""
     return "vision" in {f.name for f in dataclasses.fields(MMBalanceBridgeConfig)}

@@ -117,6 +117,9 @@ import runpy
 import sys
 import types
 
+from .host_side import (HEAP_ENV, PREDRAW_ENV, PredrawnBatches, announce, check_heap_settings,  # noqa: F401
+                        grow_heap, heap_mb, host_side_settings, predraw_count, predraw_into)
+
 #: Packages Bridge imports at module load that its CPU path never calls.
 STUBBED_FOR_BRIDGE = ("transformer_engine", "modelopt", "nvidia_resiliency_ext", "datasets", "diffusers")
 
@@ -406,138 +409,28 @@ def install_gloo_uneven_all_gather() -> None:
     dist.all_gather = all_gather
 
 
-#: ``MM_BALANCE_CPU_PREDRAW=all`` (or a micro-batch count): the benchmark's setting that
-#: moves the data loader's work before the clock starts (:func:`_host_side_at_setup`).
-PREDRAW_ENV = "MM_BALANCE_CPU_PREDRAW"
-
-
-class PredrawnBatches:
-    """The first ``count`` items of ``iterable``, drawn at once, then the rest as they come.
-
-    Same items, same order: only *when* the loader does its work changes."""
-
-    def __init__(self, iterable, count: int):
-        self._inner = iter(iterable)
-        self._ready = []
-        for _ in range(count):
-            try:
-                self._ready.append(next(self._inner))
-            except StopIteration:
-                break
-        self._ready.reverse()
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        return self._ready.pop() if self._ready else next(self._inner)
-
-
-def predraw_count(value: str, cfg, dp_size: int) -> int:
-    """Micro-batches to draw: ``all`` is the job's whole run on this rank
-    (``train_iters x global_batch_size / (micro_batch_size x dp_size)``), else a count."""
-    if value.strip().lower() == "all":
-        per_iteration = cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp_size)
-        return cfg.train.train_iters * per_iteration
-    try:
-        count = int(value)
-    except ValueError:
-        raise ValueError(f"{PREDRAW_ENV} must be 'all' or a micro-batch count (got {value!r})") from None
-    if count < 0:
-        raise ValueError(f"{PREDRAW_ENV} must not be negative (got {count})")
-    return count
-
-
-#: ``MM_BALANCE_CPU_HEAP_MB=N``: the benchmark's setting that faults in N MiB of each rank's
-#: heap before the first iteration (:func:`grow_heap`).
-HEAP_ENV = "MM_BALANCE_CPU_HEAP_MB"
-
-
-def heap_mb(value: str) -> int:
-    """The heap to grow at setup, in MiB (0: none)."""
-    try:
-        mb = int(value or 0)
-    except ValueError:
-        raise ValueError(f"{HEAP_ENV} must be a whole number of MiB (got {value!r})") from None
-    if mb < 0:
-        raise ValueError(f"{HEAP_ENV} must not be negative (got {mb})")
-    return mb
-
-
-def check_heap_settings(mb: int, env=os.environ) -> None:
-    """Refuse a heap the allocator would not keep, or whose pages the loader's workers share.
-
-    glibc maps large blocks outside the heap unless ``MALLOC_MMAP_MAX_=0`` and gives freed
-    heap back to the kernel above ``MALLOC_TRIM_THRESHOLD_``; and a worker forked after the
-    heap has grown shares its pages copy-on-write, so the rank's every first write to one
-    would copy it (the batches drawn first fork the workers at setup)."""
-    if not mb:
-        return
-    why = []
-    if env.get("MALLOC_MMAP_MAX_", "").strip() != "0":
-        why.append("MALLOC_MMAP_MAX_=0 (else the block is mapped outside the heap and unmapped when freed)")
-    try:
-        trim = int(env.get("MALLOC_TRIM_THRESHOLD_", "").strip())
-    except ValueError:
-        trim = -1
-    if trim < mb << 20:
-        why.append(f"MALLOC_TRIM_THRESHOLD_ of at least {mb << 20} (else the freed heap goes back to the kernel)")
-    if env.get(PREDRAW_ENV, "").strip() in ("", "0"):
-        why.append(f"{PREDRAW_ENV} (else the loader's workers fork after the heap grows and share its "
-                   f"pages copy-on-write)")
-    if why:
-        raise ValueError(f"{HEAP_ENV}={mb} needs " + "; ".join(why))
-
-
-def grow_heap(mb: int) -> None:
-    """Fault in ``mb`` MiB of this process's heap and free it: with the allocator keeping
-    what it frees (:func:`check_heap_settings`), later allocations up to that size reuse
-    resident pages instead of faulting new ones in during the measured iterations."""
-    if mb:
-        import torch
-        block = torch.empty(mb << 20, dtype=torch.uint8)
-        block.fill_(1)
-        del block
-
-
 def _host_side_at_setup() -> None:
     """With ``MM_BALANCE_CPU_PREDRAW`` set, the train loader's micro-batches are drawn at
     setup, before the first iteration; with ``MM_BALANCE_CPU_HEAP_MB`` set as well, the
-    rank's heap is grown after that.
-
-    On a GPU node the data workers run on host cores the training loop does not use; on a
-    2-core machine they take the cores the ranks compute on, and take more of them the less
-    the ranks wait for each other, so an unbalanced run gets its data almost for free and a
-    balanced one pays for it in compute. Drawing the batches first (the same batches, in the
-    same order, under every mode) takes that out of the measured iterations. Likewise a GPU
-    job's caching allocator holds its peak after the first iterations, where glibc faults in
-    each page past the heap's peak so far (:func:`grow_heap`). Off by default;
-    ``mm-balance bench-realpath --bridge --host gpu-node`` (the default) sets both. The
-    loader's checkpoint state (energon's ``save_state``) is not carried through, so a run
-    with it saves no resumable data position: a benchmark setting, not a training one."""
-    value = os.environ.get(PREDRAW_ENV, "").strip()
-    mb = heap_mb(os.environ.get(HEAP_ENV, "").strip())
-    check_heap_settings(mb)
-    if not value or value == "0":
+    rank's heap is grown after that (:mod:`.host_side`). Off by default;
+    ``mm-balance bench-realpath --bridge --host gpu-node`` (the default) sets both."""
+    value, mb = host_side_settings()
+    if not value:
         return
     import torch
     from megatron.bridge.training import setup as bsetup
-    from megatron.core.rerun_state_machine import RerunDataIterator
     original = bsetup.setup_data_iterators
 
     def setup_data_iterators(cfg, *a, **k):
         train, valid, test = original(cfg, *a, **k)
         dp_group = k["dp_group"] if "dp_group" in k else a[3]    # (train_state, model_length, provider, dp_group)
-        count = predraw_count(value, cfg, torch.distributed.get_world_size(dp_group))
-        chunks = train if isinstance(train, list) else [train]
-        for it in chunks:
-            if isinstance(it, RerunDataIterator):
-                it.iterable = PredrawnBatches(it.iterable, count)
+        count = predraw_count(value, train_iters=cfg.train.train_iters,
+                              global_batch_size=cfg.train.global_batch_size,
+                              micro_batch_size=cfg.train.micro_batch_size,
+                              dp_size=torch.distributed.get_world_size(dp_group))
+        predraw_into(train, count)
         grow_heap(mb)
-        if torch.distributed.get_rank() == 0:
-            print(f"mm-balance CPU harness: drew {count} micro-batches before the first iteration "
-                  f"({PREDRAW_ENV}={value})" + (f"; grew each rank's heap by {mb} MiB ({HEAP_ENV}={mb})"
-                                                 if mb else ""), flush=True)
+        announce(count, value, mb)
         return train, valid, test
 
     bsetup.setup_data_iterators = setup_data_iterators

@@ -69,6 +69,10 @@ rewriting, streams/events, the RNG tracker, ``te_general_gemm``):
   compile step exists only up to core_v0.18.2 (shimmed only where it exists).
 * Megatron compiles its dataset index helpers with ``make`` at start-up;
   the energon data path never calls them: skipped.
+
+One benchmark setting, off unless its variables are set (``mm-balance bench-realpath --host
+gpu-node``): the host side of a GPU node (:mod:`.host_side`, as in Bridge's harness), the train
+loader's micro-batches drawn before the first iteration and the heap grown.
 """
 from __future__ import annotations
 
@@ -200,6 +204,37 @@ class _DoneWork:
         return True
 
 
+def _host_side_at_setup(mtrain, get_args=None) -> None:
+    """With ``MM_BALANCE_CPU_PREDRAW`` set (``mm-balance bench-realpath --host gpu-node``), the
+    train loader's micro-batches are drawn when ``pretrain()`` has built its iterators, before
+    ``--mm-balance`` wraps them; with ``MM_BALANCE_CPU_HEAP_MB`` the heap is grown after that
+    (:mod:`.host_side`, the same settings as Bridge's harness). Unset: nothing changes.
+    ``get_args``: where the job's arguments come from (default: Megatron's ``get_args``)."""
+    from .host_side import announce, grow_heap, host_side_settings, predraw_count, predraw_into
+    value, mb = host_side_settings()
+    if not value:
+        return
+    original = mtrain.build_train_valid_test_data_iterators
+
+    def build_train_valid_test_data_iterators(*a, **k):
+        train, valid, test = original(*a, **k)
+        if get_args is not None:
+            args = get_args()
+        else:
+            from megatron.training import get_args as megatron_args
+            args = megatron_args()
+        if args.train_iters is None:
+            raise ValueError("MM_BALANCE_CPU_PREDRAW needs --train-iters (the micro-batches to draw)")
+        count = predraw_count(value, train_iters=args.train_iters, global_batch_size=args.global_batch_size,
+                              micro_batch_size=args.micro_batch_size, dp_size=args.data_parallel_size)
+        predraw_into(train, count)
+        grow_heap(mb)
+        announce(count, value, mb)
+        return train, valid, test
+
+    mtrain.build_train_valid_test_data_iterators = build_train_valid_test_data_iterators
+
+
 def install() -> None:
     """Install every shim listed in the module docstring (idempotent)."""
     global _DONE
@@ -257,6 +292,7 @@ def install() -> None:
 
     from megatron.training import arguments as margs
     margs.get_device_arch_version = lambda: 9   # validate_args asks the GPU's arch under TP/CP > 1
+    _host_side_at_setup(mtrain)
 
     from megatron.core.datasets import utils as dutils
     dutils.compile_helpers = lambda: None

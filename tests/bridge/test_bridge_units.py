@@ -555,13 +555,12 @@ def test_predrawn_batches_are_the_loaders_own_in_order():
     assert [b["i"] for b in it] == [5, 6]
     short = PredrawnBatches(iter(range(2)), 5)                      # a loader shorter than the count
     assert list(short) == [0, 1]
-    cfg = types.SimpleNamespace(train=types.SimpleNamespace(train_iters=10, global_batch_size=16,
-                                                            micro_batch_size=1))
-    assert predraw_count("all", cfg, dp_size=2) == 80 and predraw_count(" ALL ", cfg, 4) == 40
-    assert predraw_count("12", cfg, 2) == 12
+    job = dict(train_iters=10, global_batch_size=16, micro_batch_size=1)
+    assert predraw_count("all", **job, dp_size=2) == 80 and predraw_count(" ALL ", **job, dp_size=4) == 40
+    assert predraw_count("12", **job, dp_size=2) == 12
     for bad, match in (("some", "must be 'all' or a micro-batch count"), ("-3", "must not be negative")):
         with pytest.raises(ValueError, match=match):
-            predraw_count(bad, cfg, 2)
+            predraw_count(bad, **job, dp_size=2)
 
 
 _HEAP_PROBE = """

@@ -278,8 +278,9 @@ def test_the_launcher_gets_absolute_tree_paths(tmp_path, monkeypatch):
 
 def test_host_settings_reach_the_ranks_and_the_report(tmp_path):
     """--host gpu-node (the Bridge default) hands the ranks the harness's predraw and grown heap
-    and glibc's keep-what-you-free settings, which the harness accepts together; shared hands them nothing; the Megatron-LM bench refuses
-    gpu-node; --reanalyze reads the host from the runs' logs, not from the flag."""
+    and glibc's keep-what-you-free settings, which the harness accepts together; shared hands
+    them nothing; the Megatron-LM bench takes the same settings with --host gpu-node and runs
+    shared by default; --reanalyze reads the host from the runs' logs, not from the flag."""
     import argparse
     fw = bridge_bench.BridgeFramework.from_args(argparse.Namespace(bridge=None, megatron_lm=None, cost="model",
                                                                    host=None))
@@ -293,9 +294,18 @@ def test_host_settings_reach_the_ranks_and_the_report(tmp_path):
                 "MM_BALANCE_CPU_HEAP_MB"} & set(shared)
     with pytest.raises(realpath.BenchError, match="--host must be one of"):
         bridge_bench.BridgeFramework(host="laptop").check()
-    with pytest.raises(realpath.BenchError, match="--host gpu-node: the Megatron-LM bench"):
-        realpath.MegatronLMFramework.from_args(argparse.Namespace(megatron_lm="m", calibration_iters=3,
-                                                                  host="gpu-node"))
+    mlm = realpath.MegatronLMFramework.from_args(argparse.Namespace(megatron_lm="m", calibration_iters=3,
+                                                                    host=None))
+    assert mlm.host == "shared" and set(mlm.environment()) == {"MEGATRON_LM_DIR"}
+    mlm = realpath.MegatronLMFramework.from_args(argparse.Namespace(megatron_lm="m", calibration_iters=3,
+                                                                    host="gpu-node"))
+    assert {k: v for k, v in mlm.environment().items() if k != "MEGATRON_LM_DIR"} == env
+    tree = tmp_path / "tree"
+    (tree / "examples" / "multimodal").mkdir(parents=True)
+    (tree / "examples" / "multimodal" / "train.py").write_text("")
+    realpath.MegatronLMFramework(megatron_lm=str(tree), host="gpu-node").check()
+    with pytest.raises(realpath.BenchError, match="--host must be one of"):
+        realpath.MegatronLMFramework(megatron_lm=str(tree), host="laptop").check()
     for name, line in (("round1-off", "mm-balance CPU harness: drew 80 micro-batches before the first "
                         "iteration (MM_BALANCE_CPU_PREDRAW=all)\n"), ("round1-packs", "iteration 1/ 10 |\n")):
         (tmp_path / name).mkdir()

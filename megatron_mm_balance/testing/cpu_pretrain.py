@@ -208,8 +208,9 @@ def _host_side_at_setup(mtrain, get_args=None) -> None:
     """With ``MM_BALANCE_CPU_PREDRAW`` set (``mm-balance bench-realpath --host gpu-node``), the
     train loader's micro-batches are drawn when ``pretrain()`` has built its iterators, before
     ``--mm-balance`` wraps them; with ``MM_BALANCE_CPU_HEAP_MB`` the heap is grown after that
-    (:mod:`.host_side`, the same settings as Bridge's harness). Unset: nothing changes.
-    ``get_args``: where the job's arguments come from (default: Megatron's ``get_args``)."""
+    (:mod:`.host_side`, the same settings as Bridge's harness). The job then saves no data
+    position in its checkpoints (``--dataloader-save`` cleared), as on Bridge: a benchmark
+    setting, not a training one. Unset: nothing changes. ``get_args``: where the job's arguments come from (default: Megatron's ``get_args``)."""
     from .host_side import announce, grow_heap, host_side_settings, predraw_count, predraw_into
     value, mb = host_side_settings()
     if not value:
@@ -228,6 +229,9 @@ def _host_side_at_setup(mtrain, get_args=None) -> None:
         count = predraw_count(value, train_iters=args.train_iters, global_batch_size=args.global_batch_size,
                               micro_batch_size=args.micro_batch_size, dp_size=args.data_parallel_size)
         predraw_into(train, count)
+        # The loader has read ahead: its state is no data position to resume from, so the job
+        # saves none (Megatron skips the loader's state without --dataloader-save).
+        args.dataloader_save = None
         grow_heap(mb)
         announce(count, value, mb)
         return train, valid, test

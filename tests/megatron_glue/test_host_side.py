@@ -28,7 +28,8 @@ def _job(train, drawn):
             yield {"i": i}
     built = _Rerun(loader()) if train == "one" else [_Rerun(loader()), None]
     mtrain = types.SimpleNamespace(build_train_valid_test_data_iterators=lambda *a, **k: (built, None, None))
-    args = types.SimpleNamespace(train_iters=3, global_batch_size=8, micro_batch_size=1, data_parallel_size=2)
+    args = types.SimpleNamespace(train_iters=3, global_batch_size=8, micro_batch_size=1, data_parallel_size=2,
+                                 dataloader_save="/ckpt/dataloader")
     return mtrain, args
 
 
@@ -46,6 +47,7 @@ def test_predraw_draws_the_jobs_micro_batches_when_the_iterators_are_built(monke
     assert drawn == list(range(12))                               # 3 iterations x 8 / (1 x 2) on this rank
     assert [next(it)["i"] for _ in range(13)] == list(range(13))  # the same batches in order, then on
     assert "drew 12 micro-batches before the first iteration" in capsys.readouterr().out
+    assert args.dataloader_save is None                           # no data position saved from it
 
 
 def test_predraw_unset_changes_nothing_and_needs_train_iters(monkeypatch):
@@ -55,6 +57,7 @@ def test_predraw_unset_changes_nothing_and_needs_train_iters(monkeypatch):
     original = mtrain.build_train_valid_test_data_iterators
     cpu_pretrain._host_side_at_setup(mtrain, get_args=lambda: args)
     assert mtrain.build_train_valid_test_data_iterators is original
+    assert args.dataloader_save == "/ckpt/dataloader"
     monkeypatch.setenv(PREDRAW_ENV, "all")
     args.train_iters = None
     cpu_pretrain._host_side_at_setup(mtrain, get_args=lambda: args)

@@ -3,9 +3,9 @@
 :class:`Engine` is the tensor exchange's coordinator. It decides nothing itself
 and moves nothing itself: the agreement protocol is :mod:`.agreement`, the plan
 :func:`~.planner.plan_batch` (the same planner every mode uses), and the network
-and device work :class:`~.transport.PackTransport`. It has two operations, used
-either synchronously from ``next()`` (``overlap=False``) or from the background
-thread (``overlap=True``):
+and device work :class:`~.transport.PackTransport`. Its operations run on the
+background thread (``overlap=True``: a batch's start, then its steps one by one)
+or inside ``next()`` (``overlap=False``: a batch's start, then its whole exchange):
 
 * :meth:`Engine.start_batch` pulls ``num_microbatches`` packs from the source,
   checks each (``check_fn``: bad input is refused here, before anything moves) and costs it,
@@ -15,7 +15,9 @@ thread (``overlap=True``):
   rank);
 * :meth:`Engine.step` performs micro-step ``k``'s exchange: this rank posts the
   sends of every pack some peer computes at step ``k`` and receives the one pack
-  it computes itself (if that pack lives elsewhere). Only moved packs travel.
+  it computes itself (if that pack lives elsewhere). Only moved packs travel;
+* :meth:`Engine.exchange_batch` performs every micro-step's exchange of a batch at
+  once (the path without the thread: one meeting per global batch).
 
 All collectives run on the dedicated exchange group and every wait is bounded by
 ``timeout``; a failure names the global batch, the micro-step and the peer.

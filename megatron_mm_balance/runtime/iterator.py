@@ -14,10 +14,10 @@ Life of a global batch (``num_microbatches = G``):
    background thread runs steps 2-3 ahead of the consumer through a bounded
    queue (one micro-batch ready plus one in flight), so micro-step ``k+1``'s
    exchange hides behind micro-step ``k``'s compute; with ``overlap=False`` the
-   first ``next()`` of the batch runs them all, micro-step by micro-step
-   (:meth:`~.engine.Engine.exchange_batch`): the ranks meet once per global
-   batch, where the optimizer step has just aligned them, and each pack goes to
-   the device when it is delivered.
+   first ``next()`` of the batch runs them all (:meth:`~.engine.Engine.exchange_batch`:
+   every send posted, then the receives in micro-step order): the ranks meet once
+   per global batch, where the optimizer step has just aligned them, and each
+   pack goes to the device when it is delivered.
 
 With an int ``num_microbatches`` the thread runs across global-batch
 boundaries: batch ``b+1``'s pull, all-gather, solve and first exchange hide

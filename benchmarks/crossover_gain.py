@@ -98,20 +98,29 @@ def consumer_wait(run: RunResult, warmup: int) -> dict:
     return out
 
 
-def against_off(out: Path, runs: dict, warmup: int) -> dict:
+def off_times(out: Path, rounds) -> dict:
+    """``{round: {iteration: ms}}``: the ``off`` run's iteration times of each round that has one."""
+    return {rnd: load(out, rnd, "off").elapsed_ms for rnd in rounds
+            if (out / f"round{rnd}-off" / "train.log").is_file()}
+
+
+def against_off(runs: dict, offs: dict, warmup: int, speeds: dict | None = None) -> dict:
     """Mean over rounds' iterations of a crossover iteration's time over the ``off`` run's same
     iteration (same round), for the unbalanced and the balanced iterations; {} without ``off``
-    runs. ``runs``: each round's crossover runs, ``{round: (even, odd)}``."""
+    runs. ``runs``: each round's crossover runs, ``{round: (even, odd)}``; ``offs``:
+    :func:`off_times`. ``speeds`` (:func:`job_speeds`): each ratio divided by its job's speed,
+    rounds without one left out."""
     ratios = {"unbalanced": [], "balanced": []}
     for rnd, pair in runs.items():
-        if not (out / f"round{rnd}-off" / "train.log").is_file():
+        if rnd not in offs or (speeds is not None and not all((rnd, p) in speeds for p in PARITIES)):
             continue
-        off = load(out, rnd, "off").elapsed_ms
+        off = offs[rnd]
         for parity, run in zip(PARITIES, pair):
+            speed = 1.0 if speeds is None else speeds[(rnd, parity)]
             for i in measured_window(run, warmup):
                 if i in off:
                     key = "balanced" if balanced(parity, i) else "unbalanced"
-                    ratios[key].append(run.elapsed_ms[i] / off[i])
+                    ratios[key].append(run.elapsed_ms[i] / off[i] / speed)
     return {k: (statistics.fmean(v), len(v)) for k, v in ratios.items() if v}
 
 
@@ -141,22 +150,6 @@ def job_speeds(out: Path, runs: dict, warmup: int) -> dict:
     return speeds
 
 
-def against_off_at_speed(out: Path, runs: dict, warmup: int, speeds: dict) -> dict:
-    """:func:`against_off` with each crossover iteration's ratio divided by its job's speed
-    (:func:`job_speeds`); rounds without a speed are left out."""
-    ratios = {"unbalanced": [], "balanced": []}
-    for rnd, pair in runs.items():
-        if not all((rnd, p) in speeds for p in PARITIES):
-            continue
-        off = load(out, rnd, "off").elapsed_ms
-        for parity, run in zip(PARITIES, pair):
-            for i in measured_window(run, warmup):
-                if i in off:
-                    key = "balanced" if balanced(parity, i) else "unbalanced"
-                    ratios[key].append(run.elapsed_ms[i] / off[i] / speeds[(rnd, parity)])
-    return {k: (statistics.fmean(v), len(v)) for k, v in ratios.items() if v}
-
-
 def rounds_in(out: Path) -> list:
     """The rounds that have both crossover runs."""
     found = sorted(int(p.name[len("round"):].split("-", 1)[0]) for p in out.glob("round*-crossover-even"))
@@ -178,9 +171,10 @@ def report(out: Path, warmup: int) -> dict:
         values = [w[key] for w in waits if w[key] is not None]
         return statistics.fmean(values) if values else None
     speeds = job_speeds(out, runs, warmup)
+    offs = off_times(out, runs)
     return dict(rounds=per_round, gain=overall, wait_on_ms=mean_wait("on"), wait_off_ms=mean_wait("off"),
-                against_off=against_off(out, runs, warmup), speeds=speeds,
-                against_off_at_speed=against_off_at_speed(out, runs, warmup, speeds))
+                against_off=against_off(runs, offs, warmup), speeds=speeds,
+                against_off_at_speed=against_off(runs, offs, warmup, speeds))
 
 
 def main(argv=None) -> None:

@@ -164,8 +164,9 @@ def mode_flags(mode: str, calibration_iters: int) -> tuple:
 #: ``testing/host_side.py``). ``gpu-node`` (Bridge's default) runs the host side as a GPU node
 #: does, where it is not on the training loop's cores: the train loader's micro-batches drawn
 #: before the first iteration (on 2 cores the data workers otherwise take the cores the ranks
-#: compute on, more of them the less the ranks wait for each other), and glibc's allocator keeping the memory it frees (no mmap
-#: per large tensor, no trimming), as CUDA's caching allocator keeps its blocks: without it
+#: compute on, more of them the less the ranks wait for each other), and glibc's allocator
+#: keeping the memory it frees (no mmap per large tensor, no trimming), as CUDA's caching
+#: allocator keeps its blocks: without it
 #: every large activation is mapped, faulted in page by page and unmapped again, which on
 #: this job cost about a third of each iteration; and that allocator's pool warm from the
 #: start (3 GiB of each rank's heap faulted in at setup, above the job's peak): without it a

@@ -347,13 +347,12 @@ class Engine:
             return ""
 
     # -- one micro-step's exchange -------------------------------------------
-    def step(self, plan: BatchPlan, k: int, *, place: bool = True) -> Item:
+    def step(self, plan: BatchPlan, k: int) -> Item:
         """Deliver micro-step ``k``: send the packs peers compute now, receive (or take)
-        the one this rank computes, placed on the target device (``place=False``: left on
-        the host for :meth:`~.transport.PackTransport.placed`)."""
+        the one this rank computes, placed on the target device."""
         t0, cpu0 = time.perf_counter(), time.thread_time()
         sends = self._post_sends(plan, k)
-        item = self._take(plan, k, place)
+        item = self._take(plan, k, place=True)
         self._finish_sends(plan, sends)
         self._account(plan, t0, cpu0)
         return item

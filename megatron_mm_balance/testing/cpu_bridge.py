@@ -95,7 +95,7 @@ Each stand-in added here, with the CUDA-only (or GPU-stack-only) assumption it r
   workers decode and process images on host cores the training loop does not need; on 2
   cores they take the ranks' cores, and more of them the less the ranks wait for each
   other. With it, each rank's train loader gives up the job's micro-batches at setup
-  (``PredrawnBatches``: the same batches in the same order), so the measured iterations
+  (``host_side.PredrawnBatches``: the same batches in the same order), so the measured iterations
   carry no data work under any mode. The loader's checkpoint state is not carried through.
 * **the allocator's warm pool** (only with ``MM_BALANCE_CPU_HEAP_MB``, the same benchmark
   setting): CUDA's caching allocator holds a job's peak after its first iterations; glibc,
@@ -117,8 +117,7 @@ import runpy
 import sys
 import types
 
-from .host_side import (HEAP_ENV, PREDRAW_ENV, PredrawnBatches, announce, check_heap_settings,  # noqa: F401
-                        grow_heap, heap_mb, host_side_settings, predraw_count, predraw_into)
+from .host_side import host_side_settings, predraw_count, prepare
 
 #: Packages Bridge imports at module load that its CPU path never calls.
 STUBBED_FOR_BRIDGE = ("transformer_engine", "modelopt", "nvidia_resiliency_ext", "datasets", "diffusers")
@@ -428,9 +427,7 @@ def _host_side_at_setup() -> None:
                               global_batch_size=cfg.train.global_batch_size,
                               micro_batch_size=cfg.train.micro_batch_size,
                               dp_size=torch.distributed.get_world_size(dp_group))
-        predraw_into(train, count)
-        grow_heap(mb)
-        announce(count, value, mb)
+        prepare(train, count, value, mb)
         return train, valid, test
 
     bsetup.setup_data_iterators = setup_data_iterators

@@ -211,7 +211,7 @@ def _host_side_at_setup(mtrain, get_args=None) -> None:
     (:mod:`.host_side`, the same settings as Bridge's harness). The job then saves no data
     position in its checkpoints (``--dataloader-save`` cleared), as on Bridge: a benchmark
     setting, not a training one. Unset: nothing changes. ``get_args``: where the job's arguments come from (default: Megatron's ``get_args``)."""
-    from .host_side import announce, grow_heap, host_side_settings, predraw_count, predraw_into
+    from .host_side import host_side_settings, predraw_count, prepare
     value, mb = host_side_settings()
     if not value:
         return
@@ -228,12 +228,10 @@ def _host_side_at_setup(mtrain, get_args=None) -> None:
             raise ValueError("MM_BALANCE_CPU_PREDRAW needs --train-iters (the micro-batches to draw)")
         count = predraw_count(value, train_iters=args.train_iters, global_batch_size=args.global_batch_size,
                               micro_batch_size=args.micro_batch_size, dp_size=args.data_parallel_size)
-        predraw_into(train, count)
-        # The loader has read ahead: its state is no data position to resume from, so the job
-        # saves none (Megatron skips the loader's state without --dataloader-save).
+        # The loader will have read ahead: its state is no data position to resume from, so the
+        # job saves none (Megatron skips the loader's state without --dataloader-save).
         args.dataloader_save = None
-        grow_heap(mb)
-        announce(count, value, mb)
+        prepare(train, count, value, mb)
         return train, valid, test
 
     mtrain.build_train_valid_test_data_iterators = build_train_valid_test_data_iterators

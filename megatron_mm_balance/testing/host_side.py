@@ -139,3 +139,12 @@ def grow_heap(mb: int) -> None:
         block = torch.empty(mb << 20, dtype=torch.uint8)
         block.fill_(1)
         del block
+
+
+def prepare(train, count: int, value: str, mb: int) -> None:
+    """What both harnesses do once their framework has built the train iterator(s): draw
+    ``count`` micro-batches under them (:func:`predraw_into`), then grow the heap (after the
+    loader's workers are forked) and say so (:func:`announce`)."""
+    predraw_into(train, count)
+    grow_heap(mb)
+    announce(count, value, mb)

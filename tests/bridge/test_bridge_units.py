@@ -541,7 +541,7 @@ def test_predrawn_batches_are_the_loaders_own_in_order():
     """The benchmark's predraw (MM_BALANCE_CPU_PREDRAW): the first N items are drawn when the
     wrapper is made, then the same items come out in the same order, and the rest follow from
     the loader as they are asked for; ``all`` is the job's micro-batches on one rank."""
-    from megatron_mm_balance.testing.cpu_bridge import PredrawnBatches, predraw_count
+    from megatron_mm_balance.testing.host_side import PredrawnBatches, predraw_count
     drawn = []
 
     def loader():
@@ -565,7 +565,7 @@ def test_predrawn_batches_are_the_loaders_own_in_order():
 
 _HEAP_PROBE = """
 import os, resource, sys, torch
-from megatron_mm_balance.testing.cpu_bridge import grow_heap
+from megatron_mm_balance.testing.host_side import grow_heap
 grow_heap(int(sys.argv[1]))
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 t = torch.empty(200 << 20, dtype=torch.uint8)
@@ -594,7 +594,7 @@ def test_a_grown_heap_serves_the_next_large_tensor_without_faults(grown_mb):
 def test_the_heap_setting_is_refused_where_it_would_not_hold():
     """The heap is grown only where the allocator keeps it and the loader's workers are forked
     already; every missing setting is named."""
-    from megatron_mm_balance.testing.cpu_bridge import check_heap_settings, heap_mb
+    from megatron_mm_balance.testing.host_side import check_heap_settings, heap_mb
     assert heap_mb("") == 0 and heap_mb("3072") == 3072
     for bad, match in (("3G", "whole number of MiB"), ("-1", "must not be negative")):
         with pytest.raises(ValueError, match=match):

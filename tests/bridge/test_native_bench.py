@@ -21,7 +21,7 @@ from megatron_mm_balance.bench import native_share, realpath
 from megatron_mm_balance.bridge import bench as bridge_bench
 from megatron_mm_balance.data import native_res as nr
 from megatron_mm_balance.sim.run_trace import frames_view
-from megatron_mm_balance.testing.cpu_bridge import check_heap_settings
+from megatron_mm_balance.testing.host_side import check_heap_settings
 
 
 def _digest(root: Path) -> dict:

@@ -1,6 +1,6 @@
 """Balancing's gain measured inside the same jobs: the crossover runs of a real-path bench.
 
-    python benchmarks/crossover_gain.py OUT [--warmup 2]
+    python benchmarks/crossover_gain.py OUT [--warmup 2] [--pair crossover|images-crossover]
 
 ``OUT`` is a ``mm-balance bench-realpath [--bridge] --modes crossover-even,crossover-odd --out OUT``
 directory (Megatron-Bridge's or Megatron-LM's; the iteration times read are each iteration's
@@ -9,6 +9,9 @@ balances the global batches of even training iterations and runs the odd ones as
 (gathered and solved, nothing moved);
 ``roundR-crossover-odd`` the other way round. Both read the same data, so every measured
 iteration is timed once balanced and once not, and each job runs half its iterations each way.
+``--pair images-crossover`` reads the ``images-crossover-even`` / ``images-crossover-odd`` runs
+instead (``mm_balance.vision=images`` with the same parities: packs and frames balanced at one
+parity, the plain tower and the drawn packs at the other).
 
 A job's own speed (the machine's state while it ran, which on a shared 2-core host drifts by
 5-10% between jobs of the same work) multiplies all its iterations alike. Per round, with
@@ -44,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import statistics
 from pathlib import Path
 
@@ -51,6 +55,8 @@ from megatron_mm_balance.bench.realpath import RunResult, measured_window, parse
 from megatron_mm_balance.sim.run_trace import RunTraceError, load_run, measured_phases
 
 PARITIES = ("even", "odd")
+#: the pairs of crossover modes a bench may have run: pack placement, or packs and frames
+PAIRS = ("crossover", "images-crossover")
 
 
 def load(out: Path, rnd: int, mode: str) -> RunResult:
@@ -135,32 +141,33 @@ def lm_compute(run_dir: Path, warmup: int) -> dict:
     return dict(zip(trace.iterations, (float(x) for x in per_iteration)))
 
 
-def job_speeds(out: Path, runs: dict, warmup: int) -> dict:
+def job_speeds(out: Path, runs: dict, warmup: int, pair: str = PAIRS[0]) -> dict:
     """Each crossover job's language-model compute over the ``off`` job's on the same iterations
     (same round), ``{(round, parity): ratio}``: above 1, the job ran slower than ``off`` on the
     same work. {} without ``off`` runs or timings."""
     speeds = {}
-    for rnd, pair in runs.items():
+    for rnd in runs:
         off = lm_compute(out / f"round{rnd}-off", warmup)
         for parity in PARITIES:
-            mine = lm_compute(out / f"round{rnd}-crossover-{parity}", warmup)
+            mine = lm_compute(out / f"round{rnd}-{pair}-{parity}", warmup)
             common = [i for i in mine if i in off and off[i] > 0]
             if common:
                 speeds[(rnd, parity)] = statistics.fmean(mine[i] / off[i] for i in common)
     return speeds
 
 
-def rounds_in(out: Path) -> list:
-    """The rounds that have both crossover runs."""
-    found = sorted(int(p.name[len("round"):].split("-", 1)[0]) for p in out.glob("round*-crossover-even"))
-    return [r for r in found if (out / f"round{r}-crossover-odd" / "train.log").is_file()]
+def rounds_in(out: Path, pair: str = PAIRS[0]) -> list:
+    """The rounds that have both runs of ``pair`` (``roundR-<pair>-even`` and ``-odd``)."""
+    name = re.compile(rf"round(\d+)-{re.escape(pair)}-even")
+    found = sorted(int(m.group(1)) for p in out.glob("round*") if (m := name.fullmatch(p.name)))
+    return [r for r in found if (out / f"round{r}-{pair}-odd" / "train.log").is_file()]
 
 
-def report(out: Path, warmup: int) -> dict:
-    rounds = rounds_in(out)
+def report(out: Path, warmup: int, pair: str = PAIRS[0]) -> dict:
+    rounds = rounds_in(out, pair)
     if not rounds:
-        raise SystemExit(f"{out}: no round with both crossover-even and crossover-odd runs")
-    runs = {rnd: tuple(load(out, rnd, f"crossover-{parity}") for parity in PARITIES) for rnd in rounds}
+        raise SystemExit(f"{out}: no round with both {pair}-even and {pair}-odd runs")
+    runs = {rnd: tuple(load(out, rnd, f"{pair}-{parity}") for parity in PARITIES) for rnd in rounds}
     per_round, waits = [], []
     for even, odd in runs.values():
         per_round.append(round_gain(even, odd, warmup))
@@ -170,7 +177,7 @@ def report(out: Path, warmup: int) -> dict:
     def mean_wait(key):
         values = [w[key] for w in waits if w[key] is not None]
         return statistics.fmean(values) if values else None
-    speeds = job_speeds(out, runs, warmup)
+    speeds = job_speeds(out, runs, warmup, pair)
     offs = off_times(out, runs)
     return dict(rounds=per_round, gain=overall, wait_on_ms=mean_wait("on"), wait_off_ms=mean_wait("off"),
                 against_off=against_off(runs, offs, warmup), speeds=speeds,
@@ -181,9 +188,12 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out")
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--pair", choices=PAIRS, default=PAIRS[0],
+                    help="which crossover runs: pack placement (crossover-*) or packs and frames "
+                         "(images-crossover-*)")
     a = ap.parse_args(argv)
-    rep = report(Path(a.out), a.warmup)
-    print(f"crossover: balancing's gain inside the same jobs (the first {a.warmup} iterations dropped)")
+    rep = report(Path(a.out), a.warmup, a.pair)
+    print(f"{a.pair}: balancing's gain inside the same jobs (the first {a.warmup} iterations dropped)")
     print("round   gain   even-iteration ratio  odd-iteration ratio  paired mean  iterations")
     for r in rep["rounds"]:
         print(f"{r['round']:>5} {r['gain']:+6.1%}   {r['ratios']['even']:19.3f}  {r['ratios']['odd']:19.3f}"
@@ -199,7 +209,7 @@ def main(argv=None) -> None:
         print(f"crossover iterations over the off runs' same iterations (mean ratio, iterations): {cells}")
     if rep["speeds"]:
         by_parity = {p: [v for (_, q), v in rep["speeds"].items() if q == p] for p in PARITIES}
-        cells = ", ".join(f"crossover-{p} {statistics.fmean(v):.3f}" for p, v in by_parity.items() if v)
+        cells = ", ".join(f"{a.pair}-{p} {statistics.fmean(v):.3f}" for p, v in by_parity.items() if v)
         print(f"each job's language-model compute over the off job's, same iterations (its speed): {cells}")
     if rep["against_off_at_speed"]:
         cells = ", ".join(f"{k} {mean:.3f} ({n})" for k, (mean, n) in rep["against_off_at_speed"].items())

@@ -20,7 +20,9 @@ their heaviest frame: ``mm_balance.image_pack_cost=cost``), ``packs-sync`` (``pa
 exchange inside the training loop's ``next()``: ``mm_balance.overlap=false``),
 ``crossover-even`` and ``crossover-odd`` (``packs-sync`` at the even, or odd, iterations, the
 others as drawn: ``mm_balance.mode=crossover-*``; the two together time every iteration balanced
-and not inside the same jobs, ``benchmarks/crossover_gain.py``),
+and not inside the same jobs, ``benchmarks/crossover_gain.py``), ``images-crossover-even`` and
+``images-crossover-odd`` (the same with ``mm_balance.vision=images``: packs and frames balanced at
+that parity, the plain tower at the other; ``crossover_gain.py --pair images-crossover``),
 ``untimed`` (``off`` without the timing hooks).
 
 ``--host`` (:data:`HOST_ENV`): ``gpu-node`` by default, the ranks' host side as on a GPU node
@@ -57,7 +59,8 @@ CROSSOVER_MODES = {f"crossover-{parity}": ["mm_balance.overlap=false", f"mm_bala
 #: the image-level modes: their overrides beyond ``mm_balance.vision=images``
 IMAGE_MODES = {"images": [], "images-sync": ["mm_balance.image_overlap=false"],
                "images-measured": ["mm_balance.image_rates=measured"],
-               "images-by-cost": ["mm_balance.image_pack_cost=cost"]}
+               "images-by-cost": ["mm_balance.image_pack_cost=cost"],
+               **{f"images-{mode}": overrides for mode, overrides in CROSSOVER_MODES.items()}}
 #: ``mm_balance.cost`` values the ``packs`` and ``images`` modes take (``--cost``)
 COSTS = ("image-tokens", "model")
 def bridge_images_available() -> bool:

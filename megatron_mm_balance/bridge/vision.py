@@ -64,7 +64,7 @@ from typing import Callable, List, Optional
 
 import numpy as np
 
-from ..megatron.config import MEASURING_MODES
+from ..megatron.config import CROSSOVER_MODES, MEASURING_MODES
 from ..runtime.log_line import emit_line
 from .cp_split import QWEN3_VL_MODEL
 
@@ -143,9 +143,9 @@ def pack_cost_for(mm, model_cfg, default_cost):
 def _refusal(mm, model_cfg) -> Optional[str]:
     if not getattr(mm, "enabled", False):
         return "needs mm_balance.enabled=true (packs move first, frames then even out what packs cannot)"
-    if getattr(mm, "mode", "auto") in MEASURING_MODES:
-        return (f"moves frames between ranks; mm_balance.mode={mm.mode} moves nothing at some or all "
-                "iterations: use one of them")
+    if getattr(mm, "mode", "auto") in MEASURING_MODES and mm.mode not in CROSSOVER_MODES:
+        return (f"moves frames between ranks; mm_balance.mode={mm.mode} moves nothing: use exchange, auto, "
+                "crossover-even or crossover-odd")
     if getattr(mm, "cost", None) == "auto":
         return ("cannot be combined with mm_balance.cost=auto: a pack's vision timing would be that of "
                 "other ranks' frames; use mm_balance.cost=image-tokens or model")
@@ -184,6 +184,24 @@ def tower_flops_per_unit(model_cfg) -> float:
     tower = VisionTower.from_config(getattr(model_cfg, "vision_config", None) or {},
                                     where="mm_balance.vision=images: model.vision_config")
     return 2.0 * tower.attention_macs_per_patch_sq() * tower.full_attention_layers
+
+
+def balanced_iterations(mode: str, iteration_fn: Callable[[], Optional[int]]) -> Optional[Callable[[], bool]]:
+    """``mm_balance.mode=crossover-even`` / ``crossover-odd``: a callable saying whether the
+    training iteration now running (``iteration_fn``, the number Bridge prints) balances its
+    frames: those whose packs move (:func:`~megatron_mm_balance.runtime.engine.delivery_mode`),
+    so one job times every other iteration balanced at both levels and the rest as ``off`` runs
+    them. None for the other modes (every training iteration balanced)."""
+    if mode not in CROSSOVER_MODES:
+        return None
+    from ..runtime.config import BalancerConfig
+    from ..runtime.engine import delivery_mode
+    config = BalancerConfig(crossover=mode.split("-", 1)[1])
+
+    def now() -> bool:
+        iteration = iteration_fn()
+        return iteration is not None and delivery_mode(config, iteration) == "exchange"
+    return now
 
 
 # -- frames of Qwen3-VL grids -----------------------------------------------------------------
@@ -232,7 +250,8 @@ class BalancedFrames:
     def __init__(self, model, group, *, frame_cost: Callable[[int], int], patch_cap: Optional[int] = None,
                  report: Optional["FrameReport"] = None, rates: Optional[tuple] = None,
                  flops_per_unit: Optional[float] = None, measured_rates: bool = False, overlap: bool = True,
-                 detail: Optional[Callable[[str, float], None]] = None):
+                 detail: Optional[Callable[[str, float], None]] = None,
+                 balanced_now: Optional[Callable[[], bool]] = None):
         from ..runtime.rates import RateMeter, RateWindow
         self.model, self.group, self.frame_cost = model, group, frame_cost
         self.patch_cap, self.report = patch_cap, report
@@ -248,6 +267,10 @@ class BalancedFrames:
         #: ``vision_plan_ms``, ``vision_tower_ms`` over ``vision_tower_calls`` calls, and
         #: ``vision_exchange_ms``, the whole exchange (the rest of it: transfers and waits)
         self.detail = detail
+        #: whether this training iteration's frames are balanced (``mm_balance.mode=crossover-*``:
+        #: the packs' parity, :func:`balanced_iterations`); the others run the plain tower, with no
+        #: collective. None: every iteration. The same answer on every rank (the iteration's number)
+        self.balanced_now = balanced_now
         self.vision = model.vision_model
         self._meter = RateMeter(next(self.vision.parameters()).device.type)
         self._link = RateWindow(min_amount=LINK_SAMPLE_MIN_BYTES)     # bytes / s of this rank's moves
@@ -275,7 +298,8 @@ class BalancedFrames:
     # -- hooks ---------------------------------------------------------------------------------
     def _before_model(self, module, args):
         import torch
-        self._armed = bool(module.training and torch.is_grad_enabled())
+        self._armed = bool(module.training and torch.is_grad_enabled()
+                           and (self.balanced_now is None or self.balanced_now()))
         self._done = False
 
     def _vision_forward(self, hidden_states=None, grid_thw=None, *args, **kwargs):
@@ -650,5 +674,7 @@ def install_frame_balance(model, cfg, core_cfg, args, pg_collection, state=None,
                                         measured_rates=getattr(cfg.mm_balance, "image_rates",
                                                                "settings") == "measured",
                                         overlap=bool(getattr(cfg.mm_balance, "image_overlap", True)),
-                                        detail=None if timing is None else timing.add_detail))
+                                        detail=None if timing is None else timing.add_detail,
+                                        balanced_now=balanced_iterations(getattr(cfg.mm_balance, "mode", "auto"),
+                                                                         live_iteration(args))))
     return installed

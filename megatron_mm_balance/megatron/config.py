@@ -35,9 +35,11 @@ from ..solver.placement import DEFAULT_BALANCE_TOLERANCE
 SYNC_CHOICES = ("auto", "microstep", "step")
 COST_CHOICES = ("image-tokens", "model", "auto")
 DEFAULT_CALIBRATION_ITERS = 10
-MODE_CHOICES = ("auto", "exchange", "sampler", "shadow", "control", "crossover-even", "crossover-odd")
+#: the modes that exchange at the training iterations of one parity and move nothing at the others
+CROSSOVER_MODES = ("crossover-even", "crossover-odd")
+MODE_CHOICES = ("auto", "exchange", "sampler", "shadow", "control") + CROSSOVER_MODES
 #: the modes that gather costs and solve on every rank but move nothing at some or all batches
-MEASURING_MODES = ("shadow", "control", "crossover-even", "crossover-odd")
+MEASURING_MODES = ("shadow", "control") + CROSSOVER_MODES
 VISION_CHOICES = ("packs", "images")
 #: the statistics interval when neither --mm-balance-log-interval nor --log-interval is set
 DEFAULT_LOG_INTERVAL = 100

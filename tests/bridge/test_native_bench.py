@@ -132,6 +132,10 @@ def test_bridge_modes_and_refusals(monkeypatch):
     assert fw.mode_args("crossover-odd") == ("1", ["mm_balance.cost=image-tokens", "mm_balance.overlap=false",
                                                    "mm_balance.mode=crossover-odd"])
     assert {"crossover-even", "crossover-odd"} <= set(fw.all_modes()) - set(fw.default_modes())
+    assert fw.mode_args("images-crossover-even") == ("1", ["mm_balance.vision=images", "mm_balance.cost=image-tokens",
+                                                           "mm_balance.overlap=false",
+                                                           "mm_balance.mode=crossover-even"])
+    assert {"images-crossover-even", "images-crossover-odd"} <= set(fw.all_modes()) - set(fw.default_modes())
     megatron = realpath.MegatronLMFramework()
     assert megatron.mode_args("crossover-even") == ("1", ["--no-mm-balance-overlap", "--mm-balance-mode",
                                                          "crossover-even"])

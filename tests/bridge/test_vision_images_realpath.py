@@ -173,6 +173,22 @@ def test_no_frame_anywhere_costs_one_collective_and_evaluation_none(results):
         assert r["eval"] == {"collectives": {"all_gather": 0, "batch_isend_irecv": 0}, "bit_equal": True}
 
 
+def test_crossover_runs_the_plain_tower_at_the_other_parity(results):
+    """``mm_balance.mode=crossover-even`` with images: at an odd iteration no collective and
+    the unbalanced tower's outputs and gradients bit for bit; at an even one the exchange runs
+    and moves frames (the video step), within the fp32 bounds."""
+    moved = 0
+    for r in results:
+        odd, even = r["crossover"]["3"], r["crossover"]["4"]
+        assert odd["collectives"] == {"all_gather": 0, "batch_isend_irecv": 0}, odd
+        assert odd["frames_moved"] is None and odd["vision_bit_equal"], odd
+        assert odd["diffs"]["losses_bit_equal"] and odd["diffs"]["param_grads_bit_equal"], odd
+        assert even["collectives"]["all_gather"] == 1, even
+        _check(even["diffs"], ("fp32",))
+        moved += even["frames_moved"]
+    assert moved > 0
+
+
 def test_the_timing_details_split_the_exchange(results):
     """With a ``detail`` sink (the timing hooks' ``add_detail``), every rank's forward splits
     the exchange, overlapped and synchronous: the all-gathers, the plan, one tower call per

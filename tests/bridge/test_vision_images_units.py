@@ -50,7 +50,6 @@ def test_defaults_keep_todays_behaviour():
     (dict(vision="images", enabled=False), {}, "vision=images needs mm_balance.enabled=true"),
     (dict(vision="images", mode="shadow"), {}, "mm_balance.mode=shadow moves nothing"),
     (dict(vision="images", mode="control"), {}, "mm_balance.mode=control moves nothing"),
-    (dict(vision="images", mode="crossover-odd"), {}, "mm_balance.mode=crossover-odd moves nothing"),
     (dict(vision="images", cost="auto"), {}, "cannot be combined with mm_balance.cost=auto"),
     (dict(vision="images"), dict(vision_config=types.SimpleNamespace(spatial_merge_size=2)),
      "needs a Qwen3-VL vision tower"),
@@ -64,6 +63,25 @@ def test_refusals_name_the_setting_in_one_line(mm, model, match):
     with pytest.raises(MMBalanceConfigError, match=match) as err:
         as_args(MMBalanceBridgeConfig(**values), _cfg(**model))
     assert "\n" not in str(err.value)
+
+
+def test_crossover_balances_the_frames_at_the_packs_parity_only():
+    """``mm_balance.mode=crossover-*`` with images: the frames are balanced at the iterations
+    whose packs move (the runtime's own parity rule), the plain tower runs at the others; every
+    other mode balances every iteration (no callable)."""
+    from megatron_mm_balance.bridge.vision import balanced_iterations
+    from megatron_mm_balance.runtime.config import BalancerConfig
+    from megatron_mm_balance.runtime.engine import delivery_mode
+    as_args(MMBalanceBridgeConfig(enabled=True, vision="images", mode="crossover-odd"), _cfg())
+    for parity in ("even", "odd"):
+        at = {"now": None}
+        now = balanced_iterations(f"crossover-{parity}", lambda: at["now"])
+        assert now() is False                                     # before training: nothing balanced
+        for iteration in range(1, 9):
+            at["now"] = iteration
+            packs_move = delivery_mode(BalancerConfig(crossover=parity), iteration) == "exchange"
+            assert now() is packs_move is (iteration % 2 == (0 if parity == "even" else 1))
+    assert balanced_iterations("exchange", lambda: 1) is None and balanced_iterations("auto", lambda: 2) is None
 
 
 def test_transfer_rates_are_the_settings_else_the_devices_nominal_ones():

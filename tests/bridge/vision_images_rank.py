@@ -84,10 +84,10 @@ def main() -> None:
     first = hooks[0]
     first.remove()                                       # on only for the balanced runs
 
-    def hooked(rates=first.rates, measured=False, overlap=True, detail=None):
+    def hooked(rates=first.rates, measured=False, overlap=True, detail=None, balanced_now=None):
         return BalancedFrames(model, first.group, frame_cost=first.frame_cost, report=first.report,
                               rates=rates, flops_per_unit=first.flops_per_unit, measured_rates=measured,
-                              overlap=overlap, detail=detail)
+                              overlap=overlap, detail=detail, balanced_now=balanced_now)
 
     ids = provider.image_token_id, provider.video_token_id, provider.vision_start_token_id, \
         provider.vision_end_token_id
@@ -127,6 +127,7 @@ def main() -> None:
     result["slow_link"] = _slow_link(model, hooked, first.rates, ids)
     result["measured"] = _measured_rates(model, hooked, first.rates, ids)
     result["eval"] = _evaluation(model, hooked, _batch(STEPS[0][RANK], 0, ids, video=False))
+    result["crossover"] = _crossover(model, hooked, ids, args)
     result["report_lines"] = first.report.lines
     result["per_frame"] = _per_frame_claim(model.vision_model)
     result["cp"] = _context_parallel(model, provider, cfg, core, args)
@@ -167,6 +168,36 @@ def _measured_rates(model, hooked, rates, ids, runs=3):
     finally:
         balanced.remove()
     return dict(prior=[rates[0], rates[1] * 1e6], runs=runs_out)
+
+
+def _crossover(model, hooked, ids, args):
+    """``mm_balance.mode=crossover-even`` with images: the video step at training iterations 3
+    and 4 (``args.curr_iteration`` 2 and 3, as the loop sets it). At 3 the plain tower runs
+    (no collective, the unbalanced run bit for bit); at 4 the frames are balanced as in every
+    iteration of ``exchange`` mode."""
+    import torch
+    from megatron_mm_balance.bridge.vision import balanced_iterations
+    from megatron_mm_balance.megatron.config import live_iteration
+    batch = _batch(STEPS[VIDEO_STEP][RANK], VIDEO_STEP, ids, video=True)
+    ref = _run(model, batch, torch.float32, VIDEO_STEP)
+    balanced = hooked(balanced_now=balanced_iterations("crossover-even", live_iteration(args)))
+    out = {}
+    try:
+        for iteration in (3, 4):
+            args.curr_iteration = iteration - 1
+            balanced.last_figures = None
+            calls = _count_collectives()
+            got = _run(model, batch, torch.float32, VIDEO_STEP)
+            counts = calls.stop()
+            exact = all(a.equal(b) for a, b in zip(ref["vision"], got["vision"])) and \
+                len(ref["vision"]) == len(got["vision"]) and \
+                (ref["pixel_grad"] is None or ref["pixel_grad"].equal(got["pixel_grad"]))
+            figures = balanced.last_figures
+            out[str(iteration)] = dict(collectives=counts, diffs=_diffs(ref, got), vision_bit_equal=bool(exact),
+                                       frames_moved=None if figures is None else int(figures.frames_moved))
+    finally:
+        balanced.remove()
+    return out
 
 
 def _provider():

@@ -15,14 +15,14 @@ def _log(times: dict, waits: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _write_round(out, rnd, data, gain, speed_even, speed_odd):
+def _write_round(out, rnd, data, gain, speed_even, speed_odd, pair="crossover"):
     """Round ``rnd``: iteration ``i`` costs ``data[i]`` ms unbalanced, ``data[i] / (1 + gain)``
     balanced; each job's times scaled by its own speed factor."""
     for parity, speed in (("even", speed_even), ("odd", speed_odd)):
         on = {i: i % 2 == (0 if parity == "even" else 1) for i in data}
         times = {i: speed * (ms / (1 + gain) if on[i] else ms) for i, ms in data.items()}
         waits = {i: 60.0 if on[i] else 3.0 for i in data}
-        d = out / f"round{rnd}-crossover-{parity}"
+        d = out / f"round{rnd}-{pair}-{parity}"
         d.mkdir(parents=True)
         (d / "train.log").write_text(_log(times, waits))
 
@@ -53,6 +53,19 @@ def test_a_round_without_its_partner_is_left_out_and_none_is_an_error(tmp_path, 
     assert mod.report(tmp_path, warmup=2)["gain"] == pytest.approx(0.05, rel=1e-3)
     with pytest.raises(SystemExit, match="no round with both"):
         mod.report(tmp_path / "round2-crossover-even", warmup=2)
+
+
+def test_each_pair_reads_its_own_runs(tmp_path, load_benchmark):
+    """Pack crossover and images crossover runs in one OUT: each pair reads its own (the pack
+    pair's name is a suffix of the images pair's)."""
+    mod = load_benchmark("crossover_gain")
+    data = {i: 2000.0 for i in range(1, 9)}
+    _write_round(tmp_path, 1, data, 0.05, 1.0, 1.0)
+    _write_round(tmp_path, 1, data, 0.09, 1.0, 1.02, pair="images-crossover")
+    _write_round(tmp_path, 2, data, 0.09, 1.0, 1.0, pair="images-crossover")
+    assert mod.rounds_in(tmp_path) == [1] and mod.rounds_in(tmp_path, "images-crossover") == [1, 2]
+    assert mod.report(tmp_path, warmup=2)["gain"] == pytest.approx(0.05, rel=1e-3)
+    assert mod.report(tmp_path, warmup=2, pair="images-crossover")["gain"] == pytest.approx(0.09, rel=1e-3)
 
 
 def test_the_premise_is_checked_against_the_off_runs(tmp_path, load_benchmark):

@@ -595,25 +595,30 @@ class FrameReport:
     def add(self, figures) -> None:
         it = self.iteration_fn()
         if it is not None and it != self._iteration:
+            if self._iteration is not None:
+                self._maybe_report(self._iteration, it)
             self._iteration = it
-            self._maybe_report(it - 1)
         self.window.add(figures)
 
-    def _maybe_report(self, done: int) -> None:
+    def _maybe_report(self, last: int, now: int) -> None:
+        """The window's line when an interval's end lies between ``last``, the iteration of its
+        newest figures, and ``now``, the first iteration after it with figures, labelled
+        ``last``. Every training iteration adds figures but for ``mm_balance.mode=crossover-*``,
+        which balances every other one: its lines then name the balanced iterations."""
         from ..runtime.frames import FrameWindow
-        if done < 1 or done % self.interval or not self.window.micro_steps:
+        if last < 1 or (now - 1) // self.interval * self.interval < last or not self.window.micro_steps:
             return
         summary, self.window = self.window.summary(), FrameWindow()
         if not self.reporter:
             return
-        line = f"[mm-balance-vision] iteration {done} | " + " | ".join(f"{k}: {v:.6g}" for k, v in summary.items())
+        line = f"[mm-balance-vision] iteration {last} | " + " | ".join(f"{k}: {v:.6g}" for k, v in summary.items())
         emit_line(line)
         self.lines = (self.lines + [line])[-64:]
         if self.tb_writer is not None:
             for k, v in summary.items():
-                self.tb_writer.add_scalar(f"mm-balance-vision/{k}", v, done)
+                self.tb_writer.add_scalar(f"mm-balance-vision/{k}", v, last)
         if self.wandb_writer is not None:
-            self.wandb_writer.log({f"mm-balance-vision/{k}": v for k, v in summary.items()}, done)
+            self.wandb_writer.log({f"mm-balance-vision/{k}": v for k, v in summary.items()}, last)
 
 
 def _report_writers(state, tensorboard_dir, reporter: bool) -> tuple:

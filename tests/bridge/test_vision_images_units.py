@@ -145,6 +145,24 @@ def test_report_one_line_per_interval_from_the_reporting_rank(capsys):
     assert ("mm-balance-vision/frames_moved", 4.0, 2) in tb.scalars and not quiet.lines
 
 
+def test_report_lines_name_the_iterations_whose_frames_they_hold(capsys):
+    """``mm_balance.mode=crossover-even``: frames only at even iterations. Each line is labelled
+    with the iteration of its newest figures (not the one before the next figures arrive), at
+    every interval and at two."""
+    from megatron_mm_balance.bridge.vision import FrameReport
+    from megatron_mm_balance.runtime.frames import frame_figures
+    figures = frame_figures(np.array([0, 0, 1]), np.array([0, 1, 1]), np.array([4, 3, 1]), np.array([4, 3, 1]), 2)
+    for interval, expected, micro_steps in ((1, [2, 4, 6], 2), (2, [2, 4, 6], 2), (4, [4], 4)):
+        it = {"now": None}
+        report = FrameReport(interval=interval, iteration_fn=lambda: it["now"], reporter=True, writers=(None, None))
+        for iteration in (2, 2, 4, 4, 6, 6, 8):
+            it["now"] = iteration
+            report.add(figures)
+        lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("[mm-balance-vision]")]
+        assert [int(x.split(" | ")[0].split()[-1]) for x in lines] == expected, (interval, lines)
+        assert all(f"micro_steps: {micro_steps} |" in x for x in lines), (interval, lines)
+
+
 def test_images_mode_places_packs_on_their_heaviest_frame():
     """``vision=images`` (``image_pack_cost=heaviest-frame``, the default) places packs on their
     heaviest frame by the frame planner's cost ``p * (p + alpha)``, alpha the whole tower's

@@ -156,6 +156,32 @@ def job_speeds(out: Path, runs: dict, warmup: int, pair: str = PAIRS[0]) -> dict
     return speeds
 
 
+def phases_by_balance(out: Path, rounds, warmup: int, pair: str = PAIRS[0]) -> dict:
+    """Where a crossover job's time goes at its balanced and at its unbalanced iterations:
+    ``{"balanced" | "unbalanced": {"vision", "lm_compute", "waiting": ms per iteration and
+    rank}}`` from the per-pack timings of every round's two jobs (the vision tower's forward
+    and backward, the frames' exchange inside the forward; the language model's compute, the
+    language phase of the rank that reached it last; the rest of the language phase, waiting
+    in its collectives). {} without timings."""
+    sums = {key: {"vision": [], "lm_compute": [], "waiting": []} for key in ("balanced", "unbalanced")}
+    for rnd in rounds:
+        for parity in PARITIES:
+            try:
+                trace = load_run(str(out / f"round{rnd}-{pair}-{parity}" / "timing"), skip_iterations=warmup)
+            except RunTraceError:
+                continue
+            lm = measured_phases(trace).lm.sum(axis=2)                        # [I, D]
+            vision = (trace.vf + trace.vb).sum(axis=2)
+            waiting = (trace.lf + trace.lb).sum(axis=2) - lm
+            for k, iteration in enumerate(trace.iterations):
+                cell = sums["balanced" if balanced(parity, iteration) else "unbalanced"]
+                cell["vision"].append(float(vision[k].mean()))
+                cell["lm_compute"].append(float(lm[k].mean()))
+                cell["waiting"].append(float(waiting[k].mean()))
+    return {key: {name: statistics.fmean(v) for name, v in cell.items()}
+            for key, cell in sums.items() if cell["vision"]}
+
+
 def rounds_in(out: Path, pair: str = PAIRS[0]) -> list:
     """The rounds that have both runs of ``pair`` (``roundR-<pair>-even`` and ``-odd``)."""
     name = re.compile(rf"round(\d+)-{re.escape(pair)}-even")
@@ -181,7 +207,8 @@ def report(out: Path, warmup: int, pair: str = PAIRS[0]) -> dict:
     offs = off_times(out, runs)
     return dict(rounds=per_round, gain=overall, wait_on_ms=mean_wait("on"), wait_off_ms=mean_wait("off"),
                 against_off=against_off(runs, offs, warmup), speeds=speeds,
-                against_off_at_speed=against_off(runs, offs, warmup, speeds))
+                against_off_at_speed=against_off(runs, offs, warmup, speeds),
+                phases=phases_by_balance(out, rounds, warmup, pair))
 
 
 def main(argv=None) -> None:
@@ -214,6 +241,10 @@ def main(argv=None) -> None:
     if rep["against_off_at_speed"]:
         cells = ", ".join(f"{k} {mean:.3f} ({n})" for k, (mean, n) in rep["against_off_at_speed"].items())
         print(f"  the same ratios with each job's speed divided out: {cells}")
+    if rep["phases"]:
+        print("where the time goes (ms per iteration and rank): iterations  vision  LM compute  waiting")
+        for key, cell in rep["phases"].items():
+            print(f"  {key:>10}  {cell['vision']:7.0f}  {cell['lm_compute']:10.0f}  {cell['waiting']:7.0f}")
 
 
 if __name__ == "__main__":

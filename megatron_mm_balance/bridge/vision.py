@@ -64,7 +64,7 @@ from typing import Callable, List, Optional
 
 import numpy as np
 
-from ..megatron.config import CROSSOVER_MODES, MEASURING_MODES
+from ..megatron.config import CROSSOVER_MODES, MEASURING_MODES, crossover_parity
 from ..runtime.log_line import emit_line
 from .cp_split import QWEN3_VL_MODEL
 
@@ -192,11 +192,11 @@ def balanced_iterations(mode: str, iteration_fn: Callable[[], Optional[int]]) ->
     frames: those whose packs move (:func:`~megatron_mm_balance.runtime.engine.delivery_mode`),
     so one job times every other iteration balanced at both levels and the rest as ``off`` runs
     them. None for the other modes (every training iteration balanced)."""
-    if mode not in CROSSOVER_MODES:
+    if crossover_parity(mode) is None:
         return None
     from ..runtime.config import BalancerConfig
     from ..runtime.engine import delivery_mode
-    config = BalancerConfig(crossover=mode.split("-", 1)[1])
+    config = BalancerConfig(crossover=crossover_parity(mode))
 
     def now() -> bool:
         iteration = iteration_fn()

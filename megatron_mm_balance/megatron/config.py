@@ -40,6 +40,12 @@ CROSSOVER_MODES = ("crossover-even", "crossover-odd")
 MODE_CHOICES = ("auto", "exchange", "sampler", "shadow", "control") + CROSSOVER_MODES
 #: the modes that gather costs and solve on every rank but move nothing at some or all batches
 MEASURING_MODES = ("shadow", "control") + CROSSOVER_MODES
+
+
+def crossover_parity(mode: str) -> Optional[str]:
+    """The runtime's ``BalancerConfig.crossover`` of a mode: ``"even"`` / ``"odd"`` for the
+    crossover modes, None for the others."""
+    return mode.split("-", 1)[1] if mode in CROSSOVER_MODES else None
 VISION_CHOICES = ("packs", "images")
 #: the statistics interval when neither --mm-balance-log-interval nor --log-interval is set
 DEFAULT_LOG_INTERVAL = 100
@@ -344,8 +350,7 @@ class MMBalanceConfig:
             balancer = BalancerConfig(sync=self.sync, overlap=bool(self.overlap), timeout=self.timeout,
                                       device=None, balance_tolerance=self.tolerance,
                                       shadow=self.mode == "shadow", control=self.mode == "control",
-                                      crossover=(self.mode.split("-", 1)[1]
-                                                 if self.mode.startswith("crossover-") else None),
+                                      crossover=crossover_parity(self.mode),
                                       ranks_per_node=self.ranks_per_node)
         except SettingError as e:
             raise MMBalanceConfigError(f"{_RUNTIME_FLAGS[e.field]} {e.requirement}, got {e.value!r}") from None

@@ -130,45 +130,55 @@ def against_off(runs: dict, offs: dict, warmup: int, speeds: dict | None = None)
     return {k: (statistics.fmean(v), len(v)) for k, v in ratios.items() if v}
 
 
-def lm_compute(run_dir: Path, warmup: int) -> dict:
+def timing_traces(out: Path, rounds, warmup: int, pair: str = PAIRS[0]) -> dict:
+    """``{(round, mode): RunTrace}``: the per-pack timings of each round's ``off`` run and its
+    two ``pair`` runs, read once for every figure that uses them; a run without them left out."""
+    traces = {}
+    for rnd in rounds:
+        for mode in ("off",) + tuple(f"{pair}-{parity}" for parity in PARITIES):
+            try:
+                traces[(rnd, mode)] = load_run(str(out / f"round{rnd}-{mode}" / "timing"), skip_iterations=warmup)
+            except RunTraceError:
+                pass
+    return traces
+
+
+def lm_compute(trace) -> dict:
     """``{iteration: ms}``: the language-model compute of each measured iteration (summed over
-    its micro-steps) from the run's per-pack timings; {} without them."""
-    try:
-        trace = load_run(str(run_dir / "timing"), skip_iterations=warmup)
-    except RunTraceError:
+    its micro-steps) from a run's per-pack timings (a ``RunTrace``); {} for None."""
+    if trace is None:
         return {}
     per_iteration = measured_phases(trace).lm[:, 0, :].sum(axis=1)
     return dict(zip(trace.iterations, (float(x) for x in per_iteration)))
 
 
-def job_speeds(out: Path, runs: dict, warmup: int, pair: str = PAIRS[0]) -> dict:
+def job_speeds(traces: dict, rounds, pair: str = PAIRS[0]) -> dict:
     """Each crossover job's language-model compute over the ``off`` job's on the same iterations
     (same round), ``{(round, parity): ratio}``: above 1, the job ran slower than ``off`` on the
-    same work. {} without ``off`` runs or timings."""
+    same work. {} without ``off`` runs or timings. ``traces``: :func:`timing_traces`."""
     speeds = {}
-    for rnd in runs:
-        off = lm_compute(out / f"round{rnd}-off", warmup)
+    for rnd in rounds:
+        off = lm_compute(traces.get((rnd, "off")))
         for parity in PARITIES:
-            mine = lm_compute(out / f"round{rnd}-{pair}-{parity}", warmup)
+            mine = lm_compute(traces.get((rnd, f"{pair}-{parity}")))
             common = [i for i in mine if i in off and off[i] > 0]
             if common:
                 speeds[(rnd, parity)] = statistics.fmean(mine[i] / off[i] for i in common)
     return speeds
 
 
-def phases_by_balance(out: Path, rounds, warmup: int, pair: str = PAIRS[0]) -> dict:
+def phases_by_balance(traces: dict, rounds, pair: str = PAIRS[0]) -> dict:
     """Where a crossover job's time goes at its balanced and at its unbalanced iterations:
     ``{"balanced" | "unbalanced": {"vision", "lm_compute", "waiting": ms per iteration and
     rank}}`` from the per-pack timings of every round's two jobs (the vision tower's forward
     and backward, the frames' exchange inside the forward; the language model's compute, the
     language phase of the rank that reached it last; the rest of the language phase, waiting
-    in its collectives). {} without timings."""
+    in its collectives). {} without timings. ``traces``: :func:`timing_traces`."""
     sums = {key: {"vision": [], "lm_compute": [], "waiting": []} for key in ("balanced", "unbalanced")}
     for rnd in rounds:
         for parity in PARITIES:
-            try:
-                trace = load_run(str(out / f"round{rnd}-{pair}-{parity}" / "timing"), skip_iterations=warmup)
-            except RunTraceError:
+            trace = traces.get((rnd, f"{pair}-{parity}"))
+            if trace is None:
                 continue
             lm = measured_phases(trace).lm.sum(axis=2)                        # [I, D]
             vision = (trace.vf + trace.vb).sum(axis=2)
@@ -203,12 +213,13 @@ def report(out: Path, warmup: int, pair: str = PAIRS[0]) -> dict:
     def mean_wait(key):
         values = [w[key] for w in waits if w[key] is not None]
         return statistics.fmean(values) if values else None
-    speeds = job_speeds(out, runs, warmup, pair)
+    traces = timing_traces(out, rounds, warmup, pair)
+    speeds = job_speeds(traces, rounds, pair)
     offs = off_times(out, runs)
     return dict(rounds=per_round, gain=overall, wait_on_ms=mean_wait("on"), wait_off_ms=mean_wait("off"),
                 against_off=against_off(runs, offs, warmup), speeds=speeds,
                 against_off_at_speed=against_off(runs, offs, warmup, speeds),
-                phases=phases_by_balance(out, rounds, warmup, pair))
+                phases=phases_by_balance(traces, rounds, pair))
 
 
 def main(argv=None) -> None:

@@ -192,11 +192,12 @@ def balanced_iterations(mode: str, iteration_fn: Callable[[], Optional[int]]) ->
     frames: those whose packs move (:func:`~megatron_mm_balance.runtime.engine.delivery_mode`),
     so one job times every other iteration balanced at both levels and the rest as ``off`` runs
     them. None for the other modes (every training iteration balanced)."""
-    if crossover_parity(mode) is None:
+    parity = crossover_parity(mode)
+    if parity is None:
         return None
     from ..runtime.config import BalancerConfig
     from ..runtime.engine import delivery_mode
-    config = BalancerConfig(crossover=crossover_parity(mode))
+    config = BalancerConfig(crossover=parity)
 
     def now() -> bool:
         iteration = iteration_fn()

@@ -129,18 +129,16 @@ def test_the_premise_with_each_jobs_speed_divided_out(tmp_path, load_benchmark):
     assert mod.report(tmp_path, warmup=2)["speeds"] == {}           # no timings: no speed figure
 
 
-def test_where_the_time_goes_at_balanced_and_unbalanced_iterations(tmp_path, load_benchmark):
+def test_where_the_time_goes_at_balanced_and_unbalanced_iterations(tmp_path, load_benchmark, write_timing):
     """Unbalanced, rank 0's tower takes 90 ms a micro-step and rank 1's 10, and rank 1 waits 80 ms
     in the language model's collectives; balanced, both towers take 60 ms (the exchange's 10 ms
     included) and nobody waits. Per iteration and rank (2 micro-steps): vision 100 against 120 ms,
     waiting 80 against 0, the language model's 400 ms of compute in both."""
-    import json
     mod = load_benchmark("crossover_gain")
     data = {i: 1000.0 for i in range(1, 9)}
     _write_round(tmp_path, 1, data, 0.05, 1.0, 1.0, pair="images-crossover")
     for parity in ("even", "odd"):
-        d = tmp_path / f"round1-images-crossover-{parity}" / "timing"
-        d.mkdir()
+        by_rank = {}
         for rank in (0, 1):
             rows, t = [], 0.0
             for i in data:
@@ -148,11 +146,12 @@ def test_where_the_time_goes_at_balanced_and_unbalanced_iterations(tmp_path, loa
                 vision = 60.0 if on else (90.0, 10.0)[rank]
                 lm = 200.0 if on or rank == 0 else 280.0
                 for k in range(2):
-                    rows.append(dict(iteration=i, microbatch=k, rank=rank, images=[256], lengths=[1024],
-                                     vision_forward_ms=vision, vision_backward_ms=0.0, lm_forward_ms=lm / 2,
-                                     lm_backward_ms=lm / 2, start_s=t, end_s=t + (vision + lm) / 1e3))
+                    rows.append(dict(iteration=i, microbatch=k, images=[256], vision_forward_ms=vision,
+                                     lm_forward_ms=lm / 2, lm_backward_ms=lm / 2,
+                                     start_s=t, end_s=t + (vision + lm) / 1e3))
                     t += (vision + lm) / 1e3
-            (d / f"timing-rank{rank:05d}.jsonl").write_text("".join(json.dumps(x) + "\n" for x in rows))
+            by_rank[rank] = rows
+        write_timing(tmp_path / f"round1-images-crossover-{parity}" / "timing", by_rank)
     phases = mod.report(tmp_path, warmup=2, pair="images-crossover")["phases"]
     assert phases["balanced"] == pytest.approx(dict(vision=120.0, lm_compute=400.0, waiting=0.0))
     assert phases["unbalanced"] == pytest.approx(dict(vision=100.0, lm_compute=400.0, waiting=80.0))

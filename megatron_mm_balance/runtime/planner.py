@@ -35,7 +35,8 @@ def node_of_ranks(ranks: Optional[Sequence[int]], ranks_per_node: Optional[int],
 
 
 def plan_batch(costs, config: BalancerConfig, *, ranks: Optional[Sequence[int]] = None,
-               nodes: Optional[Sequence[int]] = None) -> Tuple[Placement, PlanStats]:
+               nodes: Optional[Sequence[int]] = None,
+               step_groups: Optional[Sequence[int]] = None) -> Tuple[Placement, PlanStats]:
     """The placement of one global batch and what it does.
 
     ``costs``: integer costs, ``[D, G]`` (one per pack) or ``[D, G, 2]`` (vision,
@@ -46,17 +47,23 @@ def plan_batch(costs, config: BalancerConfig, *, ranks: Optional[Sequence[int]] 
     nothing travels between ranks (sampler mode, the simulator), so the plan is flat.
     ``nodes``: the node id of each of the D ranks instead (any labels; the exchange passes
     :func:`node_of_ranks`'s, the found ids unless ``ranks_per_node`` overrides them).
+    ``step_groups``: each of the D ranks' per-micro-step meeting group (the expert-parallel
+    group within the data-parallel group, ``MeetingGroups.labels()``); None: all D ranks
+    meet every micro-step. ``microstep`` mode then minimises the slowest group's sum of its
+    per-micro-step maxima (:mod:`~megatron_mm_balance.solver.step_groups`).
 
     Returns the solved placement (checked to be a bijection of the packs onto the
     slots, its micro-steps ordered so the first moves least) and its
     :class:`~megatron_mm_balance.solver.placement.PlanStats` on the scalar costs
-    (two-phase costs summed). Shadow mode calls this too and then delivers the
+    (two-phase costs summed), with the group objective, the inter-group and (nodes known)
+    the inter-node moves. Shadow mode calls this too and then delivers the
     identity instead: the stats are then what balancing would have done.
     """
     c = np.asarray(costs)
     if nodes is None:
         nodes = node_of_ranks(ranks, config.ranks_per_node)
     placement = plan_placement(c, sync=config.sync, balance_tolerance=config.balance_tolerance,
-                               ranks_per_node=None if nodes is None else list(nodes))
+                               ranks_per_node=None if nodes is None else list(nodes),
+                               step_groups=step_groups)
     scalar = c.sum(axis=2) if c.ndim == 3 else c
-    return placement, PlanStats.of(scalar, placement)
+    return placement, PlanStats.of(scalar, placement, step_groups=step_groups, nodes=nodes)

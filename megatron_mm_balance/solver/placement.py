@@ -64,7 +64,8 @@ import numpy as np
 from .node_choice import no_worse_than_flat
 from .rank_balance import SwapRules, balance_node_totals, balance_rank_totals, send_home
 from .sorting import lex_argsort, stable_argsort
-from .topology import check_ranks_per_node, node_ids, pair_within_nodes
+from .step_groups import check_step_groups, group_objective, inter_group_packs, step_group_ids
+from .topology import check_ranks_per_node, node_ids, node_of_each_rank, pair_within_nodes
 from .two_phase import as_cost_pairs, two_phase_groups, two_phase_slots
 
 __all__ = ["DEFAULT_BALANCE_TOLERANCE", "SYNC_MODES", "Placement", "PlanStats", "SolverOptions",
@@ -106,12 +107,19 @@ class SolverOptions:
     each rank's node id (None: flat); moves then stay inside a node wherever the
     balance allows (:mod:`.topology`). ``future_slack``: the share of the later,
     lighter micro-steps' correcting power stage 2's band may count on.
+    ``step_groups`` (``microstep`` mode): None, every rank meets every micro-step (the
+    whole data-parallel group in lockstep); or one label per rank (row of the cost
+    matrix) naming its per-micro-step meeting group, the expert-parallel group within
+    the data-parallel group (:mod:`.step_groups`): the plan then minimises the group
+    objective. In ``step`` mode nobody meets within an iteration and the labels change
+    nothing.
     """
 
     sync: str = "microstep"
     balance_tolerance: float = DEFAULT_BALANCE_TOLERANCE
     ranks_per_node: int | tuple[int, ...] | None = None
     future_slack: float = DEFAULT_FUTURE_SLACK
+    step_groups: tuple[int, ...] | None = None
 
     def __post_init__(self):
         if self.sync not in SYNC_MODES:
@@ -124,11 +132,18 @@ class SolverOptions:
         if isinstance(rpn, np.ndarray):
             rpn = tuple(int(x) for x in rpn)
         object.__setattr__(self, "ranks_per_node", rpn)
+        object.__setattr__(self, "step_groups", check_step_groups(self.step_groups))
 
     def nodes(self, num_ranks: int) -> np.ndarray | None:
         """Each rank's node (dense ids), or None when node awareness is off."""
         rpn = self.ranks_per_node
         return node_ids(num_ranks, np.asarray(rpn, dtype=np.int64) if isinstance(rpn, tuple) else rpn)
+
+    def groups(self, num_ranks: int) -> np.ndarray | None:
+        """Each rank's step group (dense ids), or None when all ranks meet every micro-step
+        (no labels, or one label for all)."""
+        ids = step_group_ids(num_ranks, self.step_groups)
+        return None if ids is None or ids.max() == 0 else ids
 
 
 @dataclass(frozen=True)
@@ -512,7 +527,8 @@ def order_steps(placement: Placement) -> Placement:
 
 
 def plan_placement(costs, options: SolverOptions | None = None, *, sync: str | None = None,
-                   balance_tolerance: float | None = None, ranks_per_node=None) -> Placement:
+                   balance_tolerance: float | None = None, ranks_per_node=None,
+                   step_groups=None) -> Placement:
     """Place one global batch: the placement the runtime delivers for an all-gathered
     cost matrix, and the solver's one public entry.
 
@@ -520,9 +536,10 @@ def plan_placement(costs, options: SolverOptions | None = None, *, sync: str | N
     ``[D, G, 2]`` (vision, language) per pack: ``microstep`` mode then minimises the
     sum over micro-steps of both phases' maxima (:mod:`.two_phase`), ``step`` mode
     balances their sum. ``options``: a :class:`SolverOptions`; or the keywords
-    ``sync`` (default ``microstep``), ``balance_tolerance`` (None: the default) and
-    ``ranks_per_node``, not both. The strategy for the costs and sync mode, then
-    :func:`order_steps`; the result is checked (:func:`check_placement`,
+    ``sync`` (default ``microstep``), ``balance_tolerance`` (None: the default),
+    ``ranks_per_node`` and ``step_groups`` (one per-micro-step meeting group label per
+    rank, :class:`SolverOptions`), not both. The strategy for the costs, sync mode and
+    groups, then :func:`order_steps`; the result is checked (:func:`check_placement`,
     O(D*G log(D*G))) before it is returned, so a solver bug surfaces here, the
     same on every rank, instead of as a lost pack.
     """
@@ -531,14 +548,29 @@ def plan_placement(costs, options: SolverOptions | None = None, *, sync: str | N
             sync="microstep" if sync is None else sync,
             balance_tolerance=DEFAULT_BALANCE_TOLERANCE if balance_tolerance is None
             else balance_tolerance,
-            ranks_per_node=ranks_per_node)
-    elif sync is not None or balance_tolerance is not None or ranks_per_node is not None:
+            ranks_per_node=ranks_per_node, step_groups=step_groups)
+    elif (sync is not None or balance_tolerance is not None or ranks_per_node is not None
+          or step_groups is not None):
         raise ValueError("plan_placement takes options or the keywords sync, balance_tolerance, "
-                         "ranks_per_node, not both")
+                         "ranks_per_node, step_groups, not both")
     c = as_cost_pairs(costs) if np.ndim(costs) == 3 else as_cost_matrix(costs)
-    placement = order_steps(_solve(c, options))
+    D = c.shape[0]
+    groups = options.groups(D)                    # checks the labels against D
+    if options.sync == "step" or groups is None:
+        solved = _solve(c, replace(options, step_groups=None))
+    elif int(groups.max()) + 1 == D:
+        # Every rank its own group: nobody waits within an iteration, only rank totals count.
+        solved = _solve(c, replace(options, sync="step", step_groups=None))
+    else:
+        solved = _solve_groups(c, options, groups)
+    placement = order_steps(solved)
     check_placement(placement, *c.shape[:2])
     return placement
+
+
+def _solve_groups(c: np.ndarray, opts: SolverOptions, groups: np.ndarray) -> Placement:
+    """Several step groups of several ranks each (:mod:`.step_groups`)."""
+    return _solve(c, replace(opts, step_groups=None))
 
 
 def _ratio(num, den) -> float:
@@ -568,11 +600,22 @@ class PlanStats:
     step_mean_after: tuple[float, ...]
     packs_moved: int                       #: slots that compute a pack drawn by another rank
     num_packs: int                         #: D * G
+    step_groups: int                       #: per-micro-step meeting groups (1: all ranks meet)
+    group_cost_before: int                 #: the group objective (:mod:`.step_groups`)
+    group_cost_after: int
+    inter_group_moves: int                 #: slots computing a pack drawn in another step group
+    inter_node_moves: int | None           #: ... drawn on another node (None: nodes unknown)
 
     @classmethod
-    def of(cls, costs, placement: Placement) -> "PlanStats":
+    def of(cls, costs, placement: Placement, *, step_groups=None, nodes=None) -> "PlanStats":
+        """The figures of ``placement`` on the scalar costs ``costs[r, m]``. ``step_groups``:
+        each rank's per-micro-step meeting group label (None: all ranks meet every
+        micro-step); ``nodes``: each rank's node label (None: unknown, no inter-node count)."""
         c = as_cost_matrix(costs)
         after = placement.apply(c)
+        D = c.shape[0]
+        groups = step_group_ids(D, step_groups)
+        node = node_of_each_rank(D, check_ranks_per_node(None if nodes is None else list(nodes)))
         return cls(
             microstep_cost_before=microstep_objective(c),
             microstep_cost_after=microstep_objective(after),
@@ -586,6 +629,11 @@ class PlanStats:
             step_mean_after=tuple(float(x) for x in after.mean(axis=0)),
             packs_moved=int(placement.moved().sum()),
             num_packs=int(c.size),
+            step_groups=1 if groups is None else int(groups.max()) + 1,
+            group_cost_before=group_objective(c, groups),
+            group_cost_after=group_objective(after, groups),
+            inter_group_moves=inter_group_packs(placement.src_rank, groups),
+            inter_node_moves=None if node is None else inter_group_packs(placement.src_rank, node),
         )
 
     # -- ratios (1.0 = perfect balance) ------------------------------------------
@@ -616,6 +664,12 @@ class PlanStats:
         return _ratio(self.packs_moved, self.num_packs) if self.num_packs else 0.0
 
     @property
+    def group_gain(self) -> float:
+        """Group objective saved, as a fraction of the drawn order's (0 when nothing to gain)."""
+        return (1.0 - _ratio(self.group_cost_after, self.group_cost_before)
+                if self.group_cost_before else 0.0)
+
+    @property
     def imbalance_before(self) -> float:
         """Mean over micro-steps of heaviest pack / mean pack (see :func:`step_imbalance`)."""
         return step_imbalance(self.step_max_before, self.step_mean_before)
@@ -641,6 +695,10 @@ class PlanStats:
             "microstep_vs_optimum": self.microstep_vs_optimum,
             "moved": self.packs_moved,
             "moved_fraction": self.moved_fraction,
+            "group_cost_ratio": _ratio(self.group_cost_after, self.rank_total_mean),
+            "baseline_group_cost_ratio": _ratio(self.group_cost_before, self.rank_total_mean),
+            "inter_group_moves": self.inter_group_moves,
+            "inter_node_moves": self.inter_node_moves,
         }
 
     def record(self) -> dict:
@@ -656,6 +714,11 @@ class PlanStats:
             "step_mean_before": list(self.step_mean_before),
             "step_mean_after": list(self.step_mean_after),
             "packs_moved": self.packs_moved,
+            "step_groups": self.step_groups,
+            "group_cost_before": self.group_cost_before,
+            "group_cost_after": self.group_cost_after,
+            "inter_group_moves": self.inter_group_moves,
+            "inter_node_moves": self.inter_node_moves,
         }
 
 

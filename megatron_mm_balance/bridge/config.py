@@ -56,6 +56,12 @@ class MMBalanceBridgeConfig:
     timing: bool = _D.timing
     #: also write the timings as JSON Lines, ``DIR/timing-rank<R>.jsonl`` (implies ``timing``)
     timing_dir: Optional[str] = None
+    #: with ``timing_dir``: ``rank``, a file per rank; ``node``, ``timing-node-<node>.jsonl``, a
+    #: file per node that the node's ranks append to (fewer files on a shared filesystem)
+    timing_files: str = _D.timing_files
+    #: with ``timing_dir``: write every N-th iteration's records only (the log lines and
+    #: ``cost=auto`` still see every iteration)
+    timing_every: int = _D.timing_every
     #: statistics every N iterations (None: ``logger.log_interval``)
     log_interval: Optional[int] = None
     #: the placement's tolerance above the mean (None: the solver's default)
@@ -132,7 +138,8 @@ def as_args(mm: MMBalanceBridgeConfig, cfg, *, train_state=None) -> types.Simple
         mm_balance=bool(mm.enabled), mm_balance_mode=mm.mode, mm_balance_sync=mm.sync,
         mm_balance_overlap=mm.overlap, mm_balance_cost=mm.cost, mm_balance_cost_file=mm.cost_file,
         mm_balance_calibration_iters=mm.calibration_iters, mm_balance_timing=mm.timing,
-        mm_balance_timing_dir=mm.timing_dir,
+        mm_balance_timing_dir=mm.timing_dir, mm_balance_timing_files=getattr(mm, "timing_files", "rank"),
+        mm_balance_timing_every=getattr(mm, "timing_every", 1),
         mm_balance_log_interval=mm.log_interval, mm_balance_tolerance=mm.tolerance,
         mm_balance_timeout=mm.timeout, mm_balance_ranks_per_node=mm.ranks_per_node,
         log_interval=getattr(logger, "log_interval", None),

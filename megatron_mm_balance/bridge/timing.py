@@ -67,7 +67,7 @@ def install_bridge_timing(model, core_cfg, args, state=None):
     from ..megatron.timing import install_timing
     return install_timing(model, out_dir=core_cfg.timing_dir, interval=core_cfg.log_interval,
                           iteration_fn=live_iteration(args), features=qwen_vl_features,
-                          writers=_writers(state))
+                          writers=_writers(state), files=core_cfg.timing_files, every=core_cfg.timing_every)
 
 
 def _writers(state) -> tuple:

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Tuple
 
 from ..cost.pack import DEFAULT_TOKENS_PER_TILE
+from ..cost.timing_files import TIMING_FILE_LAYOUTS
 from ..runtime.config import DEFAULT_TIMEOUT_S, TOLERANCE_BELOW, BalancerConfig, SettingError
 from ..solver.placement import DEFAULT_BALANCE_TOLERANCE
 
@@ -275,6 +276,15 @@ class MMBalanceConfig:
     timing_dir: Optional[str] = flag(None, "--mm-balance-timing-dir", "Also write the per-pack "
                                      "timings as JSON Lines, one file per rank, into this directory "
                                      "(implies --mm-balance-timing).", type=str, metavar="DIR")
+    timing_files: str = flag("rank", "--mm-balance-timing-files", "With --mm-balance-timing-dir: "
+                             "'rank' (default) writes one file per rank, timing-rank<R>.jsonl; 'node' one "
+                             "per node, timing-node-<node>.jsonl, which the node's ranks append whole "
+                             "lines to (fewer files on a shared filesystem at scale).", type=str,
+                             choices=TIMING_FILE_LAYOUTS)
+    timing_every: int = flag(1, "--mm-balance-timing-every", "With --mm-balance-timing-dir: write the "
+                             "records of every N-th iteration only, every rank's and micro-batch's "
+                             "(the log lines, scalars and --mm-balance-cost auto still see every "
+                             "iteration); default %(default)s.", type=int, minimum=1)
     cost_file: Optional[str] = flag(None, "--mm-balance-cost-file", "Cost file (JSON, format "
                                     "mm-balance-cost/v1) for --mm-balance-cost model.", type=str)
     mode: str = flag("auto", "--mm-balance-mode", "'exchange' moves packed tensors between ranks; "

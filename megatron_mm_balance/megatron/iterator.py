@@ -298,7 +298,8 @@ def _install_timing(model, cfg: MMBalanceConfig, args):
         return None
     from .timing import install_timing
     return install_timing(model, out_dir=cfg.timing_dir, interval=cfg.log_interval,
-                          iteration_fn=live_iteration(args))
+                          iteration_fn=live_iteration(args), files=cfg.timing_files,
+                          every=cfg.timing_every)
 
 
 def _install_vision_balance(model, cfg: MMBalanceConfig):

@@ -34,14 +34,14 @@ micro-batch whose forward is running (:meth:`TimingRecorder.add_detail`; Bridge'
 ``mm_balance.vision=images`` splits its exchange's forward with them).
 
 Records (one per micro-batch per rank) go to ``DIR/timing-rank<R>.jsonl`` when a
-directory is given (``--mm-balance-timing-dir``), are averaged per log interval into
+directory is given (``--mm-balance-timing-dir``; or one file per node, and every N-th
+iteration only: :mod:`megatron_mm_balance.cost.timing_files`), are averaged per log interval into
 ``mm-balance-timing/*`` TensorBoard/W&B scalars and one log line, and feed the
 online calibration of ``--mm-balance-cost auto`` (:meth:`TimingRecorder.records`).
 """
 from __future__ import annotations
 
 import atexit
-import json
 import logging
 import os
 import threading
@@ -49,6 +49,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional
 
+from ..cost.timing_files import TimingFileWriter
 from ..runtime.log_line import emit_line
 
 logger = logging.getLogger("megatron_mm_balance")
@@ -125,7 +126,8 @@ class TimingRecorder:
 
     def __init__(self, *, rank: int = 0, clock=None, out_dir: Optional[str] = None,
                  iteration_fn=None, interval: int = 1, report: bool = False,
-                 tb_writer=None, wandb_writer=None, keep: int = 100_000):
+                 tb_writer=None, wandb_writer=None, keep: int = 100_000,
+                 files: str = "rank", every: int = 1, node: Optional[str] = None):
         self.rank = rank
         self.clock = clock or _CpuClock()
         self.iteration_fn = iteration_fn
@@ -147,12 +149,12 @@ class TimingRecorder:
         self._last_report = None
         self.lines: List[str] = []
         self.t0 = time.perf_counter()
-        self._file = None
-        self.path = None
-        if out_dir:
-            os.makedirs(out_dir, exist_ok=True)
-            self.path = os.path.join(out_dir, f"timing-rank{rank:05d}.jsonl")
-            self._file = open(self.path, "a", encoding="utf-8")
+        #: the records' file (``out_dir``): ``files`` per rank or per node, every ``every``-th
+        #: iteration, each line with ``node`` when given (:class:`~megatron_mm_balance.cost.
+        #: timing_files.TimingFileWriter`)
+        self._file = (TimingFileWriter(out_dir, rank=rank, layout=files, node=node, every=every)
+                      if out_dir else None)
+        self.path = self._file.path if self._file is not None else None
         atexit.register(self.close)
 
     # -- hooks ---------------------------------------------------------------------
@@ -241,7 +243,7 @@ class TimingRecorder:
             self._interval_records.append(out)
             self._cond.notify_all()
         if self._file is not None:
-            self._file.write(json.dumps(out) + "\n")
+            self._file.write(out)
 
     def records(self, first_iteration: int, last_iteration: int) -> List[dict]:
         """The closed records of iterations ``first..last`` (inclusive), in recording order."""
@@ -424,20 +426,26 @@ def install_hooks(model_chunks, recorder: TimingRecorder, features: Callable = N
 
 def install_timing(model_chunks, *, out_dir: Optional[str], interval: int,
                    iteration_fn: Optional[Callable[[], Optional[int]]] = None,
-                   features: Optional[Callable] = None, writers: Optional[tuple] = None) -> TimingRecorder:
+                   features: Optional[Callable] = None, writers: Optional[tuple] = None,
+                   files: str = "rank", every: int = 1) -> TimingRecorder:
     """``--mm-balance-timing``: a :class:`TimingRecorder` for this rank and its hooks on
     ``model_chunks`` (what ``setup_model_and_optimizer`` returned). Called on every rank
     by :func:`~.iterator.wrap_train_data_iterator` (and by Bridge's glue, with the Qwen-VL
-    ``features`` and its ``writers``: ``(tensorboard, wandb)``; default Megatron's)."""
+    ``features`` and its ``writers``: ``(tensorboard, wandb)``; default Megatron's).
+    ``files`` and ``every``: ``--mm-balance-timing-files`` and ``--mm-balance-timing-every``
+    (the written lines name this rank's node either way)."""
     import torch
     import torch.distributed as dist
+
+    from ..runtime.groups import node_identity
 
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     clock = _CudaClock() if torch.cuda.is_available() and _on_cuda(model_chunks) else _CpuClock()
     tb, wandb = writers if writers is not None else _megatron_writers()
 
     recorder = TimingRecorder(rank=rank, clock=clock, out_dir=out_dir, iteration_fn=iteration_fn,
-                              interval=interval, report=rank == 0, tb_writer=tb, wandb_writer=wandb)
+                              interval=interval, report=rank == 0, tb_writer=tb, wandb_writer=wandb,
+                              files=files, every=every, node=node_identity())
     recorder.handles = install_hooks(model_chunks, recorder, features)
     return recorder
 

@@ -1,7 +1,7 @@
 """A training job's own per-pack timings as a simulator input: its layout and a timing model.
 
-``--mm-balance-timing-dir DIR`` makes every rank write ``DIR/timing-rank<R>.jsonl``, one
-record per micro-batch: the iteration, the micro-batch index, the pack's per-image
+``--mm-balance-timing-dir DIR`` makes every rank write ``DIR/timing-rank<R>.jsonl`` (or one
+file per node, :mod:`~megatron_mm_balance.cost.timing_files`), one record per micro-batch: the iteration, the micro-batch index, the pack's per-image
 tokens and sample lengths, and the measured vision / language-model forward and
 backward milliseconds (:mod:`megatron_mm_balance.megatron.timing`). This module reads
 such a directory into :class:`RunTrace` (arrays ``[iterations, ranks, micro-steps]``
@@ -26,15 +26,13 @@ in the order the job computed them) and derives from it:
 """
 from __future__ import annotations
 
-import glob
-import json
-import os
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..cost.calibration import fit_phases
 from ..cost.model import FeatureArrays, PackFeatures
+from ..cost.timing_files import TimingFileError, read_timing_records
 from .pool import PackPool
 from .timeline import simulate_timeline
 from .timing import TimingModel
@@ -76,28 +74,12 @@ class RunTrace:
 
 
 def read_records(directory: str) -> list:
-    """Every record of ``directory/timing-rank*.jsonl``; one-line errors."""
-    if not os.path.isdir(directory):
-        raise RunTraceError(f"{directory}: no such timing directory")
-    paths = sorted(glob.glob(os.path.join(directory, "timing-rank*.jsonl")))
-    if not paths:
-        raise RunTraceError(f"{directory}: no timing-rank*.jsonl files (a --mm-balance-timing-dir output)")
-    out = []
-    for path in paths:
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise RunTraceError(f"{path}:{lineno}: malformed JSON line ({exc.msg})") from None
-                missing = {"iteration", "microbatch", "rank", "images", "lengths", "vision_forward_ms",
-                           "vision_backward_ms", "lm_forward_ms", "lm_backward_ms"} - set(rec)
-                if missing:
-                    raise RunTraceError(f"{path}:{lineno}: missing {sorted(missing)}")
-                out.append(rec)
-    return out
+    """Every record of ``directory``, per rank or per node files alike
+    (:func:`~megatron_mm_balance.cost.timing_files.read_timing_records`); one-line errors."""
+    try:
+        return read_timing_records(directory)
+    except TimingFileError as exc:
+        raise RunTraceError(str(exc)) from None
 
 
 def frames_view(rec: dict) -> dict:

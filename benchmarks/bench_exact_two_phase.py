@@ -27,20 +27,10 @@ import time
 
 import numpy as np
 
-from megatron_mm_balance.sim.cli import load_samples
-from megatron_mm_balance.sim.engine import pack_phases
-from megatron_mm_balance.sim.pool import build_pool
-from megatron_mm_balance.sim.timing import load_timing
+from megatron_mm_balance.bench.pools import mixture_pool, parse_shapes, print_head, two_phase_costs
 from megatron_mm_balance.solver.exact import exact_two_phase_grouping
 from megatron_mm_balance.solver.two_phase import (_grouping_objective, group_two_phase,
                                                   two_phase_lower_bound)
-
-
-def pair_pool(trace: str, samples: int, timing: str) -> np.ndarray:
-    s, key, _ = load_samples(trace, seed=0)
-    s = s[:samples]
-    pool = build_pool(s, 8192, cache_key=(*key, samples))
-    return pack_phases(pool, load_timing(timing), balance_cost="two-phase").cost
 
 
 def main(argv=None) -> None:
@@ -56,12 +46,11 @@ def main(argv=None) -> None:
           f"MILP time limit {a.time_limit:g} s")
     hdr = (f"{'trace':>12} {'D x G':>6} | {'opt':>6} | {'heur/exact mean':>15} {'max':>7} {'>1%':>4} | "
            f"{'exact/LB':>8} {'heur/LB':>8} | {'heur/bound':>10} {'max':>7} | {'MILP s p50':>10} {'max':>6}")
-    print(hdr)
-    print("-" * len(hdr))
+    print_head(hdr)
     for trace in a.traces.split(","):
-        pairs = pair_pool(trace, a.samples, a.timing)
-        for shape in a.shapes.split(","):
-            D, G = (int(x) for x in shape.split("x"))
+        pairs = two_phase_costs(mixture_pool(trace, first=a.samples), a.timing)
+        for D, G in parse_shapes(a.shapes):
+            shape = f"{D}x{G}"
             rng = np.random.default_rng([D, G, 7])
             gaps, lbs, hlbs, hbounds, secs, proven = [], [], [], [], [], 0
             for _ in range(a.instances):

@@ -24,10 +24,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from megatron_mm_balance.data.mixtures import make_mixture  # noqa: E402
-from megatron_mm_balance.sim.engine import pack_phases  # noqa: E402
-from megatron_mm_balance.sim.pool import build_pool, draw_indices  # noqa: E402
-from megatron_mm_balance.sim.timing import load_timing  # noqa: E402
+from megatron_mm_balance.bench.pools import mixture_pool, two_phase_costs  # noqa: E402
+from megatron_mm_balance.sim.pool import draw_indices  # noqa: E402
 from megatron_mm_balance.solver.floors import batch_floors  # noqa: E402
 from megatron_mm_balance.solver.placement import plan_placement  # noqa: E402
 
@@ -79,12 +77,12 @@ def main(argv=None):
     ap.add_argument("--batches", type=int, default=2)
     args = ap.parse_args(argv)
     D, G = args.dp, args.ga
-    pool = build_pool(make_mixture(args.trace, n=30000), 8192)
-    ph = pack_phases(pool, load_timing("vlm_30b_moe"), balance_cost="two-phase")
+    pool = mixture_pool(args.trace, 30_000)
+    costs = two_phase_costs(pool)
     idx = draw_indices(len(pool), args.batches, D, G, seed=0)
     print(f"{args.trace}, DP={D} x GA={G}, vlm_30b_moe two-phase costs; over perfect balance")
     for b in range(args.batches):
-        c = ph.cost[idx[b]]
+        c = costs[idx[b]]
         v, l = c[..., 0].ravel().astype(np.int64), c[..., 1].ravel().astype(np.int64)
         fl = batch_floors(v, l, np.zeros_like(v), D)
         pl = plan_placement(c, sync="microstep")

@@ -20,21 +20,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 
+from megatron_mm_balance.bench.runtime import free_port
+
 MARKS = {"import": "cpp_extension", "initialized": "after megatron is initialized",
          "trained": "after training is done"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def timed_run(cmd, env) -> dict:

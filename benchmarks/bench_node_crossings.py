@@ -19,6 +19,7 @@ import argparse
 
 import numpy as np
 
+from megatron_mm_balance.bench.pools import print_head
 from megatron_mm_balance.solver.placement import plan_placement
 from megatron_mm_balance.solver.rank_balance import cost_grain, rank_limit
 from megatron_mm_balance.solver.topology import traffic
@@ -67,8 +68,7 @@ def main(argv=None) -> None:
     head = (f"{'layout':>24} {'sync':>9} {'costs':>9} | {'fewer':>6} {'same':>6} {'more':>5} | "
             f"{'balance better':>14} {'worse':>5} | {'more, no better':>15} | {'inter-node packs flat':>21} "
             f"{'aware':>6}")
-    print(head)
-    print("-" * len(head))
+    print_head(head)
     for name, ids, G in LAYOUTS:
         for sync in ("microstep", "step"):
             for two in (False, True):

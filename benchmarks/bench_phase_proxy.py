@@ -20,10 +20,9 @@ import argparse
 
 import numpy as np
 
+from megatron_mm_balance.bench.pools import two_phase_costs
 from megatron_mm_balance.sim.cli import load_samples
-from megatron_mm_balance.sim.engine import pack_phases
 from megatron_mm_balance.sim.pool import build_pool, draw_indices
-from megatron_mm_balance.sim.timing import load_timing
 from megatron_mm_balance.solver.two_phase import group_two_phase
 
 WEIGHTS = np.round(np.arange(0.0, 2.01, 0.1), 2)
@@ -73,9 +72,9 @@ def main(argv=None):
     samples, key, desc = load_samples(a.trace, seed=a.seed)
     samples = samples[: a.pool_samples] if a.pool_samples else samples
     pool = build_pool(samples, a.seq_len, cache_key=(*key, a.pool_samples))
-    ph = pack_phases(pool, load_timing(a.timing), balance_cost="two-phase")
+    pairs = two_phase_costs(pool, a.timing)
     idx = draw_indices(len(pool), a.batches, a.dp, a.ga, seed=a.seed, mode="iid")
-    costs = [ph.cost[i].astype(float) for i in idx.reshape(a.batches, -1)]   # [D*G, 2]
+    costs = [pairs[i].astype(float) for i in idx.reshape(a.batches, -1)]   # [D*G, 2]
     rows = [proxy(c[:, 0], c[:, 1], a.dp, a.ga) for c in costs]
     print(f"{desc}, {a.timing}, DP={a.dp}, GA={a.ga}, {a.batches} batches (mean)")
     for k in rows[0]:

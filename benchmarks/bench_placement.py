@@ -38,12 +38,10 @@ import time
 
 import numpy as np
 
-from megatron_mm_balance.data import mixtures
+from megatron_mm_balance.bench.pools import (image_token_costs, mixture_pool, parse_shapes, print_head,
+                                             two_phase_costs)
 from megatron_mm_balance.solver import placement
 from megatron_mm_balance.solver.rank_balance import cost_grain, rank_limit
-from megatron_mm_balance.sim.engine import pack_phases
-from megatron_mm_balance.sim.pool import build_pool
-from megatron_mm_balance.sim.timing import load_timing
 from megatron_mm_balance.solver.topology import traffic
 from megatron_mm_balance.solver.two_phase import evaluate_two_phase
 
@@ -58,15 +56,9 @@ SHAPES = [(64, 16), (512, 16), (1024, 16), (4096, 32)]
 def pack_pool(trace, seeds, seq_len, cost):
     """Per-pack costs (``[P]`` image tokens, or ``[P, 2]`` vision/language us) and bytes."""
     costs, nbytes = [], []
-    timing = load_timing("vlm_30b_moe")
     for s in seeds:
-        samples = (mixtures.mixed(seed=s) if trace == "mixed"
-                   else mixtures.make_mixture(trace, n=60_000, seed=s))
-        pool = build_pool(samples, seq_len)
-        if cost == "two-phase":
-            costs.append(pack_phases(pool, timing, balance_cost="two-phase").cost)
-        else:
-            costs.append(pool.image_tokens.astype(np.int64))
+        pool = mixture_pool(trace, 60_000, seed=s, seq_len=seq_len)
+        costs.append(two_phase_costs(pool) if cost == "two-phase" else image_token_costs(pool))
         nbytes.append(4704.0 * pool.image_tokens + 16.0 * pool.text_tokens)
     return np.concatenate(costs), np.concatenate(nbytes)
 
@@ -125,7 +117,7 @@ def main(argv=None):
     ap.add_argument("--cost", choices=("image-tokens", "two-phase"), default="image-tokens")
     ap.add_argument("--json", help="also write the rows to this file")
     args = ap.parse_args(argv)
-    shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
+    shapes = parse_shapes(args.shapes)
     rpn = args.ranks_per_node if args.ranks_per_node > 1 else None
     print(f"{args.batches} global batches per row; cost {args.cost}; balance_tolerance="
           f"{args.tolerance}; ranks per node {rpn or 'flat'}; "
@@ -139,8 +131,7 @@ def main(argv=None):
         rng = np.random.default_rng(0)
         print(f"pool: {len(pool)} packs of the {trace!r} trace at {args.seq_len}, "
               f"cost grain {cost_grain(pool)}")
-        print(hdr)
-        print("-" * len(hdr))
+        print_head(hdr)
         for dp, ga in shapes:
             for sync in args.sync.split(","):
                 a = run(dp, ga, sync, pool, nbytes, args.batches, rng, args.tolerance, rpn)

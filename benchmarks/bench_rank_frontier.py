@@ -24,17 +24,11 @@ import time
 
 import numpy as np
 
-from megatron_mm_balance.data import mixtures
-from megatron_mm_balance.sim.pool import build_pool
+from megatron_mm_balance.bench.pools import image_token_costs, mixture_pool, parse_shapes, print_head
 from megatron_mm_balance.solver import placement
 from megatron_mm_balance.solver.placement import DEFAULT_BALANCE_TOLERANCE, PlanStats, plan_placement
 from megatron_mm_balance.solver.rank_balance import cost_grain, rank_limit
 from megatron_mm_balance.solver.topology import traffic
-
-
-def image_token_pool(trace: str, samples: int) -> np.ndarray:
-    s = mixtures.mixed(seed=0) if trace == "mixed" else mixtures.make_mixture(trace, n=samples, seed=0)
-    return build_pool(s, 8192).image_tokens.astype(np.int64)
 
 
 def main(argv=None) -> None:
@@ -58,12 +52,11 @@ def main(argv=None) -> None:
           f"cpu affinity {sorted(os.sched_getaffinity(0))}")
     hdr = (f"{'trace':>12} {'DP x GA':>8} {'tol':>7} | {'rank max':>8} {'floor':>7} {'>band':>5} | "
            f"{'moved max':>9} {'mean':>6} {'inter':>6} | {'p50 ms':>7}")
-    print(hdr)
-    print("-" * len(hdr))
+    print_head(hdr)
     for trace in a.traces.split(","):
-        pool = image_token_pool(trace, a.samples)
-        for shape in a.shapes.split(","):
-            D, G = (int(x) for x in shape.split("x"))
+        pool = image_token_costs(mixture_pool(trace, a.samples))
+        for D, G in parse_shapes(a.shapes):
+            shape = f"{D}x{G}"
             rng = np.random.default_rng([D, G])
             batches = [pool[rng.integers(0, len(pool), size=(D, G))] for _ in range(a.batches)]
             for tol in tols:

@@ -17,11 +17,8 @@ import time
 
 import numpy as np
 
-from megatron_mm_balance.data import mixtures
+from megatron_mm_balance.bench.pools import image_token_costs, mixture_pool, print_head, two_phase_costs
 from megatron_mm_balance.solver.placement import plan_placement
-from megatron_mm_balance.sim.engine import pack_phases
-from megatron_mm_balance.sim.pool import build_pool
-from megatron_mm_balance.sim.timing import load_timing
 
 
 def main(argv=None):
@@ -29,17 +26,15 @@ def main(argv=None):
     ap.add_argument("--shapes", default="1024x16:7,4096x32:5", help="DPxGA:batches, comma separated")
     ap.add_argument("--ranks-per-node", type=int, default=8)
     args = ap.parse_args(argv)
-    pool = build_pool(mixtures.make_mixture("heldout", n=40_000, seed=0), 8192)
-    scalar = pool.image_tokens.astype(np.int64)
-    pairs = pack_phases(pool, load_timing("vlm_30b_moe"), balance_cost="two-phase").cost
+    pool = mixture_pool("heldout", 40_000)
+    scalar, pairs = image_token_costs(pool), two_phase_costs(pool)
     rpn = args.ranks_per_node
     cols = [("scalar", None), ("scalar", rpn), ("two-phase", None), ("two-phase", rpn)]
     print(f"cpu affinity {sorted(os.sched_getaffinity(0))}; {len(pool)} packs of 'heldout'; "
           f"CPU ms of plan_placement, p50 / max")
     head = f"{'DP x GA':>10} | " + " | ".join(f"{k + (', flat' if n is None else f', {n}/node'):>22}"
                                              for k, n in cols)
-    print(head)
-    print("-" * len(head))
+    print_head(head)
     for spec in args.shapes.split(","):
         shape, batches = spec.split(":")
         D, G = (int(x) for x in shape.split("x"))

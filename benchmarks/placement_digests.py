@@ -21,10 +21,7 @@ import hashlib
 
 import numpy as np
 
-from megatron_mm_balance.data import mixtures
-from megatron_mm_balance.sim.engine import pack_phases
-from megatron_mm_balance.sim.pool import build_pool
-from megatron_mm_balance.sim.timing import load_timing
+from megatron_mm_balance.bench.pools import image_token_costs, mixture_pool, two_phase_costs
 from megatron_mm_balance.solver.placement import plan_placement
 
 SHAPES = [(2, 2), (3, 5), (8, 4), (16, 8), (64, 16), (1024, 16)]
@@ -33,12 +30,10 @@ NODES = (None, 4, 8)
 
 
 def cost_pools(samples: int) -> dict:
-    heldout = build_pool(mixtures.make_mixture("heldout", n=samples, seed=0), 8192)
-    mixed = build_pool(mixtures.mixed(seed=0)[:samples], 8192)
-    pairs = pack_phases(heldout, load_timing("vlm_30b_moe"), balance_cost="two-phase").cost
-    return {"scalar": heldout.image_tokens.astype(np.int64),
-            "tiles": mixed.image_tokens.astype(np.int64),
-            "two-phase": pairs,
+    heldout = mixture_pool("heldout", samples)
+    return {"scalar": image_token_costs(heldout),
+            "tiles": image_token_costs(mixture_pool("mixed", first=samples)),
+            "two-phase": two_phase_costs(heldout),
             "tiny": None}
 
 

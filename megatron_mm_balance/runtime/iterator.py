@@ -54,7 +54,7 @@ import torch.distributed as dist
 
 from .config import BalancerConfig
 from ..cost.pack import cost_fn_identity, default_cost_fn
-from .device import resolve_device
+from .device import enter_thread, resolve_device, thread_device
 from .engine import Engine, SourceExhausted
 from .errors import BalancerError, ExchangeThreadError
 from .groups import ProgressBoard, exchange_group_for, gather_node_ids, group_ranks
@@ -77,8 +77,10 @@ class _Worker:
     """The background thread's state. Holds no reference to the iterator, so an
     abandoned iterator can still be garbage-collected (and closed by ``__del__``)."""
 
-    def __init__(self, engine: Engine, fixed_G: int | None, predictor=None):
+    def __init__(self, engine: Engine, fixed_G: int | None, predictor=None, device: int | None = None):
         self.engine = engine
+        #: the CUDA device the thread runs on (None: no CUDA), set first thing in :meth:`run`
+        self.device = device
         self.fixed_G = fixed_G
         self.predictor = predictor          # free-running on predicted counts (checked by the consumer)
         #: the global batch the consumer has asked for last (written by the consumer only);
@@ -109,8 +111,7 @@ class _Worker:
     def run(self) -> None:
         eng = self.engine
         try:
-            if eng.cuda_mover is not None:
-                eng.cuda_mover.enter_thread()
+            enter_thread(self.device)       # before the first pull: the loader pins for it
             gb = -1
             while True:
                 if self.fixed_G is not None:        # free-running: the next batch needs no request
@@ -283,7 +284,7 @@ class BalancedDataIterator:
                               first_iteration=first_iteration)
         if self.overlap:
             fixed = None if callable(self._num_mb) else int(self._num_mb)
-            self._worker = _Worker(self._engine, fixed, predict_microbatches)
+            self._worker = _Worker(self._engine, fixed, predict_microbatches, thread_device(self.device))
             self._worker.thread.start()
         _LIVE.add(self)
 

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from . import wire
-from .device import CudaMover
+from .device import CudaMover, cuda_api
 from .errors import PeerFailure, batch_name
 
 #: bytes of the per-pack record (3 int64) that precedes every moved pack
@@ -220,11 +220,11 @@ class PackTransport:
 
     def _cuda(self) -> CudaMover:
         if self.cuda_mover is None:
-            if not torch.cuda.is_available():
+            if not cuda_api().is_available():
                 raise RuntimeError("a peer sent CUDA tensors but CUDA is not available on this rank; "
                                    "pass device='cpu' to receive them on the host")
-            self.cuda_mover = CudaMover(torch.device("cuda", torch.cuda.current_device()))
-            self.cuda_mover.enter_thread()
+            # the thread's current device: the iterator's, set first thing in the thread
+            self.cuda_mover = CudaMover(torch.device("cuda", cuda_api().current_device()))
         return self.cuda_mover
 
 

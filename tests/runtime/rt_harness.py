@@ -753,6 +753,40 @@ def scenario_stall(rank, world, G=4, timeout=4.0, stall=12.0):
     return res
 
 
+def scenario_thread_device(rank, world, G=2, batches=3, overlap=True):
+    """With a fake CUDA (:mod:`megatron_mm_balance.testing.fake_cuda`) on every rank: the
+    training thread selects device ``rank`` (as a launcher's LOCAL_RANK does); the iterator's
+    exchange thread must run on it too, from its first call on, and the source (the train
+    loader, whose first ``next()`` may start a pin-memory thread) must see it."""
+    import threading
+    from megatron_mm_balance.runtime import BalancedDataIterator
+    from megatron_mm_balance.runtime.device import set_cuda_api
+    from megatron_mm_balance.testing.fake_cuda import FakeCuda
+
+    fake = FakeCuda(device_count=world)
+    set_cuda_api(fake)
+    fake.set_device(rank)
+    pulls = []
+
+    def source():
+        i = 0
+        while True:
+            pulls.append((threading.current_thread().name, fake.current_device()))
+            yield make_pack(rank, i)
+            i += 1
+
+    with BalancedDataIterator(source(), num_microbatches=G, overlap=overlap, timeout=30) as it:
+        for _ in range(G * batches):
+            next(it)
+        moved = sum(s.packs_moved for s in it.stats)
+    thread = "mm-balance-exchange" if overlap else "MainThread"
+    calls = fake.by_thread(thread)
+    return {"first_call": [calls[0].name, calls[0].arg] if calls else None,
+            "set_device": [c.arg for c in fake.calls_named("set_device")],
+            "pull_threads": sorted({t for t, _ in pulls}), "pull_devices": sorted({d for _, d in pulls}),
+            "moved": moved}
+
+
 def run_rank(scenario, rank, world, port, outdir, kw):
     import datetime
     import torch

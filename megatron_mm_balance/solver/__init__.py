@@ -4,6 +4,11 @@
   :class:`~.placement.SolverOptions`), the placement of one global
   batch's packs onto (rank, micro-step) slots, and :class:`~.placement.PlanStats`;
 * :mod:`.two_phase` — the two-phase (vision, language) micro-step objective;
+* :mod:`.step_groups` — per-micro-step meeting groups (expert-parallel groups inside data
+  parallelism): the labels, the group objective, the packs crossing groups;
+* :mod:`.group_placement` — the placement for several step groups: which packs each group
+  computes (:mod:`.group_exchange`: few swaps between groups), then each group's own
+  micro-steps, never worse than today's placement;
 * :mod:`.rank_balance` — evening rank (and node) totals with level-preserving swaps;
 * :mod:`.topology` — node-aware moves (ranks per node, inter-node traffic);
 * :mod:`.node_choice` — a node-aware plan never worse than the flat one (balance, then

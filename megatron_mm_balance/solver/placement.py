@@ -41,6 +41,13 @@ to the integer floor of tile-quantised costs), preferring swaps that re-route
 packs already moving; then move chains are shortened (a pack away from home
 swaps with a foreign pack on its home rank) without breaking that limit.
 
+With step groups (``step_groups``: ranks meet per micro-step only inside their group, the
+expert-parallel group, and all of them once per iteration), the objective is the slowest
+group's sum of its per-micro-step maxima; :mod:`.group_placement` plans it (packs evened
+between groups with few swaps, then each group on its own), never worse than the plan
+below. One group of all ranks is the plan below unchanged; every rank its own group is
+``step`` mode.
+
 With nodes (``ranks_per_node``), moves prefer node-mates (:mod:`.topology`) and
 the result is never worse than the flat placement of the same batch: the grouping is
 computed once, the slots, stage 3 and chain shortening run with and without the
@@ -61,6 +68,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from .group_placement import place_in_groups
 from .node_choice import no_worse_than_flat
 from .rank_balance import SwapRules, balance_node_totals, balance_rank_totals, send_home
 from .sorting import lex_argsort, stable_argsort
@@ -569,8 +577,13 @@ def plan_placement(costs, options: SolverOptions | None = None, *, sync: str | N
 
 
 def _solve_groups(c: np.ndarray, opts: SolverOptions, groups: np.ndarray) -> Placement:
-    """Several step groups of several ranks each (:mod:`.step_groups`)."""
-    return _solve(c, replace(opts, step_groups=None))
+    """Several step groups of several ranks (:mod:`.group_placement`): which packs each group
+    computes (few swaps between groups, :mod:`.group_exchange`), then each group's own
+    micro-steps, slots and rank totals; never worse than today's placement of the batch
+    under the group objective."""
+    today = _solve(c, replace(opts, step_groups=None))
+    return Placement(*place_in_groups(c, groups, opts.nodes(c.shape[0]), opts.balance_tolerance,
+                                      today))
 
 
 def _ratio(num, den) -> float:

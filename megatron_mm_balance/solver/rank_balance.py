@@ -73,22 +73,53 @@ class SwapRules:
     the scalar whose rank totals are evened, if not ``costs`` itself. ``node``
     ``[D]``: each rank's node (None: flat); a pack crossing nodes then counts
     ``1 + INTER_NODE_WEIGHT`` moves when swaps of equal balance are compared.
+    ``unit`` ``[D]`` (dense ids; None: one unit of all ranks): ranks swap only with ranks
+    of their own unit (a step group, :mod:`.step_groups`), each unit has its own levels
+    (``levels[u]``: unit ``u``'s ``[G]`` levels or ``[G, 2]`` boxes) and its own limit
+    (its mean rank total, :meth:`limit`).
     """
 
     costs: np.ndarray
     weights: np.ndarray | None = None
     levels: np.ndarray | None = None
     node: np.ndarray | None = None
+    unit: np.ndarray | None = None
 
     @property
     def balanced(self) -> np.ndarray:
         """The ``[D, G]`` scalar whose rank totals are evened."""
         return self.costs if self.weights is None else self.weights
 
-    def limit(self, tolerance: float) -> int:
-        """:func:`rank_limit` of the balanced scalar at ``tolerance``."""
+    @property
+    def boxes(self) -> bool:
+        """The levels are two-phase boxes (``(vision, language)`` per micro-step)."""
+        return self.levels is not None and self.levels.ndim - (self.unit is not None) == 2
+
+    def limit(self, tolerance: float):
+        """:func:`rank_limit` of the balanced scalar at ``tolerance``: an int, or with units
+        each rank's limit ``[D]`` (its unit's)."""
         bal = self.balanced
-        return rank_limit(int(bal.sum()), bal.shape[0], tolerance, cost_grain(bal))
+        grain = cost_grain(bal)
+        if self.unit is None:
+            return rank_limit(int(bal.sum()), bal.shape[0], tolerance, grain)
+        num = int(self.unit.max()) + 1
+        totals = np.bincount(self.unit, weights=None, minlength=num)
+        sums = np.zeros(num, dtype=np.int64)
+        np.add.at(sums, self.unit, bal.sum(axis=1))
+        per_unit = np.array([rank_limit(int(sums[u]), int(totals[u]), tolerance, grain)
+                             for u in range(num)], dtype=np.int64)
+        return per_unit[self.unit]
+
+    def unit_levels(self, ranks: np.ndarray) -> np.ndarray:
+        """The levels that bind ranks ``ranks`` (broadcast over them without units)."""
+        if self.unit is None:
+            return np.broadcast_to(self.levels, ranks.shape + self.levels.shape)
+        return self.levels[self.unit[ranks]]
+
+
+def _at(limit, ranks):
+    """A limit (an int, or per rank) at ``ranks``."""
+    return limit if np.ndim(limit) == 0 else limit[ranks]
 
 
 PARTNERS = ("any", "mates-first", "mates-only")
@@ -116,7 +147,7 @@ def balance_rank_totals(rules: SwapRules, src_rank: np.ndarray, src_index: np.nd
     lv = c[src_rank, src_index]                        # level-checked cost at each slot
     totals = a.sum(axis=1)
     grain = cost_grain(bal)
-    U = rank_limit(int(totals.sum()), D, tolerance, grain)
+    U = rules.limit(tolerance)
     attempt = np.zeros(D, dtype=np.int64)
     applied = 0
     # Light slots a heavy slot i may swap with: micro-steps i - W .. i + W (all when
@@ -126,17 +157,20 @@ def balance_rank_totals(rules: SwapRules, src_rank: np.ndarray, src_index: np.nd
     jj = np.arange(G)[:, None] + off[None, :]
     jok = (jj >= 0) & (jj < G)
     jj = np.clip(jj, 0, G - 1)
-    mates_only = partners == "mates-only" and node is not None
-    mates_first = partners != "any" and node is not None
+    # With units a rank's partners are its unit's ranks (node-mates or not); else node-mates
+    # as ``partners`` says.
+    mate_key = node if rules.unit is None else rules.unit
+    mates_only = (partners == "mates-only" and node is not None) or rules.unit is not None
+    mates_first = (partners != "any" and node is not None) or rules.unit is not None
     if mates_first:
-        members = _members(node)
+        members = _members(mate_key)
     for _ in range(max_rounds):
         heavy = np.flatnonzero(totals > U)
         if len(heavy) == 0:
             break
         heavy = heavy[np.lexsort((heavy, -totals[heavy]))]
         pool = np.lexsort((home, totals))
-        pool = pool[totals[pool] < U]
+        pool = pool[totals[pool] < _at(U, pool)]
         if len(pool) == 0:
             break
         P = len(heavy)
@@ -146,12 +180,12 @@ def balance_rank_totals(rules: SwapRules, src_rank: np.ndarray, src_index: np.nd
         n_elig = np.searchsorted(totals[pool], totals[heavy] - grain, side="left")
         k = np.zeros(P, dtype=np.int64)
         if mates_first:
-            mates = members[node[heavy]]                        # [P, R], -1 padded
+            mates = members[mate_key[heavy]]                    # [P, R], -1 padded
             mt = np.where(mates >= 0, totals[mates], np.iinfo(np.int64).max)
             order = np.lexsort((mates, mt), axis=1)
             mates = np.take_along_axis(mates, order, axis=1)
             mt = np.take_along_axis(mt, order, axis=1)
-            k = ((mt < (totals[heavy] - grain)[:, None]) & (mt < U)).sum(axis=1)
+            k = ((mt < (totals[heavy] - grain)[:, None]) & (mt < _at(U, mates))).sum(axis=1)
         live = attempt[heavy] < (k if mates_only else n_elig + k)
         if not live.any():
             break
@@ -172,7 +206,7 @@ def balance_rank_totals(rules: SwapRules, src_rank: np.ndarray, src_index: np.nd
         delta = ah[:, :, None] - al                     # [P, G(heavy slot), K(light slot)]
         gap = (totals[h] - totals[l])[:, None, None]
         valid = (delta > 0) & (delta < gap) & jok[None]
-        if levels is not None:
+        if levels is not None and rules.unit is None:
             ch, cl = lv[h], lv[l][:, jj]
             if levels.ndim == 1:
                 valid &= (ch[:, :, None] <= levels[jj][None])         # heavy pack -> light's step
@@ -180,8 +214,17 @@ def balance_rank_totals(rules: SwapRules, src_rank: np.ndarray, src_index: np.nd
             else:                                                     # boxes: every component
                 valid &= (ch[:, :, None, :] <= levels[jj][None]).all(axis=-1)
                 valid &= (cl <= levels[:, None][None]).all(axis=-1)
-        lo = (totals[h] - U)[:, None, None]
-        hi = (U - totals[l])[:, None, None]
+        elif levels is not None:                                      # the pair's unit's levels
+            ch, cl = lv[h], lv[l][:, jj]
+            lev = rules.unit_levels(h)                                # [P, G] or [P, G, 2]
+            if not rules.boxes:
+                valid &= (ch[:, :, None] <= lev[:, jj])
+                valid &= (cl <= lev[:, :, None])
+            else:
+                valid &= (ch[:, :, None, :] <= lev[:, jj]).all(axis=-1)
+                valid &= (cl <= lev[:, :, None]).all(axis=-1)
+        lo = (totals[h] - _at(U, h))[:, None, None]
+        hi = (_at(U, l) - totals[l])[:, None, None]
         window = valid & (delta >= lo) & (delta <= hi)
         sh, sl = src_rank[h], src_rank[l]
         hh, ll = h[:, None], l[:, None]
@@ -336,9 +379,10 @@ def send_home(rules: SwapRules, src_rank: np.ndarray, src_index: np.ndarray, *,
         if levels is None:
             passes.append((node, max_rounds, 2))
         else:
-            if levels.ndim == 1:
+            scalar = not rules.boxes
+            if scalar:
                 passes.append((node, 1, NODE_STEP_WINDOW))
-            passes.append((node, max_rounds - (levels.ndim == 1), 0))
+            passes.append((node, max_rounds - scalar, 0))
     passes.append((np.arange(D), max_rounds, 2 if levels is None else 0))
     for group, rounds, window in passes:
         saved += _shorten(rules, src_rank, src_index, limit=limit, group=group,
@@ -382,7 +426,8 @@ def _shorten(rules: SwapRules, src_rank, src_index, *, limit: int, group: np.nda
     check_levels = levels is not None and W > 0
     if check_levels:
         lf = lv.reshape(D * G, -1)
-        lvl = levels.reshape(G, -1)
+        # each rank's levels, [D, G, 1 or 2] (the same for every rank without units)
+        lvl = rules.unit_levels(np.arange(D)).reshape(D, G, -1)
     a_fl = a.ravel()
     big = np.iinfo(np.int64).max
     saved = 0
@@ -429,9 +474,11 @@ def _shorten(rules: SwapRules, src_rank, src_index, *, limit: int, group: np.nda
         pxo, pyo = xo[px], xo[py]
         d = a_fl[y_fl] - a_fl[x_fl]                         # x's rank gains y, loses x
         valid = (totals[pxr] + d <= cap[pxr]) & (totals[pyr] - d <= cap[pyr])
+        if rules.unit is not None:                          # swaps stay inside a unit
+            valid &= rules.unit[pxr] == rules.unit[pyr]
         if check_levels:                                    # x into y's step, y into x's
-            valid &= (lf[x_fl] <= lvl[pyi]).all(axis=-1)
-            valid &= (lf[y_fl] <= lvl[pxi]).all(axis=-1)
+            valid &= (lf[x_fl] <= lvl[pyr, pyi]).all(axis=-1)
+            valid &= (lf[y_fl] <= lvl[pxr, pxi]).all(axis=-1)
         gain = ((pxo != pxr).astype(np.int64) - (pxo != pyr) + (pyo != pyr) - (pyo != pxr))
         if node is not None:                                # move_weight, gathered once
             nxo, nxr, nyr, nyo = node[pxo], node[pxr], node[pyr], node[pyo]

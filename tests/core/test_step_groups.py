@@ -1,11 +1,20 @@
-"""Per-micro-step meeting groups in the solver: the contract, the reductions, the stats."""
+"""Per-micro-step meeting groups in the solver: the contract, the reductions, the group
+placement against today's, the stats."""
+import hashlib
+
 import numpy as np
 import pytest
 
+from determinism import placement_digests
 from megatron_mm_balance.runtime.config import BalancerConfig
 from megatron_mm_balance.runtime.planner import plan_batch
-from megatron_mm_balance.solver.placement import PlanStats, SolverOptions, plan_placement
-from megatron_mm_balance.solver.step_groups import group_objective, step_group_ids
+from megatron_mm_balance.solver.group_exchange import _Groups, _replace_deltas, exchange_between_groups
+from megatron_mm_balance.solver.group_placement import _quality, group_plan
+from megatron_mm_balance.solver.placement import (Placement, PlanStats, SolverOptions,
+                                                  check_placement, plan_placement)
+from megatron_mm_balance.solver.rank_balance import move_weight
+from megatron_mm_balance.solver.step_groups import group_objective, inter_group_packs, step_group_ids
+from megatron_mm_balance.solver.topology import node_ids
 
 
 def _costs(D, G, seed, phases=False):
@@ -105,3 +114,162 @@ def test_plan_batch_passes_the_groups_and_reports_them():
     _, flat = plan_batch(c, BalancerConfig())
     assert flat.step_groups == 1 and flat.inter_group_moves == 0 and flat.inter_node_moves is None
     assert flat.group_cost_after == flat.microstep_cost_after
+
+
+# sha256 over (src_rank, src_index) of plan_placement on _today_batches(), computed with the
+# solver as it was before step groups existed (commit 87dc702). It changes only when today's
+# placement is meant to change.
+TODAY_DIGEST = "2d9dee344c90471fa126d1fc008a86edf5df6757636c64c35a603c26d490a1c3"
+
+
+def _today_batches():
+    rng = np.random.default_rng(2026)
+    for b in range(60):
+        D = int(rng.integers(1, 40)); G = int(rng.integers(1, 12))
+        kind = b % 4
+        if kind == 0:
+            c = rng.integers(0, 4, size=(D, G))
+        elif kind == 1:
+            c = rng.choice([0, 64, 256, 2048, 8192], size=(D, G), p=[.3, .3, .2, .15, .05])
+        elif kind == 2:
+            c = rng.integers(0, 10_000, size=(D, G, 2))
+        else:
+            c = np.stack([rng.choice([0, 256, 1024, 4096], size=(D, G)),
+                          rng.integers(500, 900, size=(D, G))], axis=2)
+        for sync in ("microstep", "step"):
+            for rpn in (None, 4):
+                yield c, sync, rpn
+
+
+def test_without_groups_the_placements_are_todays_bit_for_bit():
+    # (one label for all ranks is the same placement: test_one_group_is_todays_placement)
+    h = hashlib.sha256()
+    for c, sync, rpn in _today_batches():
+        p = plan_placement(c, sync=sync, ranks_per_node=rpn)
+        h.update(p.src_rank.tobytes())
+        h.update(p.src_index.tobytes())
+    assert h.hexdigest() == TODAY_DIGEST
+
+
+def test_a_replacement_changes_the_run_maxima_as_sorting_again_does():
+    # the exchange's O(1) profile change against re-sorting, on random small groups
+    rng = np.random.default_rng(1)
+    for _ in range(400):
+        S, R = int(rng.integers(1, 5)), int(rng.integers(1, 6))
+        a = np.sort(rng.integers(0, 8, size=S * R))[::-1]
+        st = _Groups(a[:, None].astype(np.int64), np.arange(S * R)[None, :], S)
+        p, y = int(rng.integers(0, S * R)), int(rng.integers(0, 9))
+        e = np.array([0])
+        x = np.array([[a[p]]])
+        got = _replace_deltas(st.srt[:, :, 0], st.down[:, :, 0], st.up[:, :, 0], e,
+                              st.above(0, e[:, None], x), x, np.array([[y]]),
+                              st.above(0, e[:, None], np.array([[y]])), S)[0, 0, 0]
+        b = a.copy()
+        b[p] = y
+        assert got == np.sort(b)[::-1][::S].sum() - a[::S].sum()
+
+
+def _mixture_costs(name, D, G, seed):
+    """(vision, language) microseconds of packs drawn from a packed project mixture."""
+    from megatron_mm_balance.data import mixtures
+    from megatron_mm_balance.sim.engine import pack_phases
+    from megatron_mm_balance.sim.pool import build_pool
+    from megatron_mm_balance.sim.timing import load_timing
+    pool = build_pool(mixtures.make_mixture(name, n=3000, seed=seed), 8192,
+                      cache_key=("test_step_groups", name, seed))
+    pairs = pack_phases(pool, load_timing("vlm_30b_moe"), balance_cost="two-phase").cost
+    return pairs[np.random.default_rng([D, G, seed]).integers(0, len(pool), size=(D, G))]
+
+
+def _synthetic(kind, D, G, seed):
+    rng = np.random.default_rng([seed, D, G])
+    if kind == "skewed":
+        return rng.choice([0, 64, 256, 2048, 8192], size=(D, G), p=[.3, .3, .2, .15, .05])
+    if kind == "lognormal":
+        return np.rint(rng.lognormal(7, 1, size=(D, G, 2))).astype(np.int64)
+    if kind == "ties":
+        return rng.integers(0, 3, size=(D, G))
+    return _mixture_costs(kind, D, G, seed)
+
+
+CASES = [(kind, D, G, S) for kind in ("skewed", "lognormal", "ties", "heldout", "native-res")
+         for D, G, S in ((4, 8, 2), (8, 6, 4), (16, 8, 4), (32, 8, 8))]
+
+
+@pytest.mark.parametrize("kind, D, G, S", CASES)
+def test_never_worse_than_todays_placement_and_moves_no_more(kind, D, G, S):
+    for seed in range(2):
+        c = _synthetic(kind, D, G, seed)
+        labels = [r // S for r in range(D)]
+        nodes = [r // 4 for r in range(D)]
+        groups, node = np.array(labels), node_ids(D, np.array(nodes))
+        today = plan_placement(c, ranks_per_node=nodes)
+        got = plan_placement(c, ranks_per_node=nodes, step_groups=labels)
+        check_placement(got, D, G)
+        assert group_objective(got.apply(c), groups) <= group_objective(today.apply(c), groups)
+        assert inter_group_packs(got.src_rank, groups) <= inter_group_packs(today.src_rank, groups)
+        weighted = lambda p: int(move_weight(p.src_rank, np.arange(D)[:, None], node).sum())
+        assert weighted(got) <= weighted(today)
+
+
+@pytest.mark.parametrize("kind, fewer", [("skewed", 3), ("lognormal", 1), ("heldout", 3),
+                                         ("native-res", 3)])
+def test_the_group_plan_moves_few_packs_between_groups(kind, fewer):
+    # The plan itself (before the comparison with today's): a bijection whose packs cross
+    # groups only by the exchange's swaps, every group computing what it holds, and fewer
+    # packs between groups than today's placement sends (``fewer`` times; a heavy lognormal
+    # tail over 8 micro-steps needs many swaps to even the groups).
+    D, G, S = 64, 8, 8
+    c = _synthetic(kind, D, G, 3)
+    groups = np.arange(D) // S
+    node = node_ids(D, 8)
+    held = exchange_between_groups(c if c.ndim == 3 else c[:, :, None], groups, tolerance=0.0005)
+    plan = Placement(*group_plan(c, groups, node, 0.001))
+    check_placement(plan, D, G)
+    assert inter_group_packs(plan.src_rank, groups) <= 2 * held.swaps
+    same = np.sort(held.held.reshape(D // S, -1), axis=1)
+    got = np.sort((plan.src_rank * G + plan.src_index)[np.argsort(groups, kind="stable")]
+                  .reshape(D // S, -1), axis=1)
+    assert np.array_equal(same, got)                     # each group computes what it holds
+    today = plan_placement(c, ranks_per_node=8)
+    assert inter_group_packs(plan.src_rank, groups) * fewer < inter_group_packs(today.src_rank, groups)
+    mine = _quality(c, plan.src_rank, plan.src_index, groups, node)
+    theirs = _quality(c, today.src_rank, today.src_index, groups, node)
+    assert mine[0] <= theirs[0] * 1.01                   # within 1% of today's objective
+
+
+def test_the_exchange_evens_the_groups_profiles():
+    D, G, S = 64, 8, 4
+    c = _mixture_costs("heldout", D, G, 4)
+    groups = np.arange(D) // S
+
+    def profiles(held):
+        srt = -np.sort(-c.reshape(D * G, 2)[held].reshape(D // S, S * G, 2), axis=1)
+        return srt[:, ::S, :].sum(axis=(1, 2))
+
+    before = profiles(np.arange(D * G).reshape(D, G))
+    after = profiles(exchange_between_groups(c, groups, tolerance=0.0).held)
+    assert after.max() < before.max()
+    assert after.max() - after.min() < (before.max() - before.min()) / 2
+
+
+def test_unequal_groups_and_interleaved_labels():
+    c = _synthetic("lognormal", 10, 6, 0)
+    for labels in ([0, 0, 0, 1, 1, 2, 2, 2, 2, 3], [5, 9, 5, 9, 5, 9, 5, 9, 5, 9]):
+        p = plan_placement(c, step_groups=labels)
+        check_placement(p, 10, 6)
+        g = step_group_ids(10, labels)
+        today = plan_placement(c)
+        assert group_objective(p.apply(c), g) <= group_objective(today.apply(c), g)
+
+
+def test_group_placement_is_the_same_in_every_process():
+    code = ("import numpy as np\n"
+            "from megatron_mm_balance.solver.placement import plan_placement\n"
+            "rng = np.random.default_rng(11)\n"
+            "placements = []\n"
+            "for D, G, S in ((8, 4, 2), (24, 6, 4), (64, 8, 8)):\n"
+            "    c = np.rint(rng.lognormal(7, 1, size=(D, G, 2))).astype(np.int64)\n"
+            "    placements.append(plan_placement(c, ranks_per_node=4, step_groups=[r // S for r in range(D)]))\n"
+            "    placements.append(plan_placement(c.sum(axis=2), step_groups=[r // S for r in range(D)]))\n")
+    assert len(placement_digests(code)) == 1

@@ -201,8 +201,8 @@ def _place_summary(r: dict) -> str:
 # demo
 
 def cmd_demo(args) -> int:
-    if args.real_iters < 1:
-        raise CliError(f"demo: --real-iters must be >= 1, got {args.real_iters}")
+    if args.real_iters < 2 or args.real_iters % 2:
+        raise CliError(f"demo: --real-iters must be even and >= 2 (pairs of iterations), got {args.real_iters}")
     print(f"== pack: built-in mixture 'mixed' (AI2D + ChartQA real statistics, 40% text-only, "
           f"10% multi-image documents) into {args.seq_len}-token sequences")
     samples = mixtures.mixed(seed=0)
@@ -231,7 +231,7 @@ def cmd_demo(args) -> int:
 
 def _demo_training(args, placed: dict) -> int:
     """The demo's training runs, each its own program of the opt-in CPU harness (testing/),
-    not part of the product: the real off-vs-on runs through the launcher (the headline),
+    not part of the product: the real crossover runs through the launcher (the headline),
     then the emulated-accelerator training; then one labelled line per figure."""
     out = os.path.abspath(args.out)
     real_json, emulated_json = os.path.join(out, "real.json"), os.path.join(out, "emulated.json")
@@ -551,9 +551,12 @@ def build_parser() -> argparse.ArgumentParser:
     dm.add_argument("--ga", type=int, default=16)
     dm.add_argument("--real", action=argparse.BooleanOptionalAction, default=True,
                     help="run Megatron-LM's examples/multimodal/train.py through scripts/pretrain_vlm_moe.sh "
-                         "on configs/megatron/vision_heavy_cpu.sh, --mm-balance off vs on, real compute "
-                         "(default: on; needs MEGATRON_LM_DIR or the release archive in ../shared/megatron-lm)")
-    dm.add_argument("--real-iters", type=int, default=4, help="measured iterations per real run (default 4)")
+                         "on configs/megatron/vision_heavy_cpu.sh, two jobs each balancing the iterations of one "
+                         "parity (--mm-balance-mode crossover-even, crossover-odd), real compute: balancing's "
+                         "gain with a paired interval (default: on; needs MEGATRON_LM_DIR or the release archive "
+                         "in ../shared/megatron-lm)")
+    dm.add_argument("--real-iters", type=int, default=8,
+                    help="measured iterations per real job, even (default 8: 4 pairs)")
     dm.add_argument("--real-set", action="append", metavar="VAR=VALUE",
                     help="launcher/config environment override of the real runs, e.g. GBS=8 (repeatable)")
     dm.add_argument("--out", default="runs/demo", help="the demo's runs and dataset (default %(default)s)")

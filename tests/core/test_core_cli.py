@@ -140,5 +140,6 @@ def test_demo_runs_and_reports_balance(capsys, tmp_path):
 
 
 def test_demo_refuses_a_bad_real_iteration_count(capsys):
-    code, _, err = run(capsys, "demo", "--real-iters", "0")
-    assert code == 2 and "--real-iters must be >= 1" in err
+    for count in ("0", "3"):
+        code, _, err = run(capsys, "demo", "--real-iters", count)
+        assert code == 2 and "--real-iters must be even and >= 2" in err

@@ -2,11 +2,12 @@
 
 Fast (< 10 s): the training demo's bad input fails with a one-line message before any
 process starts; without a Megatron-LM tree the demo stops at once saying what to provide;
-the real part's headline is computed from Megatron's own log lines.
+the real part's headline, the paired gain of the two crossover jobs, is computed from
+Megatron's own log lines.
 
 Real path (marker ``realpath``, about 2 minutes on 2 cores): the whole demo in a smoke
-setting (two measured iterations of a 2-layer-CLIP vision-heavy job per mode, 2 emulated
-steps), through the user's launcher on the patched tree the real-path tests share.
+setting (two measured iterations of a 2-layer-CLIP vision-heavy job in each crossover job, 2
+emulated steps), through the user's launcher on the patched tree the real-path tests share.
 (The emulated report's figures are checked on the acceptance runs in ``test_cpu_e2e.py``.)
 """
 import json
@@ -69,47 +70,58 @@ def test_demo_with_a_megatron_lm_dir_that_is_no_checkout_says_so(tmp_path):
                                 f"(a Megatron-LM core_v0.16.1 checkout is needed)")
 
 
-def _log(times_ms, losses, moved=None):
+def _log(times_ms, losses, balanced=lambda i: False):
     lines = []
     for i, (t, loss) in enumerate(zip(times_ms, losses), start=1):
         lines.append(f" [2026-01-01 00:00:0{i}] iteration        {i}/       {len(times_ms)} | consumed samples: "
                      f"{32 * i} | elapsed time per iteration (ms): {t} | learning rate: 1.0E-04 | global batch "
                      f"size:    32 | lm loss: {loss:.6E} | loss scale: 1.0 |")
-        if moved is not None:
-            lines.append(f"[mm-balance] iteration {i} | packs_moved: {moved} | consumer_wait_ms: 0.5")
+        lines.append(f"[mm-balance] iteration {i} | packs_moved: {8 if balanced(i) else 0} | "
+                     f"consumer_wait_ms: {60.0 if balanced(i) else 3.0}")
     return "\n".join(lines) + "\n"
 
 
-def _result(mode, text, tmp_path):
-    elapsed, losses, tele, fit = realpath.parse_log(text)
-    return realpath.RunResult(mode, 1, 0, 1.0, str(tmp_path / mode), elapsed, losses, tele, fit)
+def _crossover(tmp_path, work, gain, speeds, losses, noise=((), ())):
+    """The two crossover jobs: iteration ``i`` takes ``work[i]`` ms as drawn, ``work[i] / (1 +
+    gain)`` balanced, times each job's own speed (and its ``noise[i]``, when given)."""
+    runs = []
+    for parity, speed, job_losses, noise in zip(("even", "odd"), speeds, losses, noise):
+        on = (lambda i, p=parity: i % 2 == (0 if p == "even" else 1))
+        times = [round(speed * (w / (1 + gain) if on(i) else w) * (noise[i - 1] if noise else 1.0), 1)
+                 for i, w in enumerate(work, start=1)]
+        elapsed, parsed, tele, fit = realpath.parse_log(_log(times, job_losses, on))
+        runs.append(realpath.RunResult(f"crossover-{parity}", 1, 0, 1.0, str(tmp_path / parity), elapsed, parsed,
+                                       tele, fit))
+    return runs
 
 
-def test_headline_is_megatrons_own_iteration_times_after_the_warmup(tmp_path):
-    # Iterations 1-2 are the warm-up (Megatron prints their mean on its second line):
-    # the headline reads 3-6 of each run, and compares every loss with the off run's.
-    losses = [6.5, 6.4, 6.3, 6.2, 6.1, 6.0]
-    off = _result("off", _log([9000, 9500, 1500, 1400, 1600, 1450], losses), tmp_path)
-    on = _result("overlap", _log([9000, 9500, 1200, 1300, 1250, 1100], losses, moved=6), tmp_path)
-    s = real_demo.summarize(realpath.analyze([off, on], warmup=2, loss_tolerance=1e-5))
-    assert s["off_ms"] == {"median": 1475.0, "min": 1400.0, "max": 1600.0, "n": 4}
-    assert s["on_ms"] == {"median": 1225.0, "min": 1100.0, "max": 1300.0, "n": 4}
-    assert s["gain"] == pytest.approx(1475 / 1225 - 1)
+def test_headline_is_the_paired_gain_of_the_two_jobs_whatever_their_speeds(tmp_path):
+    # Iterations 1-2 are the warm-up; 3-10 make 4 pairs, each one iteration of each parity timed
+    # balanced in one job and as drawn in the other: the jobs' speeds (the odd job 9% slower)
+    # cancel in every pair.
+    work = [9000, 9500, 1500, 1400, 1600, 1450, 1700, 1500, 1650, 1400]
+    losses = [6.5, 6.4, 6.3, 6.2, 6.1, 6.0, 5.9, 5.8, 5.7, 5.6]
+    even, odd = _crossover(tmp_path, work, 0.12, (1.0, 1.09), (losses, losses))
+    s = real_demo.summarize(even, odd, warmup=2)
+    assert len(s["pairs"]) == 4 and all(g == pytest.approx(0.12, abs=2e-4) for g in s["pairs"])
+    assert s["gain"] == pytest.approx(0.12, abs=2e-4) and s["low"] == pytest.approx(0.12, abs=1e-3)
     assert s["losses_equal"] and s["max_loss_rel_diff"] == 0.0
-    assert s["packs_moved_per_iteration"] == 6 and s["consumer_wait_ms"] == 0.5
+    assert s["packs_moved_per_iteration"] == 8
+    assert s["wait_balanced_ms"] == 60.0 and s["wait_unbalanced_ms"] == 3.0
+    assert sorted(s["iterations"]) == list(range(3, 11))
     line = real_demo.headline(s)
-    assert line.startswith("REAL (Megatron-LM's own 'elapsed time per iteration'")
-    assert "off 1,475 ms [1,400-1,600] (4 iterations)" in line and "--mm-balance 1,225 ms [1,100-1,300]" in line
-    assert line.endswith(f"{100 * (1475 / 1225 - 1):+.1f}%")
+    assert line.startswith("REAL (Megatron-LM's own 'elapsed time per iteration', each iteration timed balanced")
+    assert "--mm-balance +12.0% (paired 95% interval +12.0% to +12.0%, 4 pairs of iterations)" in line
 
-    slower = _result("overlap", _log([9000, 9500, 1300, 1500, 1700, 1450], losses, moved=6), tmp_path)
-    noisy = real_demo.headline(real_demo.summarize(realpath.analyze([off, slower], warmup=2, loss_tolerance=1e-5)))
-    assert noisy.endswith(f"{100 * (1475 / 1475 - 1):+.1f}% (the spreads overlap: the difference is within this "
-                          f"machine's noise)"), noisy
+    noise = ([1, 1, 1.0, 1.1, 0.9, 1.0, 1.08, 0.95, 1.0, 1.05],      # each job's own noise, iteration by
+             [1, 1, 1.06, 0.97, 1.0, 1.04, 0.95, 1.0, 1.1, 0.98])    # iteration
+    noisy = real_demo.summarize(*_crossover(tmp_path, work, 0.02, (1.0, 1.09), (losses, losses), noise), warmup=2)
+    assert noisy["low"] < 0 < noisy["high"]
+    assert "it includes 0: within this machine's noise" in real_demo.headline(noisy)
 
-    changed = _result("overlap", _log([9000, 9500, 1200, 1300, 1250, 1100], losses[:5] + [6.01], moved=6), tmp_path)
-    s = real_demo.summarize(realpath.analyze([off, changed], warmup=2, loss_tolerance=1e-5))
-    assert not s["losses_equal"] and "equal within 1e-5: NO" in real_demo.details(s)
+    changed = real_demo.summarize(*_crossover(tmp_path, work, 0.12, (1.0, 1.0), (losses, losses[:9] + [5.61])),
+                                  warmup=2)
+    assert not changed["losses_equal"] and "equal within 1e-5: NO" in real_demo.details(changed)
 
 
 @pytest.mark.realpath
@@ -124,12 +136,14 @@ def test_demo_smoke_real_then_emulated_then_summary(tmp_path):
     assert r.returncode == 0, f"exit {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
     out = tmp_path / "demo"
     real = json.loads((out / "real.json").read_text())
-    for mode in ("off_ms", "on_ms"):
-        assert real[mode]["n"] == 2 and 0 < real[mode]["min"] <= real[mode]["median"] <= real[mode]["max"], real
+    assert len(real["pairs"]) == 1 and real["low"] is None and sorted(real["iterations"]) == ["3", "4"], real
     assert real["losses_equal"], real                                              # training unchanged
-    # the balancer ran in the on run only (its telemetry lines), not in the off run
-    assert "[mm-balance] iteration" in (out / "real" / "round1-overlap" / "train.log").read_text()
-    assert "[mm-balance] iteration" not in (out / "real" / "round1-off" / "train.log").read_text()
+    assert real["predicted_perfect_gain"] is not None                             # from the runs' own timings
+    for parity in ("even", "odd"):            # each job balanced its parity only: packs moved there
+        lines = realpath.parse_log((out / "real" / f"round1-crossover-{parity}" / "train.log").read_text())[2]
+        assert any(t.get("packs_moved") for i, t in lines.items() if i % 2 == (parity == "odd")), lines
+        assert not any(t.get("packs_moved") for i, t in lines.items() if i % 2 != (parity == "odd")), lines
+    assert (out / "real" / "timeline.png").stat().st_size > 10_000 and (out / "real" / "timeline.svg").is_file()
     emulated = json.loads((out / "emulated.json").read_text())
     assert emulated["equal"] and emulated["steps"] == 2 and emulated["microbatches"] == 2, emulated
     summary = r.stdout.split("== summary\n", 1)[1].strip().splitlines()

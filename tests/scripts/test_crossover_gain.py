@@ -1,7 +1,10 @@
-"""benchmarks/crossover_gain.py: the crossover estimate cancels each job's own speed."""
+"""The crossover estimate (``megatron_mm_balance.bench.crossover``, printed by
+``benchmarks/crossover_gain.py``) cancels each job's own speed."""
 from __future__ import annotations
 
 import pytest
+
+from megatron_mm_balance.bench import crossover as mod
 
 
 def _log(times: dict, waits: dict) -> str:
@@ -27,8 +30,7 @@ def _write_round(out, rnd, data, gain, speed_even, speed_odd, pair="crossover"):
         (d / "train.log").write_text(_log(times, waits))
 
 
-def test_the_jobs_own_speeds_cancel(tmp_path, load_benchmark):
-    mod = load_benchmark("crossover_gain")
+def test_the_jobs_own_speeds_cancel(tmp_path, load_benchmark, capsys):
     data = {i: 1800.0 + 300.0 * ((i * 7) % 5) for i in range(1, 13)}     # iterations differ in work
     _write_round(tmp_path, 1, data, 0.08, 1.00, 1.10)                   # the odd job ran 10% slower
     _write_round(tmp_path, 2, data, 0.08, 0.93, 1.00)
@@ -42,23 +44,24 @@ def test_the_jobs_own_speeds_cancel(tmp_path, load_benchmark):
     biased = ((1.08 * 1.10 - 1) + (1.08 / 1.10 - 1)) / 2
     assert rep["rounds"][0]["paired_mean"] == pytest.approx(biased, rel=1e-3) and biased > 0.0845
     assert rep["wait_on_ms"] == pytest.approx(60.0) and rep["wait_off_ms"] == pytest.approx(3.0)
+    load_benchmark("crossover_gain").main([str(tmp_path)])               # the script prints it
+    out = capsys.readouterr().out
+    assert "all 2 rounds: +8.0%" in out and "consumer wait per iteration: balanced 60.0 ms" in out
 
 
-def test_a_round_without_its_partner_is_left_out_and_none_is_an_error(tmp_path, load_benchmark):
-    mod = load_benchmark("crossover_gain")
+def test_a_round_without_its_partner_is_left_out_and_none_is_an_error(tmp_path):
     data = {i: 2000.0 for i in range(1, 9)}
     _write_round(tmp_path, 1, data, 0.05, 1.0, 1.0)
     (tmp_path / "round2-crossover-even").mkdir()
     assert mod.rounds_in(tmp_path) == [1]
     assert mod.report(tmp_path, warmup=2)["gain"] == pytest.approx(0.05, rel=1e-3)
-    with pytest.raises(SystemExit, match="no round with both"):
+    with pytest.raises(mod.CrossoverError, match="no round with both"):
         mod.report(tmp_path / "round2-crossover-even", warmup=2)
 
 
-def test_each_pair_reads_its_own_runs(tmp_path, load_benchmark):
+def test_each_pair_reads_its_own_runs(tmp_path):
     """Pack crossover and images crossover runs in one OUT: each pair reads its own (the pack
     pair's name is a suffix of the images pair's)."""
-    mod = load_benchmark("crossover_gain")
     data = {i: 2000.0 for i in range(1, 9)}
     _write_round(tmp_path, 1, data, 0.05, 1.0, 1.0)
     _write_round(tmp_path, 1, data, 0.09, 1.0, 1.02, pair="images-crossover")
@@ -68,10 +71,9 @@ def test_each_pair_reads_its_own_runs(tmp_path, load_benchmark):
     assert mod.report(tmp_path, warmup=2, pair="images-crossover")["gain"] == pytest.approx(0.09, rel=1e-3)
 
 
-def test_the_premise_is_checked_against_the_off_runs(tmp_path, load_benchmark):
+def test_the_premise_is_checked_against_the_off_runs(tmp_path):
     """With ``off`` runs beside them, the crossover iterations are compared with the off job's
     same iterations: here the unbalanced ones run 6% slower than off, which the check shows."""
-    mod = load_benchmark("crossover_gain")
     data = {i: 2000.0 + 100.0 * (i % 3) for i in range(1, 11)}
     _write_round(tmp_path, 1, {i: 1.06 * ms for i, ms in data.items()}, 0.10, 1.0, 1.0)
     off = tmp_path / "round1-off"
@@ -104,11 +106,10 @@ def _write_timing(run_dir, iterations, lm_ms, G=2, ranks=2):
         (d / f"timing-rank{r:05d}.jsonl").write_text("".join(json.dumps(x) + "\n" for x in rows))
 
 
-def test_the_premise_with_each_jobs_speed_divided_out(tmp_path, load_benchmark):
+def test_the_premise_with_each_jobs_speed_divided_out(tmp_path):
     """A crossover job that ran 5% slower than ``off`` on the same work (its language model's
     compute 5% longer) shows unbalanced iterations at 1.05 of ``off``; with its speed divided
     out they are at 1.00, and the balanced ones at 1 / (1 + gain)."""
-    mod = load_benchmark("crossover_gain")
     data = {i: 2000.0 + 100.0 * (i % 3) for i in range(1, 11)}
     lm = {i: 1200.0 + 10.0 * i for i in data}
     _write_round(tmp_path, 1, data, 0.10, 1.05, 1.05)
@@ -129,12 +130,11 @@ def test_the_premise_with_each_jobs_speed_divided_out(tmp_path, load_benchmark):
     assert mod.report(tmp_path, warmup=2)["speeds"] == {}           # no timings: no speed figure
 
 
-def test_where_the_time_goes_at_balanced_and_unbalanced_iterations(tmp_path, load_benchmark, write_timing):
+def test_where_the_time_goes_at_balanced_and_unbalanced_iterations(tmp_path, write_timing):
     """Unbalanced, rank 0's tower takes 90 ms a micro-step and rank 1's 10, and rank 1 waits 80 ms
     in the language model's collectives; balanced, both towers take 60 ms (the exchange's 10 ms
     included) and nobody waits. Per iteration and rank (2 micro-steps): vision 100 against 120 ms,
     waiting 80 against 0, the language model's 400 ms of compute in both."""
-    mod = load_benchmark("crossover_gain")
     data = {i: 1000.0 for i in range(1, 9)}
     _write_round(tmp_path, 1, data, 0.05, 1.0, 1.0, pair="images-crossover")
     for parity in ("even", "odd"):

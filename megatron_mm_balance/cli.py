@@ -23,7 +23,7 @@ from .data.traces import DEFAULT_TOKENS_PER_TILE, TraceError, load_trace
 # Modules that add subcommands through ``register(subparsers)``.
 EXTENSIONS = ("megatron_mm_balance.sim.cli", "megatron_mm_balance.timeline.cli",
               "megatron_mm_balance.bench.runtime", "megatron_mm_balance.bench.realpath",
-              "megatron_mm_balance.bridge.bench")
+              "megatron_mm_balance.bridge.bench", "megatron_mm_balance.reference")
 
 
 class CliError(Exception):

@@ -44,14 +44,17 @@ def row_segments(phases: np.ndarray, final_wait: float) -> dict:
     return out
 
 
+def _duration(ms: float) -> str:
+    return f"{ms / 1000:,.2f} s" if ms >= 1000 else f"{ms:,.0f} ms"
+
+
 def panel_title(panel: BatchTimeline, reference: BatchTimeline | None) -> str:
-    scale, unit = _unit(panel.step_ms)
     vs = ""
     if reference is not None and reference.step_ms > 0 and panel is not reference:
         vs = f" ({panel.step_ms / reference.step_ms - 1:+.1%} vs {reference.title.split(',')[0]})"
     shown = f"{len(panel.labels)} of {panel.ranks} ranks" if panel.unit == "rank" else \
         f"{len(panel.labels)} nodes' mean ranks"
-    return (f"{panel.title}: step {panel.step_ms / scale:,.2f} {unit}{vs}; ranks waited "
+    return (f"{panel.title}: step {_duration(panel.step_ms)}{vs}; ranks waited "
             f"{panel.waiting_share:.0%} of it; {shown}")
 
 

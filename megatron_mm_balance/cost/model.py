@@ -162,6 +162,14 @@ class CostModel:
         return PhaseTimes(np.asarray(vf, dtype=np.float64), np.asarray(vf * self.vision_backward_ratio),
                           lf, lf * (1.0 + self.llm_backward_ratio))
 
+    def unit_forward_ms(self, tokens) -> np.ndarray:
+        """Vision forward milliseconds of attention units (images, or Qwen-VL frames) encoded
+        each on its own, from their token counts: ``a*n + b*n**2 + u``. The per-image and
+        per-pack constants belong to whole images and packs, not to one unit."""
+        n = np.asarray(tokens, dtype=np.float64)
+        ms = self.vision_ms_per_token * n + self.vision_ms_per_token_sq * n * n
+        return ms + self.vision_ms_per_unit if self.vision_ms_per_unit else ms
+
     def _count_terms(self, f: FeatureArrays):
         """``u*units + g*images`` (0 when the terms are 0 or ``f`` does not count them)."""
         out = 0.0

@@ -17,6 +17,7 @@ import argparse
 import os
 import sys
 import time
+from dataclasses import replace
 
 from ..cost.pack import DEFAULT_TOKENS_PER_TILE
 from ..data.mixtures import MIXTURES, make_mixture
@@ -48,6 +49,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="packed sequence length (default 8192; a job's layout: its longest pack)")
     p.add_argument("--sync", default="microstep",
                    help="where ranks meet: microstep (MoE expert parallel) or step (pure DP)")
+    p.add_argument("--ep", default=None,
+                   help="microstep: expert-parallel sizes, comma separated (a number, or dp): "
+                        "ranks meet per micro-step in groups of EP consecutive data-parallel "
+                        "ranks, data parallelism once per step; a run per DP and EP "
+                        "(default: dp, every rank meets every micro-step)")
+    p.add_argument("--frame-plan-ms", default="0",
+                   help="redistribute-images/-frames: the frame plan's time per micro-step and "
+                        "group in ms, run ahead on the exchange thread before the micro-step's "
+                        "transfers (benchmarks/bench_frame_plan.py measures it; default 0)")
     p.add_argument("--pp", default="1",
                    help="pipeline stages; the vision encoder sits on the first (default 1)")
     p.add_argument("--timing", default="default",
@@ -139,7 +149,7 @@ def _int_list(name, text, lo=1, hi=None):
     return vals
 
 
-def _float_list(name, text):
+def _float_list(name, text, zero=False):
     out = []
     for s in str(text).split(","):
         if not s.strip():
@@ -148,11 +158,28 @@ def _float_list(name, text):
             v = float(s)
         except ValueError:
             raise SimInputError(f"{name} must be numbers, got {s!r}") from None
-        if not v > 0:
-            raise SimInputError(f"{name} must be > 0, got {v}")
+        if not (v >= 0 if zero else v > 0) or v != v or v == float("inf"):
+            raise SimInputError(f"{name} must be {'>= 0' if zero else '> 0'}, got {v}")
         out.append(v)
     if not out:
         raise SimInputError(f"{name} needs at least one value")
+    return out
+
+
+def _ep_list(text):
+    """``--ep``: a list of positive integers and ``dp`` (None: EP = DP)."""
+    if text is None:
+        return [None]
+    out = []
+    for item in str(text).split(","):
+        item = item.strip().lower()
+        if not item:
+            continue
+        out.append(None if item == "dp" else _int("--ep", item))
+    if not out:
+        raise SimInputError("--ep needs at least one value")
+    if len(set(out)) != len(out):
+        raise SimInputError(f"--ep lists a value twice: {text}")
     return out
 
 
@@ -211,6 +238,14 @@ def _run(args) -> int:
     n_samples = None if args.samples is None else _int("--samples", args.samples)
     pool_samples = _int("--pool-samples", args.pool_samples, 0)
     sync = _choice("--sync", args.sync, ("microstep", "step"))
+    eps = _ep_list(args.ep)
+    if args.ep is not None and sync != "microstep":
+        raise SimInputError(f"--ep needs --sync microstep (expert parallelism), got --sync {sync}")
+    for D in dps:
+        for ep in eps:
+            if ep is not None and D % ep:
+                raise SimInputError(f"--ep {ep} does not divide --dp {D}")
+    frame_plan_ms = _float_list("--frame-plan-ms", args.frame_plan_ms, zero=True)[0]
     balance_cost = _choice("--balance-cost", args.balance_cost, BALANCE_COSTS)
     ranks_per_node = _int("--ranks-per-node", args.ranks_per_node)
     draw = _choice("--draw", args.draw, DRAW_MODES)
@@ -249,7 +284,7 @@ def _run(args) -> int:
     total_slots = sum(dps) * ga * batches * len(timings)
     show = args.progress if args.progress is not None else (
         total_slots >= 1_000_000 or (bool(budgets) and len(samples) >= 20_000))
-    bar = Progress(len(dps) * len(timings) * batches, enabled=show, label="packing")
+    bar = Progress(len(dps) * len(eps) * len(timings) * batches, enabled=show, label="packing")
 
     t0 = time.perf_counter()
     pool = build_pool(samples, seq_len, buffer_size=buffer, cache_key=key)
@@ -264,21 +299,26 @@ def _run(args) -> int:
                     seed=seed, strategies=tuple(strategies), balance_cost=balance_cost,
                     draw=draw, heatmap_ranks=heat_ranks,
                     ranks_per_node=ranks_per_node if ranks_per_node > 1 else None,
-                    prefetch=bool(args.prefetch), floors=not args.no_floors)
+                    prefetch=bool(args.prefetch), floors=not args.no_floors,
+                    frame_plan_ms=frame_plan_ms)
     runs, heat = [], None
     t1 = time.perf_counter()
     for t in timings:
         for D in dps:
-            bar.set_label(f"dp={D}" + (f" llm={t.llm_params_b:g}B" if len(timings) > 1 else ""))
-            keep = D == max(dps) and t is timings[0]
-            r, h = simulate_dp(cfg, D, t, pool, budget_pools, progress=bar, keep_heatmap=keep)
-            runs.extend(r)
-            if h:
-                heat = h
+            for ep in eps:
+                bar.set_label(f"dp={D}" + ("" if ep is None else f" ep={ep}")
+                              + (f" llm={t.llm_params_b:g}B" if len(timings) > 1 else ""))
+                keep = D == max(dps) and t is timings[0] and ep == eps[0]
+                r, h = simulate_dp(replace(cfg, ep=ep), D, t, pool, budget_pools, progress=bar,
+                                   keep_heatmap=keep)
+                runs.extend(r)
+                if h:
+                    heat = h
     sim_s = time.perf_counter() - t1
     bar.close()
 
     title = f"({desc}, {timing.name}, GA={ga}, {seq_len // 1024}K, sync={sync}" + \
+        ("" if args.ep is None else f", EP={args.ep}") + \
         (f", PP={pp}" if pp > 1 else "") + ")"
     plots = []
     if not args.no_plots:
@@ -319,6 +359,9 @@ def _run_layout(args) -> int:
     except RunTraceError as exc:
         raise SimInputError(str(exc)) from None
     I, D, G = run.shape
+    if args.ep is not None:
+        raise SimInputError("--ep applies to a trace or a mixture, not to a job's timing directory "
+                            "(its own layout)")
     seq_len = None if args.seq_len is None else _int("--seq-len", args.seq_len)
     sync = _choice("--sync", args.sync, ("microstep", "step"))
     balance_cost = _choice("--balance-cost", args.balance_cost, BALANCE_COSTS)

@@ -35,7 +35,7 @@ from ..solver.floors import batch_floors
 from .pool import PackPool, draw_indices
 from .strategies import (DEFAULT_STRATEGIES, exchange_times, inter_node_mask, local_order,
                          redistribute_order)
-from .timeline import simulate_timeline
+from .timeline import check_ep, simulate_timeline
 from .timing import TimingModel
 from .vision_balance import all_to_all_ms, balanced_vision, frame_terms, simulate_images_timeline
 
@@ -61,6 +61,12 @@ class SimConfig:
     prefetch: bool = False
     #: report the bounds (perfect balance, the floors of whole packs and of whole frames)
     floors: bool = True
+    #: ``microstep`` sync: ranks meet per micro-step in groups of this many consecutive
+    #: data-parallel ranks (the expert-parallel group); None: all of them (EP = DP)
+    ep: int | None = None
+    #: the frame planner's time per micro-step and group (ms): planned ahead on the exchange
+    #: thread with the micro-step's transfers (``redistribute-images``/``-frames``)
+    frame_plan_ms: float = 0.0
 
 
 @dataclass
@@ -132,6 +138,7 @@ class _Acc:
     bytes: float = 0.0
     inter_bytes: float = 0.0
     inter_moved: int = 0
+    inter_group: int = 0            # packs computed in another step group (with ep)
     moved: int = 0
     slots: int = 0
     batches: int = 0
@@ -155,10 +162,16 @@ class _Acc:
             self.inter_bytes += float(inter_bytes)
             self.inter_moved += int(inter_moved)
 
-    def add_objective(self, v, lm, sync: str) -> None:
+    def add_objective(self, v, lm, sync: str, ep: int | None = None) -> None:
         """The placement's objective (module :mod:`megatron_mm_balance.solver.floors`) of
-        ``[B, D, G]`` vision (forward + backward) and language times in compute order."""
-        if sync == "microstep":
+        ``[B, D, G]`` vision (forward + backward) and language times in compute order;
+        ``ep``: per-micro-step groups of ``ep`` consecutive ranks, the slowest group's."""
+        if sync == "microstep" and ep is not None:
+            B, D, G = v.shape
+            gv = v.reshape(B, D // ep, ep, G).max(axis=2)
+            gl = lm.reshape(B, D // ep, ep, G).max(axis=2)
+            j = (gv + gl).sum(axis=2).max(axis=1)
+        elif sync == "microstep":
             j = v.max(axis=1).sum(axis=1) + lm.max(axis=1).sum(axis=1)
         else:
             j = (v + lm).sum(axis=2).max(axis=1)
@@ -180,7 +193,17 @@ class _Acc:
             "moved_fraction": self.moved / self.slots if self.slots else 0.0,
             "inter_node_bytes_per_step": self.inter_bytes / self.batches,
             "inter_node_moved_fraction": self.inter_moved / self.slots if self.slots else 0.0,
+            "inter_group_moved_fraction": self.inter_group / self.slots if self.slots else 0.0,
         }
+
+
+def _inter_group(order: np.ndarray, ep: int | None) -> int:
+    """Slots of gather index ``order`` ``[B, D, G]`` whose pack comes from another step group
+    (groups of ``ep`` consecutive ranks; None: one group, 0)."""
+    if ep is None:
+        return 0
+    B, D, G = order.shape
+    return int(((order // G) // ep != (np.arange(D) // ep)[None, :, None]).sum())
 
 
 def _gather(ph: PackPhases, idx: np.ndarray):
@@ -213,6 +236,12 @@ def _reorder(arrs, order):
     return [np.take_along_axis(a.reshape(B, -1), flat, axis=1).reshape(B, D, G) for a in arrs]
 
 
+def step_group_labels(D: int, ep: int | None):
+    """The step-group label of each of ``D`` data-parallel ranks for groups of ``ep``
+    consecutive ranks (None: no labels, every rank meets every micro-step)."""
+    return None if ep is None else tuple(r // ep for r in range(D))
+
+
 def simulate_dp(cfg: SimConfig, D: int, timing: TimingModel, pool: PackPool,
                 budget_pools: dict[int, PackPool], *, progress=None,
                 keep_heatmap: bool = False, indices: np.ndarray | None = None
@@ -222,6 +251,9 @@ def simulate_dp(cfg: SimConfig, D: int, timing: TimingModel, pool: PackPool,
     ``indices`` ``[B, D, G]`` (pool indices): the global batches as a run laid them out
     (``mm-balance simulate RUN_DIR``) instead of the seeded resampling of the pool."""
     G, B, sync = cfg.ga, cfg.batches, cfg.sync
+    ep = check_ep(cfg.ep, D)
+    if ep is not None and sync != "microstep":
+        raise ValueError(f"--ep needs --sync microstep (expert parallelism), got {sync!r}")
     want = set(cfg.strategies)
     ph = pack_phases(pool, timing, pp=cfg.pp, balance_cost=cfg.balance_cost)
     ov = timing.step_overhead_ms
@@ -234,12 +266,11 @@ def simulate_dp(cfg: SimConfig, D: int, timing: TimingModel, pool: PackPool,
         if idx_all.shape != (B, D, G):
             raise ValueError(f"layout indices have shape {idx_all.shape}, expected {(B, D, G)}")
     acc = {s: _Acc() for s in ("none", "local", "redistribute-sync", "redistribute-overlap",
-                               "redistribute-images", "redistribute-frames")}
+                               "redistribute-groups", "redistribute-images", "redistribute-frames")}
     bounds = {"perfect": 0.0, "floor-packs": 0.0, "floor-frames": 0.0, "exact": True}
     frames = frame_terms(pool, timing) if cfg.floors else None
     heat = {} if keep_heatmap else None
     chunk = max(1, CHUNK_ELEMENTS // (D * G))
-    need_redist = bool(want & {"redistribute-sync", "redistribute-overlap"})
 
     for b0 in range(0, B, chunk):
         idx = idx_all[b0:b0 + chunk]
@@ -247,11 +278,11 @@ def simulate_dp(cfg: SimConfig, D: int, timing: TimingModel, pool: PackPool,
         vf, lm, vb = _gather(ph, idx)
         tok = ph.tokens[idx]
         noise = _noise_field(timing, (nb, D, G), cfg.seed, b0)
-        res = _timeline(vf, lm, vb, noise, sync=sync, bubble=ph.bubble, overhead=ov)
+        res = _timeline(vf, lm, vb, noise, sync=sync, bubble=ph.bubble, overhead=ov, ep=ep)
         acc["none"].add(res, tok, D, ov)
-        acc["none"].add_objective(vf + vb, lm, sync)
+        acc["none"].add_objective(vf + vb, lm, sync, ep)
         if cfg.floors:
-            _add_floors(bounds, ph, frames, idx, D, sync, timing)
+            _add_floors(bounds, ph, frames, idx, D, sync, timing, ep)
         if heat is not None and b0 == 0:
             heat["none"] = (vf + lm + vb)[0]
         if "local" in want:
@@ -259,19 +290,23 @@ def simulate_dp(cfg: SimConfig, D: int, timing: TimingModel, pool: PackPool,
             order = local_order(lc.sum(axis=-1) if lc.ndim == 4 else lc)
             lvf, llm, lvb = _reorder((vf, lm, vb), order)
             acc["local"].add(_timeline(lvf, llm, lvb, noise, sync=sync, bubble=ph.bubble,
-                                               overhead=ov), tok, D, ov)
-            acc["local"].add_objective(lvf + lvb, llm, sync)
+                                               overhead=ov, ep=ep), tok, D, ov)
+            acc["local"].add_objective(lvf + lvb, llm, sync, ep)
             if heat is not None and b0 == 0:
                 heat["local"] = (lvf + llm + lvb)[0]
-        if need_redist:
+        plans = [("today", ("redistribute-sync", "redistribute-overlap"), None),
+                 ("groups", ("redistribute-groups",), step_group_labels(D, ep))]
+        for key, names, labels in plans:
+            if not want & set(names):
+                continue
             cost = ph.cost[idx]
             order = np.empty((nb, D, G), dtype=np.int64)
             for i in range(nb):
                 t0 = time.perf_counter()
-                order[i] = redistribute_order(cost[i], sync=sync,
-                                              ranks_per_node=cfg.ranks_per_node)
-                acc["redistribute-overlap"].solver_ms.append((time.perf_counter() - t0) * 1e3)
-                if progress is not None:
+                order[i] = redistribute_order(cost[i], sync=sync, ranks_per_node=cfg.ranks_per_node,
+                                              step_groups=labels)
+                acc[names[-1]].solver_ms.append((time.perf_counter() - t0) * 1e3)
+                if progress is not None and key == "today":
                     progress.update(1)
             rvf, rlm, rvb = _reorder((vf, lm, vb), order)
             x, b_in = exchange_times(order, ph.nbytes[idx].reshape(nb, -1),
@@ -279,26 +314,30 @@ def simulate_dp(cfg: SimConfig, D: int, timing: TimingModel, pool: PackPool,
             moved_bytes, moved = b_in.sum(), int((b_in > 0).sum())
             inter = inter_node_mask(order, cfg.ranks_per_node)
             inter_bytes, inter_moved = float(b_in[inter].sum()), int(inter.sum())
-            for name, mode in (("redistribute-sync", "sync"), ("redistribute-overlap", "overlap")):
-                if name in want:
-                    # the synchronous balancer also waits for each batch's pull, all-gather
-                    # and solve (the overlapped one hides them)
-                    r = _timeline(rvf, rlm, rvb, noise, sync=sync, exchange=mode, x=x,
-                                  bubble=ph.bubble,
-                                  overhead=ov + (timing.sync_batch_ms if mode == "sync" else 0.0),
-                                          prefetch=cfg.prefetch and mode == "overlap")
-                    acc[name].add(r, tok, D, ov, moved_bytes, moved, inter_bytes, inter_moved)
-                    acc[name].add_objective(rvf + rvb, rlm, sync)
-            if heat is not None and b0 == 0:
+            for name in names:
+                if name not in want:
+                    continue
+                mode = "sync" if name == "redistribute-sync" else "overlap"
+                # the synchronous balancer also waits for each batch's pull, all-gather
+                # and solve (the overlapped one hides them)
+                r = _timeline(rvf, rlm, rvb, noise, sync=sync, exchange=mode, x=x,
+                              bubble=ph.bubble,
+                              overhead=ov + (timing.sync_batch_ms if mode == "sync" else 0.0),
+                              prefetch=cfg.prefetch and mode == "overlap", ep=ep)
+                acc[name].add(r, tok, D, ov, moved_bytes, moved, inter_bytes, inter_moved)
+                acc[name].add_objective(rvf + rvb, rlm, sync, ep)
+                acc[name].inter_group += _inter_group(order, ep)
+            if heat is not None and b0 == 0 and key == "today":
                 heat["redistribute"] = (rvf + rlm + rvb)[0]
-        elif progress is not None:
+        if not want & {"redistribute-sync", "redistribute-overlap"} and progress is not None:
             progress.update(nb)
         for name, planner in (("redistribute-images", "images"), ("redistribute-frames", "frames")):
             if name in want:
                 _images_run(acc[name], cfg, timing, pool, ph, idx, tok, ov, planner)
 
     base = acc["none"].summary()
-    common = {"dp": D, "ga": G, "seq_len": cfg.seq_len, "sync": cfg.sync, "pp": cfg.pp,
+    common = {"dp": D, "ep": D if ep is None else ep, "ga": G, "seq_len": cfg.seq_len,
+              "sync": cfg.sync, "pp": cfg.pp,
               "batches": B, "timing": timing.name, "llm_params_b": timing.llm_params_b,
               "balance_cost": resolve_balance_cost(cfg.balance_cost, timing),
               "ranks_per_node": cfg.ranks_per_node, "prefetch": cfg.prefetch}
@@ -327,8 +366,8 @@ def simulate_dp(cfg: SimConfig, D: int, timing: TimingModel, pool: PackPool,
                 a.add(simulate_timeline(vf, lm, vb, sync=sync, bubble=bph.bubble, overhead=ov),
                       bph.tokens[idx], D, ov)
             emit("budget", a, bpool, base["tokens_per_s"])
-    for name in ("local", "redistribute-sync", "redistribute-overlap", "redistribute-images",
-                 "redistribute-frames"):
+    for name in ("local", "redistribute-sync", "redistribute-overlap", "redistribute-groups",
+                 "redistribute-images", "redistribute-frames"):
         if name in want:
             a = acc[name]
             if name == "redistribute-sync":
@@ -345,14 +384,14 @@ def simulate_dp(cfg: SimConfig, D: int, timing: TimingModel, pool: PackPool,
 
 
 def _add_floors(bounds: dict, ph: PackPhases, frames, idx: np.ndarray, D: int, sync: str,
-                timing: TimingModel) -> None:
+                timing: TimingModel, ep: int | None = None) -> None:
     """Add one chunk of batches' perfect balance and floors (:func:`batch_floors`: whole
     packs, and whole frames) to ``bounds``."""
     ratio = 1.0 + timing.vision_bwd_fwd_ratio
     fvision, heaviest = frames
     for b in idx:
         fl = batch_floors(ph.vf[b] + ph.vb[b], ph.lm[b], heaviest[b] * ratio, D, sync=sync,
-                          frame_vision=fvision[b] * ratio)
+                          frame_vision=fvision[b] * ratio, ep=ep)
         bounds["perfect"] += fl.perfect
         bounds["floor-packs"] += fl.packs
         bounds["floor-frames"] += fl.frames
@@ -385,14 +424,16 @@ def _images_run(a: _Acc, cfg: SimConfig, timing: TimingModel, pool: PackPool, ph
     (:mod:`.vision_balance`): packs placed on their language-phase cost, images (frames)
     balanced per micro-step by ``planner``."""
     nb, D, G = idx.shape
+    ep = check_ep(cfg.ep, D)
     lang = np.rint(ph.lm * 1000.0).astype(np.int64)          # integer microseconds
     order = np.empty((nb, D, G), dtype=np.int64)
     for i in range(nb):
         t0 = time.perf_counter()
-        order[i] = redistribute_order(lang[idx[i]], sync=cfg.sync, ranks_per_node=cfg.ranks_per_node)
+        order[i] = redistribute_order(lang[idx[i]], sync=cfg.sync, ranks_per_node=cfg.ranks_per_node,
+                                      step_groups=step_group_labels(D, ep))
         a.solver_ms.append((time.perf_counter() - t0) * 1e3)
     placed = np.take_along_axis(idx.reshape(nb, -1), order.reshape(nb, -1), axis=1).reshape(nb, D, G)
-    vf, img_out, img_in, stats = balanced_vision(pool, timing, placed, planner)
+    vf, img_out, img_in, stats = balanced_vision(pool, timing, placed, planner, ep=ep)
     for k, v in stats.items():
         a.vision[k] = a.vision.get(k, 0.0) + v
     lm = ph.lm[placed]
@@ -400,11 +441,14 @@ def _images_run(a: _Acc, cfg: SimConfig, timing: TimingModel, pool: PackPool, ph
     x, b_in = exchange_times(order, ph.nbytes[idx].reshape(nb, -1), link_gbps=timing.link_gbps,
                              latency_ms=timing.latency_ms)
     x = x + np.maximum(img_in, img_out) * timing.bytes_per_image_token / (timing.link_gbps * 1e6)
-    a2a = all_to_all_ms(img_in, img_out, timing.bytes_per_embedding_token, timing)
+    # the frame plan of micro-step m runs on the exchange thread before its transfers
+    x = x + cfg.frame_plan_ms
+    a2a = all_to_all_ms(img_in, img_out, timing.bytes_per_embedding_token, timing, ep=ep)
     res = simulate_images_timeline(vf, lm, vb, x=x, a2a_fwd=a2a, a2a_bwd=a2a, sync=cfg.sync,
-                                   bubble=ph.bubble, overhead=ov)
+                                   bubble=ph.bubble, overhead=ov, ep=ep)
     inter = inter_node_mask(order, cfg.ranks_per_node)
     img_bytes = float(img_in.sum()) * timing.bytes_per_image_token
     a.add(res, tok, D, ov, b_in.sum() + img_bytes, int((b_in > 0).sum()),
           float(b_in[inter].sum()), int(inter.sum()))
-    a.add_objective(vf + vb, lm, cfg.sync)
+    a.add_objective(vf + vb, lm, cfg.sync, ep)
+    a.inter_group += _inter_group(order, ep)

@@ -1,8 +1,9 @@
 """The stdout table and ``report.json`` of a simulation.
 
 ``report.json`` is ``{"runs": [...], "meta": {...}}``; every run carries at least
-``dp``, ``strategy`` (``none``, ``budget``, ``local``, ``redistribute-sync``,
-``redistribute-overlap``), ``efficiency``, ``wait_share``, ``throughput_rel`` and
+``dp``, ``ep`` (the per-micro-step group size; ``dp`` when every rank meets every
+micro-step), ``strategy`` (``none``, ``budget``, ``local``, ``redistribute-sync``,
+``redistribute-overlap``, ``redistribute-groups``, ...), ``efficiency``, ``wait_share``, ``throughput_rel`` and
 ``bytes_moved_per_step``; ``budget`` runs name their image budget. Rows with
 ``"bound": true`` (``perfect``, ``floor-packs``, ``floor-frames``) are not strategies but
 what no placement beats on the same global batches (:mod:`megatron_mm_balance.solver.floors`):
@@ -49,13 +50,23 @@ COLUMNS = [
 ]
 
 
+#: with step groups (``--ep`` below DP): the expert-parallel size after ``dp``, and the
+#: packs computed in another step group at the end
+EP_COLUMN = ("ep", 5, lambda r: str(r.get("ep", r["dp"])))
+INTER_GROUP_COLUMN = ("inter grp", 9, lambda r: "-" if r.get("bound")
+                      else _pct("inter_group_moved_fraction")(r))
+
+
 def format_table(runs: list[dict]) -> str:
+    cols = COLUMNS
+    if any(r.get("ep", r["dp"]) != r["dp"] for r in runs):
+        cols = COLUMNS[:2] + [EP_COLUMN] + COLUMNS[2:] + [INTER_GROUP_COLUMN]
     head = "  ".join(name.rjust(w) if i else name.ljust(w)
-                     for i, (name, w, _) in enumerate(COLUMNS))
+                     for i, (name, w, _) in enumerate(cols))
     lines = [head, "-" * len(head)]
     for r in runs:
         lines.append("  ".join(f(r).rjust(w) if i else f(r).ljust(w)
-                               for i, (_, w, f) in enumerate(COLUMNS)))
+                               for i, (_, w, f) in enumerate(cols)))
     return "\n".join(lines)
 
 

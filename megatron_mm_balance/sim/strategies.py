@@ -11,6 +11,10 @@
 * ``redistribute-sync`` / ``redistribute-overlap``: the placement the runtime
   delivers, :func:`megatron_mm_balance.solver.placement.plan_placement` (same placement;
   the two differ only in how the exchange is timed, see :mod:`.timeline`).
+* ``redistribute-groups``: ``redistribute-overlap`` with the group placement
+  (``plan_placement(..., step_groups=)``: ranks meet per micro-step in groups of ``--ep``
+  consecutive ranks, data parallelism once per iteration; without ``--ep`` it is
+  ``redistribute-overlap``).
 * ``redistribute-images``: packs placed for the language phase only, then every
   micro-step's images spread over the ranks for the encoder and the embeddings
   sent back (:mod:`.vision_balance`), overlapped pack exchange.
@@ -29,10 +33,11 @@ import numpy as np
 from ..solver.placement import plan_placement
 
 STRATEGIES = ("none", "budget", "local", "redistribute-sync", "redistribute-overlap",
-              "redistribute-images", "redistribute-frames")
-# What ``--strategies`` runs when not given: image balancing is opt-in (it is a
-# what-if for a runtime path that does not exist yet; see :mod:`.vision_balance`).
-DEFAULT_STRATEGIES = STRATEGIES[:-2]
+              "redistribute-groups", "redistribute-images", "redistribute-frames")
+# What ``--strategies`` runs when not given: the group placement and image balancing are
+# opt-in (the first is ``redistribute-overlap`` itself without ``--ep``; for the second
+# see :mod:`.vision_balance`).
+DEFAULT_STRATEGIES = STRATEGIES[:5]
 
 
 def identity_order(B: int, D: int, G: int) -> np.ndarray:
@@ -48,15 +53,17 @@ def local_order(costs: np.ndarray) -> np.ndarray:
     return order + (np.arange(D)[None, :, None] * G)
 
 
-def redistribute_order(costs: np.ndarray, *, sync: str, ranks_per_node=None) -> np.ndarray:
+def redistribute_order(costs: np.ndarray, *, sync: str, ranks_per_node=None,
+                       step_groups=None) -> np.ndarray:
     """The runtime's placement of one batch's ``[D, G]`` integer costs (``[D, G, 2]``:
-    two-phase), as a gather index.
+    two-phase), as a gather index; ``step_groups``: each rank's per-micro-step meeting
+    group (None: all ranks meet every micro-step).
 
     :func:`megatron_mm_balance.solver.placement.plan_placement`: the solver and then the
     runtime's micro-step order (the step that moves the fewest packs first, so the
     one exchange that cannot hide behind compute is the smallest).
     """
-    pl = plan_placement(costs, sync=sync, ranks_per_node=ranks_per_node)
+    pl = plan_placement(costs, sync=sync, ranks_per_node=ranks_per_node, step_groups=step_groups)
     G = costs.shape[1]
     return pl.src_rank * G + pl.src_index
 

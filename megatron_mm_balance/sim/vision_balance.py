@@ -53,13 +53,15 @@ import numpy as np
 from ..solver.frames import default_patch_cap, plan_frames
 from ..solver.images import balance_images
 from .pool import PackPool
+from .timeline import group_max
 from .timing import TimingModel
 
 
 def image_costs(pool: PackPool, t: TimingModel) -> np.ndarray:
-    """Vision forward ms of every image of the pool (``pool.image_sizes`` order)."""
-    n = pool.image_sizes.astype(np.float64)
-    return t.vision_ms_per_token * n + t.vision_ms_per_token_sq * n * n
+    """Vision forward ms of every image (frame) of the pool (``pool.image_sizes`` order),
+    each encoded on its own: the project's cost estimator
+    (:meth:`~megatron_mm_balance.cost.model.CostModel.unit_forward_ms`)."""
+    return t.cost_model().unit_forward_ms(pool.image_sizes)
 
 
 def micro_step_images(pool: PackPool, packs: np.ndarray):
@@ -105,78 +107,94 @@ def _encoders(owner, img, cost_ms, pool, t, D, planner):
                        patch_cap=default_patch_cap(owner, tokens, D)).encoder
 
 
-def balanced_vision(pool: PackPool, t: TimingModel, placed: np.ndarray, planner: str = "images"):
+def balanced_vision(pool: PackPool, t: TimingModel, placed: np.ndarray, planner: str = "images",
+                    *, ep: int | None = None):
     """For packs ``placed[b, r, m]`` (pool indices in compute order): per-rank vision
     forward ms after image balancing ``[B, D, G]``, the tokens each rank sends and
     receives: images (encoder-bound) and embeddings (pack-bound), ``[B, D, G]`` each, and
     what the planner did: ``{"moved_ms", "vision_ms", "max_ms", "floor_ms"}`` summed over
     micro-steps (forward ms moved; encoded; each micro-step's largest rank load; and its
-    floor, ``max(mean, heaviest image)``).
+    floor, ``max(mean, heaviest image)``). ``ep``: the images of a micro-step are balanced
+    inside each group of ``ep`` consecutive ranks (the ranks that meet per micro-step; the
+    figures then per group and micro-step); None: over all ranks.
     """
     if planner not in VISION_PLANNERS:
         raise ValueError(f"vision planner must be one of {VISION_PLANNERS}, got {planner!r}")
     B, D, G = placed.shape
+    S = D if ep is None else int(ep)
     icost = image_costs(pool, t)
     vf = np.zeros((B, D, G))
     img_out, img_in = np.zeros((B, D, G)), np.zeros((B, D, G))
     stats = {"moved_ms": 0.0, "vision_ms": 0.0, "max_ms": 0.0, "floor_ms": 0.0}
     for b in range(B):
         for m in range(G):
-            owner, img = micro_step_images(pool, placed[b, :, m])
-            if len(img) == 0:
-                continue
-            cost = icost[img]
-            enc = _encoders(owner, img, cost, pool, t, D, planner)
-            load = np.bincount(enc, weights=cost, minlength=D)
-            vf[b, :, m] = load
-            if t.vision_ms_per_pack:
-                vf[b, :, m] += t.vision_ms_per_pack * (np.bincount(enc, minlength=D) > 0)
-            away = enc != owner
-            tok = pool.image_sizes[img[away]].astype(np.float64)
-            img_out[b, :, m] = np.bincount(owner[away], weights=tok, minlength=D)
-            img_in[b, :, m] = np.bincount(enc[away], weights=tok, minlength=D)
-            stats["moved_ms"] += float(cost[away].sum())
-            stats["vision_ms"] += float(cost.sum())
-            stats["max_ms"] += float(load.max())
-            stats["floor_ms"] += max(float(cost.sum()) / D, float(cost.max()))
+            for lo in range(0, D, S):
+                ranks = slice(lo, lo + S)
+                owner, img = micro_step_images(pool, placed[b, ranks, m])
+                if len(img) == 0:
+                    continue
+                cost = icost[img]
+                enc = _encoders(owner, img, cost, pool, t, S, planner)
+                load = np.bincount(enc, weights=cost, minlength=S)
+                vf[b, ranks, m] = load
+                if t.vision_ms_per_pack:
+                    vf[b, ranks, m] += t.vision_ms_per_pack * (np.bincount(enc, minlength=S) > 0)
+                away = enc != owner
+                tok = pool.image_sizes[img[away]].astype(np.float64)
+                img_out[b, ranks, m] = np.bincount(owner[away], weights=tok, minlength=S)
+                img_in[b, ranks, m] = np.bincount(enc[away], weights=tok, minlength=S)
+                stats["moved_ms"] += float(cost[away].sum())
+                stats["vision_ms"] += float(cost.sum())
+                stats["max_ms"] += float(load.max())
+                stats["floor_ms"] += max(float(cost.sum()) / S, float(cost.max()))
     return vf, img_out, img_in, stats
 
 
 def all_to_all_ms(tok_a: np.ndarray, tok_b: np.ndarray, bytes_per_token: float,
-                  t: TimingModel) -> np.ndarray:
+                  t: TimingModel, *, ep: int | None = None) -> np.ndarray:
     """``[B, G]``: one all-to-all per micro-step, rank r sending ``tok_a`` and
-    receiving ``tok_b`` tokens of ``bytes_per_token``: the slowest rank's time."""
+    receiving ``tok_b`` tokens of ``bytes_per_token``: the slowest rank's time. ``ep``:
+    one all-to-all per group of ``ep`` consecutive ranks, each rank's group's time
+    ``[B, D, G]``."""
     busiest = np.maximum(tok_a, tok_b) * bytes_per_token
     x = np.where(busiest > 0, t.latency_ms + busiest / (t.link_gbps * 1e6), 0.0)
-    return x.max(axis=1)
+    if ep is None:
+        return x.max(axis=1)
+    B, D, G = x.shape
+    return np.repeat(x.reshape(B, D // ep, ep, G).max(axis=2), ep, axis=1)
 
 
 def simulate_images_timeline(vf, lm, vb, *, x, a2a_fwd, a2a_bwd, sync: str = "microstep",
-                             bubble=0.0, overhead: float = 0.0) -> dict:
+                             bubble=0.0, overhead: float = 0.0, ep: int | None = None) -> dict:
     """The overlapped timeline with the two all-to-alls of image balancing.
 
     ``vf``, ``lm``, ``vb``, ``x`` ``[B, D, G]`` as in :func:`.timeline.simulate_timeline`
     (``x``: each rank's pack and image exchange, hidden behind the previous
-    micro-step where it can be); ``a2a_fwd``, ``a2a_bwd`` ``[B, G]`` (ms).
+    micro-step where it can be); ``a2a_fwd``, ``a2a_bwd`` ``[B, G]`` (ms), or ``[B, D,
+    G]`` with ``ep``: images are balanced, and ranks meet per micro-step, inside groups of
+    ``ep`` consecutive ranks (all of them meet once, at the end).
     Same keys as :func:`.timeline.simulate_timeline`."""
     vf, lm, vb, x = (np.asarray(a, dtype=np.float64) for a in (vf, lm, vb, x))
     B, D, G = vf.shape
     bubble = np.broadcast_to(np.asarray(bubble, dtype=np.float64), (B,))
+    a2a_fwd, a2a_bwd = (np.asarray(a, dtype=np.float64) for a in (a2a_fwd, a2a_bwd))
+    if a2a_fwd.ndim == 2:
+        a2a_fwd, a2a_bwd = a2a_fwd[:, None, :], a2a_bwd[:, None, :]
     prev_start = np.zeros((B, D))
     prev_end = np.zeros((B, D))
     exch = np.zeros((B, D))
     for m in range(G):
         start = np.maximum(prev_end, prev_start + x[:, :, m])
         exch += start - prev_end
-        arrive = (start + vf[:, :, m]).max(axis=1, keepdims=True)     # every encoder done
-        lm_start = arrive + a2a_fwd[:, m:m + 1]
-        exch += a2a_fwd[:, m:m + 1]
+        arrive = group_max(start + vf[:, :, m], ep)                   # every encoder done
+        lm_start = arrive + a2a_fwd[:, :, m]
+        exch += a2a_fwd[:, :, m]
         if sync == "microstep":
-            lm_end = lm_start + lm[:, :, m].max(axis=1, keepdims=True)
+            lm_end = lm_start + group_max(lm[:, :, m], ep)
         else:
             lm_end = lm_start + lm[:, :, m]
-        grads = lm_end.max(axis=1, keepdims=True) + a2a_bwd[:, m:m + 1]
-        exch += a2a_bwd[:, m:m + 1]
+        grads = group_max(lm_end, ep) + a2a_bwd[:, :, m]
+        exch += a2a_bwd[:, :, m]
         end = grads + vb[:, :, m]
         prev_start, prev_end = start, end
     compute_end = prev_end.max(axis=1)

@@ -29,6 +29,18 @@ packs, pack ``p`` with vision time ``v[p]`` (forward and backward), language tim
   - *Whole frames*: the mean, and the same bound on the language time alone (frames
     move the vision work, not the packs). Certified.
 
+* ``sync="microstep"`` with step groups of ``S`` ranks (``ep=S``, ``E = D / S`` groups: ranks
+  meet per micro-step inside their group, all of them at the end, :mod:`.step_groups`): the
+  objective is the slowest group's ``sum_m (max V + max L)`` over its ranks. Each group's
+  is at least its phases' sorted-grouping optima in runs of ``S``, and those summed over
+  the groups are at least the batch's (a union of the groups' runs is one grouping of the
+  batch), so the slowest group's is at least their mean:
+
+  - *Whole packs*: ``max(perfect, (V*_S + L*_S) / E, (V + L)*_S / E)``, and the step mode's
+    bound (a group's objective is at least each of its ranks' totals). Certified.
+  - *Whole frames*: ``max(perfect, (sum V / D) + L*_S / E, (F*_S + L*_S) / E,
+    (F + L)*_S / E)`` and the step mode's language bound. Certified.
+
 Pure numpy, no state; integer or float times alike.
 """
 from __future__ import annotations
@@ -76,11 +88,13 @@ def rank_total_floor(t, D: int, G: int) -> float:
     return best
 
 
-def batch_floors(v, l, f, D: int, *, sync: str = "microstep", frame_vision=None) -> Floors:
+def batch_floors(v, l, f, D: int, *, sync: str = "microstep", frame_vision=None,
+                 ep: int | None = None) -> Floors:
     """:class:`Floors` of one global batch of ``D * G`` packs (flat arrays ``v``, ``l``,
     ``f``: vision, language and heaviest-frame time of every pack; see the module
     docstring). ``frame_vision``: each pack's vision time when its frames are encoded
-    apart (default ``v``; less where a pack's vision has a per-pack constant)."""
+    apart (default ``v``; less where a pack's vision has a per-pack constant). ``ep``
+    (``microstep``): ranks meet per micro-step in groups of ``ep`` (None: all ``D``)."""
     if sync not in SYNC_MODES:
         raise ValueError(f"sync must be one of {SYNC_MODES}, got {sync!r}")
     v, l, f = (np.asarray(a).ravel() for a in (v, l, f))
@@ -98,6 +112,16 @@ def batch_floors(v, l, f, D: int, *, sync: str = "microstep", frame_vision=None)
     if sync == "step":
         packs = max(perfect, rank_total_floor(v + l, D, G))
         frames = max((fv.sum().item() + l.sum().item()) / D, rank_total_floor(l, D, G))
+        return Floors(perfect, packs, frames, packs_exact=False)
+    if ep is not None and ep != D:
+        if ep < 1 or D % ep:
+            raise ValueError(f"floors: ep must divide D={D}, got {ep}")
+        E = D // ep
+        vs, ls = sorted_grouping(v, ep) / E, sorted_grouping(l, ep) / E
+        packs = max(perfect, vs + ls, sorted_grouping(v + l, ep) / E, rank_total_floor(v + l, D, G))
+        frames = max((fv.sum().item() + l.sum().item()) / D, fv.sum().item() / D + ls,
+                     sorted_grouping(f, ep) / E + ls, sorted_grouping(f + l, ep) / E,
+                     rank_total_floor(l, D, G))
         return Floors(perfect, packs, frames, packs_exact=False)
     vs, ls = sorted_grouping(v, D), sorted_grouping(l, D)
     packs = max(vs + ls, sorted_grouping(v + l, D))

@@ -114,3 +114,16 @@ placements = [types.SimpleNamespace(src_rank=enc, src_index=owner)]
 
 def test_image_assignment_identical_across_processes():
     assert len(placement_digests(IMAGES, ("0", "4242"))) == 1
+
+
+def test_a_frames_time_comes_from_the_cost_estimator():
+    # one model of a frame's cost: the simulator's per-image times are the cost model's
+    from megatron_mm_balance.sim.pool import build_pool
+    from megatron_mm_balance.sim.timing import load_timing
+    from megatron_mm_balance.sim.vision_balance import image_costs
+    from megatron_mm_balance.data.mixtures import make_mixture
+    t = load_timing("vlm_30b_moe")
+    pool = build_pool(make_mixture("native-res", n=300, seed=3), 8192)
+    n = pool.image_sizes.astype(np.float64)
+    assert np.array_equal(image_costs(pool, t), t.cost_model().unit_forward_ms(pool.image_sizes))
+    assert np.allclose(image_costs(pool, t), t.vision_ms_per_token * n + t.vision_ms_per_token_sq * n * n)

@@ -39,17 +39,34 @@
 # user cannot write).
 set -euo pipefail
 
-# tag -> version in that tag's megatron/core/package_info.py (the core_v0.19.0 tag's
-# package_info.py already says 0.19.1).
-SUPPORTED_TAGS=(core_v0.16.1 core_v0.17.1 core_v0.18.2 core_v0.19.0)
-declare -A INFO_VERSION=([core_v0.16.1]=0.16.1 [core_v0.17.1]=0.17.1 [core_v0.18.2]=0.18.2 [core_v0.19.0]=0.19.1)
-# Megatron-Bridge: its tags and their src/megatron/bridge/package_info.py versions (the v0.6.0
-# tag's says 0.6.1); patches/megatron-bridge-v0.6.0/ serves the 0.6 line (0.6.1, 0.6.2 ...).
-BRIDGE_TAGS=(v0.6.0)
-declare -A BRIDGE_INFO_VERSION=([v0.6.0]=0.6.1)
 HERE=$(cd "$(dirname "$0")/.." && pwd)
 PATCH_ROOT=${MM_BALANCE_PATCH_DIR:-$HERE/patches}
-SUPPORTED_LIST=$(IFS=,; echo "${SUPPORTED_TAGS[*]}" | sed 's/,/, /g')
+# The patch sets, from patches/sets.tsv (the overlay reads the same file): per product its sets
+# in order, what each tree's version file says (the core_v0.19.0 tag's package_info.py already
+# says 0.19.1, Bridge v0.6.0's 0.6.1) and what each was made on (a tag, or main@<commit> for a
+# line not yet released).
+SUPPORTED_TAGS=() BRIDGE_TAGS=()
+declare -A INFO_VERSION BRIDGE_INFO_VERSION MADE_ON
+[ -f "$PATCH_ROOT/sets.tsv" ] || { echo "apply_patches: no $PATCH_ROOT/sets.tsv" >&2; exit 1; }
+while IFS=$'\t' read -r product set version made_on; do
+  case "$product" in
+    megatron-lm) SUPPORTED_TAGS+=("$set"); INFO_VERSION[$set]=$version; key=$set ;;
+    megatron-bridge) BRIDGE_TAGS+=("$set"); BRIDGE_INFO_VERSION[$set]=$version; key=megatron-bridge-$set ;;
+    *) continue ;;
+  esac
+  MADE_ON[$key]=$made_on
+done < <(grep -v '^#' "$PATCH_ROOT/sets.tsv")
+# "core_v0.19.0, core_v0.20.0 (main@d98e8a64)": a set made on main says so.
+supported_list() {
+  local out="" t key
+  for t in "$@"; do
+    key=$t; [ -n "${INFO_VERSION[$t]:-}" ] || key=megatron-bridge-$t
+    case "${MADE_ON[$key]}" in main@*) t="$t (${MADE_ON[$key]})" ;; esac
+    out="${out:+$out, }$t"
+  done
+  echo "$out"
+}
+SUPPORTED_LIST=$(supported_list "${SUPPORTED_TAGS[@]}")
 ORIG_ARGS=$*
 
 usage() {
@@ -134,7 +151,7 @@ if [ -n "$LAYOUT" ]; then
   declare -A TAG_INFO; for t in "${BRIDGE_TAGS[@]}"; do TAG_INFO[$t]=${BRIDGE_INFO_VERSION[$t]}; done
   if [ $LAYOUT = checkout ]; then INFO_FILE=src/megatron/bridge/package_info.py STRIP=1
   else INFO_FILE=megatron/bridge/package_info.py STRIP=2; fi
-  SUPPORTED_LIST="Megatron-Bridge $(IFS=,; echo "${BRIDGE_TAGS[*]}" | sed 's/,/, /g')"
+  SUPPORTED_LIST="Megatron-Bridge $(supported_list "${BRIDGE_TAGS[@]}")"
 else
   [ -f "$DIR/megatron/training/training.py" ] \
     || die "$DIR is not a Megatron-LM checkout (no megatron/training/training.py) nor Megatron-Bridge (no src/megatron/bridge/, no installed megatron/bridge/)"
@@ -181,9 +198,17 @@ consider_info() {
     if [ -z "$RELEASE" ] && [ "${TAG_INFO[$t]}" = "$1" ]; then RELEASE=$t VERSION=${t#"$TAG_PREFIX"} HOW=exact; fi
   done
 }
+# The nearest tag names the release unless commits follow it and the version file says
+# another line: main's history reaches an older release's tag, its version file says the line
+# it is on (the version file then decides, below).
 if [ $IS_GIT = 1 ] && desc=$(git -C "$DIR" describe --tags --match "$TAG_PREFIX*" HEAD 2>/dev/null); then
   tag=$(git -C "$DIR" describe --tags --match "$TAG_PREFIX*" --abbrev=0 HEAD)
-  consider_release "${tag#"$TAG_PREFIX"}" "git describe: $desc"
+  file_line=$(minor_line "$(info_version)")
+  if [ "$desc" = "$tag" ] || [ -z "$file_line" ] || [ "$file_line" = "$(minor_line "${tag#"$TAG_PREFIX"}")" ]; then
+    consider_release "${tag#"$TAG_PREFIX"}" "git describe: $desc"
+  else
+    FOUND="git describe: $desc, commits after that tag"
+  fi
 fi
 if [ -z "$RELEASE" ] && [ "$LAYOUT" = package ]; then
   shopt -s nullglob
@@ -219,23 +244,6 @@ if [ -z "$RELEASE" ]; then
     die "$DIR is not a supported $PRODUCT release ($FOUND); supported releases: $SUPPORTED_LIST and their patch releases. Nothing was changed."
   fi
 fi
-PATCH_NAME=$PATCH_PREFIX$RELEASE
-PATCH_DIR=$PATCH_ROOT/$PATCH_NAME
-shopt -s nullglob
-PATCHES=("$PATCH_DIR"/*.patch)
-[ ${#PATCHES[@]} -gt 0 ] || die "no patches in $PATCH_DIR"
-where=""; [ "$LAYOUT" != package ] || where=", installed package in $DIR"
-moved="a hunk that moved is applied at its new lines"
-[ $IS_GIT = 0 ] || moved="3-way where a hunk's context moved"
-case $HOW in
-  exact) echo "$PRODUCT $RELEASE ($FOUND$where)" ;;
-  line)
-    quirk=""; [ "${TAG_INFO[$RELEASE]}" = "${RELEASE#"$TAG_PREFIX"}" ] || quirk=", whose package_info.py says ${TAG_INFO[$RELEASE]}"
-    echo "$PRODUCT $TAG_PREFIX$VERSION ($FOUND$where): a patch release (or another commit) of the $(minor_line "$VERSION") line, not itself tested (the tested one is $RELEASE$quirk); using that line's patch set patches/$PATCH_NAME/ ($moved, all or nothing)" ;;
-  forced) echo "$PRODUCT $TAG_PREFIX$VERSION ($FOUND$where): not a supported release; --force: trying the newest patch set patches/$PATCH_NAME/, all or nothing" ;;
-esac
-
-
 # --- helpers -----------------------------------------------------------------------------
 # Outside a git checkout, git apply must not discover an enclosing repository (it would
 # resolve paths against that one's root): stop discovery at DIR's parent.
@@ -245,53 +253,140 @@ targets() {                                                          # the files
   if [ "$STRIP" = 2 ]; then sed -n 's|^diff --git a/[^/]*/\([^ ]*\) b/.*|\1|p' "$1"
   else sed -n 's|^diff --git a/\([^ ]*\) b/.*|\1|p' "$1"; fi
 }
-STATE_DIR=""
-if [ $IS_GIT = 1 ]; then
-  STATE_DIR=$(git -C "$DIR" rev-parse --absolute-git-dir)/mm-balance-patches/$PATCH_NAME
-fi
+GIT_DIR_ABS=""
+[ $IS_GIT = 0 ] || GIT_DIR_ABS=$(git -C "$DIR" rev-parse --absolute-git-dir)
 SCRATCH=$(mktemp -d)
 trap 'rm -rf "$SCRATCH"' EXIT
 # `git apply --3way` against a copy of the index that holds the files as they are now, so
 # that uncommitted edits take part and the user's index is not touched. $1: patch, $2: --check or empty.
 threeway() {
   local idx=$SCRATCH/index
-  cp "$(git -C "$DIR" rev-parse --absolute-git-dir)/index" "$idx" 2>/dev/null || rm -f "$idx"
+  cp "$GIT_DIR_ABS/index" "$idx" 2>/dev/null || rm -f "$idx"
   (cd "$DIR" && targets "$1" | GIT_INDEX_FILE=$idx xargs git add -- && GIT_INDEX_FILE=$idx git apply --3way ${2:-} "$1") 2>&1
 }
-# Were this patch's files changed by a 3-way apply, and are they unchanged since?
+# Were this patch's files changed by a 3-way apply of set $2, and are they unchanged since?
 applied3() {
-  local s=$STATE_DIR/$(basename "$1")
+  local s=$GIT_DIR_ABS/mm-balance-patches/$2/$(basename "$1")
   [ $IS_GIT = 1 ] && [ -f "$s/sha256" ] && (cd "$DIR" && sha256sum --check --status "$s/sha256" 2>/dev/null)
 }
 
-# --- classify every file before touching anything --------------------------------------------
-declare -a STATE
-bad=()
-for i in "${!PATCHES[@]}"; do
-  p=${PATCHES[$i]}
-  files=$(targets "$p")
-  missing=$(cd "$DIR" && for f in $files; do [ -f "$f" ] || echo "$f"; done)
-  if [ -n "$missing" ]; then
-    STATE[$i]=conflict; bad+=($missing)
-  elif applied3 "$p"; then
-    STATE[$i]=applied3
-  elif gapply --check -R "$p" 2>/dev/null; then
-    STATE[$i]=applied
-  elif gapply --check "$p" 2>/dev/null; then
-    STATE[$i]=pending
-  elif [ $IS_GIT = 1 ] && out=$(threeway "$p" --check) && ! grep -q "with conflicts" <<<"$out"; then
-    STATE[$i]=pending3
-  else
-    STATE[$i]=conflict; bad+=($files)
-  fi
-  for f in $files; do
-    case "${STATE[$i]}" in
-      applied3) echo "$f: applied (3-way merge; $(basename "$p"))" ;;
-      pending3) echo "$f: pending (needs a 3-way merge: local changes around the hunk; $(basename "$p"))" ;;
-      *) echo "$f: ${STATE[$i]} ($(basename "$p"))" ;;
-    esac
+# --- classify every file of a set before touching anything -------------------------------------
+# classify SET ALLOW3: STATE[i] per patch of patches/SET/ (pending, applied, applied3, pending3 with
+# ALLOW3=1, or conflict), BAD (the conflicting files), LINES (the per-file report).
+classify() {
+  local set=$1 allow3=$2 i p files missing
+  PATCHES=("$PATCH_ROOT/$set"/*.patch)
+  STATE=() BAD=() LINES=()
+  for i in "${!PATCHES[@]}"; do
+    p=${PATCHES[$i]}
+    files=$(targets "$p")
+    missing=$(cd "$DIR" && for f in $files; do [ -f "$f" ] || echo "$f"; done)
+    if [ -n "$missing" ]; then
+      STATE[$i]=conflict; BAD+=($missing)
+    elif applied3 "$p" "$set"; then
+      STATE[$i]=applied3
+    elif gapply --check -R "$p" 2>/dev/null; then
+      STATE[$i]=applied
+    elif gapply --check "$p" 2>/dev/null; then
+      STATE[$i]=pending
+    elif [ "$allow3" = 1 ] && [ $IS_GIT = 1 ] && out=$(threeway "$p" --check) && ! grep -q "with conflicts" <<<"$out"; then
+      STATE[$i]=pending3
+    else
+      STATE[$i]=conflict; BAD+=($files)
+    fi
+    for f in $files; do
+      case "${STATE[$i]}" in
+        applied3) LINES+=("$f: applied (3-way merge; $(basename "$p"))") ;;
+        pending3) LINES+=("$f: pending (needs a 3-way merge: local changes around the hunk; $(basename "$p"))") ;;
+        *) LINES+=("$f: ${STATE[$i]} ($(basename "$p"))") ;;
+      esac
+    done
   done
-done
+}
+
+# --- which layout ------------------------------------------------------------------------------
+# A set made on main (patches/sets.tsv: main@<commit>) serves trees laid out as main was then.
+# A commit of that line from before (its version file already says the new version) can still
+# have the previous line's layout: Bridge main pins such a Megatron-LM (2a75ac12, 0.20.0, laid
+# out as core_v0.19.0). Both sets are tried: the one whose every hunk fits where it stands wins,
+# and where both fit, the one that fixes more (the other's missing patch is a fix upstream has not
+# made there yet); a 3-way merge is tried only when neither fits as it stands.
+PATCH_NAME=$PATCH_PREFIX$RELEASE
+CANDIDATES=("$RELEASE")
+case "${MADE_ON[$PATCH_NAME]:-}" in
+  main@*)
+    prev=""
+    for t in "${TAGS[@]}"; do [ "$t" = "$RELEASE" ] && break; prev=$t; done
+    [ -z "$prev" ] || CANDIDATES+=("$prev") ;;
+esac
+shopt -s nullglob
+CHOSEN="" LAYOUT_NOTE="" fits=()
+if [ ${#CANDIDATES[@]} -gt 1 ]; then
+  best=-1
+  declare -A UNFIT
+  for c in "${CANDIDATES[@]}"; do
+    classify "$PATCH_PREFIX$c" 0
+    if [ ${#BAD[@]} = 0 ]; then
+      fits+=("$c")
+      if [ ${#PATCHES[@]} -gt $best ]; then CHOSEN=$c best=${#PATCHES[@]}; fi
+    else
+      UNFIT[$c]="patches/$PATCH_PREFIX$c/ does not fit $(IFS=,; echo "${BAD[*]}" | sed 's/,/, /g')"
+    fi
+  done
+  if [ -z "$CHOSEN" ]; then                       # neither as it stands: a 3-way merge, in order
+    for c in "${CANDIDATES[@]}"; do
+      classify "$PATCH_PREFIX$c" 1
+      if [ ${#BAD[@]} = 0 ]; then CHOSEN=$c; break; fi
+    done
+  fi
+  if [ -n "$CHOSEN" ]; then
+    made=${MADE_ON[$PATCH_PREFIX$CHOSEN]}
+    case "$made" in main@*) as=$made ;; *) as=$CHOSEN ;; esac
+    if [ ${#fits[@]} -gt 1 ]; then
+      LAYOUT_NOTE="laid out as $as (the sets of ${fits[0]} and ${fits[1]} both fit; $CHOSEN's fixes more)"
+    else
+      other=""
+      for c in "${CANDIDATES[@]}"; do [ "$c" = "$CHOSEN" ] || other=${UNFIT[$c]:-}; done
+      LAYOUT_NOTE="laid out as $as${other:+ ($other)}"
+    fi
+    RELEASE=$CHOSEN
+  fi
+fi
+PATCH_NAME=$PATCH_PREFIX$RELEASE
+PATCH_DIR=$PATCH_ROOT/$PATCH_NAME
+[ -n "$(echo "$PATCH_DIR"/*.patch)" ] || die "no patches in $PATCH_DIR"
+STATE_DIR=""
+[ $IS_GIT = 0 ] || STATE_DIR=$GIT_DIR_ABS/mm-balance-patches/$PATCH_NAME
+classify "$PATCH_NAME" 1
+bad=("${BAD[@]}")
+where=""; [ "$LAYOUT" != package ] || where=", installed package in $DIR"
+moved="a hunk that moved is applied at its new lines"
+[ $IS_GIT = 0 ] || moved="3-way where a hunk's context moved"
+case $HOW in
+  exact)
+    if [ -n "$LAYOUT_NOTE" ]; then
+      echo "$PRODUCT $TAG_PREFIX$VERSION ($FOUND$where): main before the $VERSION release, $LAYOUT_NOTE; patch set patches/$PATCH_NAME/ ($moved, all or nothing)"
+    else
+      echo "$PRODUCT $RELEASE ($FOUND$where)"
+    fi ;;
+  line)
+    quirk=""; [ "${TAG_INFO[$RELEASE]}" = "${RELEASE#"$TAG_PREFIX"}" ] || quirk=", whose package_info.py says ${TAG_INFO[$RELEASE]}"
+    echo "$PRODUCT $TAG_PREFIX$VERSION ($FOUND$where): a patch release (or another commit) of the $(minor_line "$VERSION") line, not itself tested (the tested one is $RELEASE$quirk${LAYOUT_NOTE:+; $LAYOUT_NOTE}); using that line's patch set patches/$PATCH_NAME/ ($moved, all or nothing)" ;;
+  forced) echo "$PRODUCT $TAG_PREFIX$VERSION ($FOUND$where): not a supported release; --force: trying the newest patch set patches/$PATCH_NAME/${LAYOUT_NOTE:+ ($LAYOUT_NOTE)}, all or nothing" ;;
+esac
+# What upstream's own per-global-batch data seam looks like here (Megatron-LM): whether the
+# tree has megatron/core/datasets/data_schedule.py and whether training.py calls its
+# wrap_data_iterator (which would rebalance the same samples as we do).
+if [ "$PRODUCT" = Megatron-LM ]; then
+  seam="no megatron/core/datasets/data_schedule.py"
+  if [ -f "$DIR/megatron/core/datasets/data_schedule.py" ]; then
+    seam="megatron/core/datasets/data_schedule.py present, not called by training.py"
+    grep -q "wrap_data_iterator(" "$DIR/megatron/training/training.py" 2>/dev/null \
+      && seam="megatron/core/datasets/data_schedule.py present, training.py calls wrap_data_iterator (with --sequence-packing-scheduler: refused with --mm-balance)"
+  fi
+  echo "layout: $seam"
+fi
+printf '%s\n' "${LINES[@]}"
 if [ ${#bad[@]} -gt 0 ]; then
   list=$(IFS=,; echo "${bad[*]}" | sed 's/,/, /g')
   case $HOW in
@@ -300,7 +395,9 @@ if [ ${#bad[@]} -gt 0 ]; then
     *) why="local changes where the hook goes" ;;
   esac
   ways="plain or 3-way"; [ $IS_GIT = 1 ] || ways="git apply; no git history here for a 3-way merge"
-  die "$list: the $PATCH_NAME patch neither applies ($ways) nor is applied to $DIR: $why; supported releases: $SUPPORTED_LIST. Nothing was changed."
+  remedy="put the hook back by hand where the patch shows it (patches/$PATCH_NAME/), or check out the release unchanged"
+  [ $IS_GIT = 1 ] || [ "$LAYOUT" = package ] || remedy="in a git clone of $PRODUCT with its history a hunk whose context moved merges 3-way; or $remedy"
+  die "$list: the $PATCH_NAME patch neither applies ($ways) nor is applied to $DIR: $why; $remedy; supported releases: $SUPPORTED_LIST. Nothing was changed."
 fi
 
 # --- can this user write what the mode changes? (an installed package often belongs to root) ---

@@ -7,7 +7,7 @@
 #     scripts/pretrain_bridge_vlm.sh [--config configs/bridge/qwen3_vl_moe_tiny_cpu.sh] [override=value...]
 #
 # Environment:
-#   MEGATRON_BRIDGE_DIR  a Megatron-Bridge 0.6.x checkout, or a directory holding an installed
+#   MEGATRON_BRIDGE_DIR  a Megatron-Bridge checkout (0.6.x, or main of the 0.7 line), or a directory holding an installed
 #                        Megatron-Bridge (site-packages/megatron/bridge/), with our patches
 #                        applied; default: the megatron.bridge that PYTHON imports (pip, or a
 #                        container's Bridge), patched with scripts/apply_patches.sh --installed
@@ -109,7 +109,7 @@ else
   [ "$(cd "${want:-/nonexistent}" 2>/dev/null && pwd -P)" = "$(cd "$checked" && pwd -P)" ] \
     || die "$PY would import megatron.bridge from ${want:-nowhere}, not from the patched $checked: set MEGATRON_BRIDGE_DIR to the one it imports, or remove the other from its PYTHONPATH"
   "$PY" -c "import sys; sys.exit(sys.version_info[:2] != (3, 12))" \
-    || die "Megatron-Bridge 0.6 needs Python 3.12; $PY is $("$PY" -V 2>&1): set PYTHON (scripts/setup_env_bridge.sh builds one)"
+    || die "Megatron-Bridge needs Python 3.12; $PY is $("$PY" -V 2>&1): set PYTHON (scripts/setup_env_bridge.sh builds one)"
 fi
 if [ "$DRY_RUN" != 1 ]; then
   [ -n "${DATA_PATH:-}" ] || die "set DATA_PATH to an energon ChatML dataset (mm-balance make-dataset --format bridge-qwen-vl)"

@@ -7,8 +7,8 @@
 #
 # Environment:
 #   MEGATRON_LM_DIR  Megatron-LM checkout of a supported release (core_v0.16.1, core_v0.17.1,
-#                    core_v0.18.2, core_v0.19.0, or a patch release of their lines; the 0.17
-#                    line and later need Python >= 3.12) with our patches applied
+#                    core_v0.18.2, core_v0.19.0, or a patch release of their lines; main of
+#                    the 0.20 line; the 0.17 line and later need Python >= 3.12) with our patches applied
 #                    (scripts/apply_patches.sh MEGATRON_LM_DIR); required
 #   FORCE_RELEASE=1  accept a checkout of a newer line that apply_patches.sh --force patched
 #   DATA_PATH        energon dataset (directory or blend .yaml); required unless DRY_RUN=1

@@ -37,6 +37,10 @@ Each stand-in added here, with the CUDA-only (or GPU-stack-only) assumption it r
   loading refuses an empty set, and its seeds (ints) pass the loader's CUDA-state conversion); the ``barrier(device_ids=[local rank])`` after ``init_process_group`` drops
   ``device_ids`` on gloo (gloo has no devices); the dataset index helpers (``make`` +
   pybind11) that start-up compiles are skipped (the energon path never uses them).
+* **transformer-engine's classes without it**: megatron-core defines its ``TE*`` classes on a
+  ``MagicMock`` when transformer-engine is absent, so they are mock instances; Bridge main's
+  Qwen3-VL attention passes ``TEDotProductAttention`` to ``isinstance``: those names become
+  inert classes (``_te_classes_without_te``).
 * **layer specs**: the Qwen3-VL providers hard-code transformer-engine specs for the
   language model (and grouped GEMM for MoE) and the vision tower and its patch merger
   (``TENorm``, ``TEColumnParallelLinear``, ``TERowParallelLinear``): megatron-core's
@@ -256,6 +260,23 @@ def _no_cuda_initialize() -> None:
     dist.barrier = barrier
 
 
+def _te_classes_without_te() -> None:
+    """Without transformer-engine, megatron-core's ``extensions.transformer_engine`` binds ``te``
+    to a ``MagicMock`` and still defines its ``TE*`` classes on it, which makes each of them a
+    mock *instance*, not a class. Bridge main's Qwen3-VL attention asks
+    ``isinstance(core_attention, TEDotProductAttention)`` at every forward ("isinstance() arg 2
+    must be a type"): each such name becomes an inert class (no object is an instance of it;
+    calling it fails), which is what it is on a machine without transformer-engine."""
+    import unittest.mock
+
+    from megatron.core.extensions import transformer_engine as te_ext
+    if getattr(te_ext, "HAVE_TE", True):
+        return
+    for name, value in list(vars(te_ext).items()):
+        if name.startswith("TE") and isinstance(value, unittest.mock.NonCallableMock):
+            setattr(te_ext, name, _inert_class(f"{te_ext.__name__}.{name}"))
+
+
 def _local_layer_specs() -> None:
     """megatron-core's local specs where Bridge's Qwen3-VL code hard-codes transformer-engine ones."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -443,6 +464,7 @@ def install() -> None:
     from . import cpu_megatron, cpu_pretrain
     cpu_pretrain._stub_triton()
     cpu_megatron.install()
+    _te_classes_without_te()
     cpu_pretrain.install_cuda_rng_state()
     cpu_pretrain.install_gloo_all_to_all()
     cpu_pretrain.install_packed_attention()

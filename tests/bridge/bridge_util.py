@@ -26,6 +26,9 @@ sys.path.insert(0, str(REPO / "tests" / "megatron_glue"))
 from megatron_trees import rewrite_package_info  # noqa: E402  (the release trees' version rewrite, shared)
 BRIDGE_ARCHIVE = "Megatron-Bridge-v0.6.0.tar.gz"
 MLM_ARCHIVE = "Megatron-LM-cd4afffa.tar.gz"
+#: Bridge main of the 0.7 line and the Megatron-LM it pins (0.20.0, laid out as core_v0.19.0)
+BRIDGE_MAIN_ARCHIVE = "Megatron-Bridge-main-067f987d.tar.gz"
+MLM_MAIN_ARCHIVE = "Megatron-LM-2a75ac12.tar.gz"
 CACHE = REPO / ".bridge-cache"
 LAUNCHER = REPO / "scripts" / "pretrain_bridge_vlm.sh"
 CONFIG = REPO / "configs" / "bridge" / "qwen3_vl_moe_tiny_cpu.sh"
@@ -201,15 +204,15 @@ def check_band(off: Run, on: Run, control: Run, label: str, verdict: Optional[st
 APPLY = REPO / "scripts" / "apply_patches.sh"
 
 
-def unpack_bridge_source(dest: Path) -> Optional[Path]:
-    """The unmodified Megatron-Bridge v0.6.0 archive unpacked under ``dest`` (read it, never
-    write it); None when the archive is missing."""
-    src = archive_dir() / BRIDGE_ARCHIVE
+def unpack_bridge_source(dest: Path, archive: str = BRIDGE_ARCHIVE) -> Optional[Path]:
+    """An unmodified Megatron-Bridge archive (default v0.6.0's; ``BRIDGE_MAIN_ARCHIVE``: main's)
+    unpacked under ``dest`` (read it, never write it); None when the archive is missing."""
+    src = archive_dir() / archive
     if not src.is_file():
         return None
     with tarfile.open(src) as tf:
         tf.extractall(dest, filter="data")
-    return dest / "Megatron-Bridge-v0.6.0"
+    return dest / archive[:-len(".tar.gz")]
 
 
 def set_bridge_version(package: Path, version: str) -> None:

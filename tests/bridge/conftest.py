@@ -46,6 +46,15 @@ def bridge_source(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def bridge_main_source(tmp_path_factory) -> Path:
+    """The unmodified Megatron-Bridge main (0.7.0 dev) archive, unpacked once per session."""
+    src = bu.unpack_bridge_source(tmp_path_factory.mktemp("bridge-main-source"), bu.BRIDGE_MAIN_ARCHIVE)
+    if src is None:
+        pytest.skip(f"no {bu.archive_dir() / bu.BRIDGE_MAIN_ARCHIVE}")
+    return src
+
+
+@pytest.fixture(scope="session")
 def bridge_dataset(tmp_path_factory) -> dict:
     return bu.make_dataset(tmp_path_factory.mktemp("bridge-data") / "data", samples=128, seed=0)
 

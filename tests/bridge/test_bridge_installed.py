@@ -1,7 +1,8 @@
 """Megatron-Bridge as users have it: any 0.6.x release (a checkout whose version says 0.6.0
 or 0.6.2, one tagged v0.6.2 in git), an installed package (site-packages/megatron/bridge/ with
 its megatron_bridge-<version>.dist-info) patched in place, found by ``--installed`` through
-the python that imports it; a newer line (0.7.0) refused unless --force; a read-only install
+the python that imports it; main of the 0.7 line (the real tree, plain, git and installed); a
+newer line (0.8.0) refused unless --force; a read-only install
 refused with the remedy. The trees are copies of the v0.6.0 archive (unpacked once per
 session) whose version file and dist-info say the release under test: the patch set's fit to
 the real 0.6.2 files is recorded in docs/bridge.md. The launcher tests (realpath) find an
@@ -23,7 +24,7 @@ import bridge_util as bu
 sys.path.insert(0, str(bu.REPO / "tests" / "megatron_glue"))
 from megatron_trees import git, tree_hash  # noqa: E402  (the Megatron-LM release tests' helpers)
 
-SUPPORTED = "supported releases: Megatron-Bridge v0.6.0"
+SUPPORTED = "supported releases: Megatron-Bridge v0.6.0, v0.7.0 (main@067f987d)"
 CONFIG_PY = "training/config.py"
 
 
@@ -33,23 +34,24 @@ def states(out: str) -> dict:
             if line.startswith(("src/megatron/", "megatron/")) and ": " in line}
 
 
-def assert_apply_check_revert(tree: Path, prefix: str, *extra) -> str:
+def assert_apply_check_revert(tree: Path, prefix: str, *extra, n: int = 3) -> str:
     """--check (pending, nothing written), apply, apply again (nothing to do), --check
-    (applied), --revert (byte for byte); returns the first line of the apply."""
+    (applied), --revert (byte for byte); returns the first line of the apply. ``n``: the
+    patches of the set (the 0.6 set's 3, main's 2)."""
     before = tree_hash(tree)
     r = bu.apply_patches(tree, "--check", *extra)
     assert r.returncode == 0, r.stderr
-    assert set(states(r.stdout).values()) == {"pending"} and len(states(r.stdout)) == 3, r.stdout
+    assert set(states(r.stdout).values()) == {"pending"} and len(states(r.stdout)) == n, r.stdout
     assert all(f.startswith(prefix) for f in states(r.stdout)), r.stdout
     assert tree_hash(tree) == before
     r = bu.apply_patches(tree, *extra)
-    assert r.returncode == 0 and "applied 3 patch(es)" in r.stdout, r.stdout + r.stderr
+    assert r.returncode == 0 and f"applied {n} patch(es)" in r.stdout, r.stdout + r.stderr
     first = r.stdout.splitlines()[0]
     assert "mm_balance: Optional[Any]" in (tree / prefix / "megatron/bridge" / CONFIG_PY).read_text()
     assert "applied 0 patch(es)" in bu.apply_patches(tree, *extra).stdout          # idempotent
     assert set(states(bu.apply_patches(tree, "--check", *extra).stdout).values()) == {"applied"}
     r = bu.apply_patches(tree, "--revert", *extra)
-    assert r.returncode == 0 and "reverted 3 patch(es)" in r.stdout, r.stderr
+    assert r.returncode == 0 and f"reverted {n} patch(es)" in r.stdout, r.stderr
     assert tree_hash(tree) == before                                                 # byte for byte
     return first
 
@@ -101,21 +103,69 @@ def test_checkout_tagged_v062_in_git_merged_3way(bridge_source, tmp_path):
 
 
 def test_newer_line_refused_unless_forced(bridge_source, tmp_path):
-    tree = bu.checkout_as(bridge_source, tmp_path / "Megatron-Bridge", "0.7.0")
+    tree = bu.checkout_as(bridge_source, tmp_path / "Megatron-Bridge", "0.8.0")
     before = tree_hash(tree)
     for mode in ((), ("--check",)):
         r = bu.apply_patches(tree, *mode)
         assert r.returncode == 1 and len(r.stderr.splitlines()) == 1, r.stderr
-        assert "0.7.0" in r.stderr and "the 0.7 line is newer" in r.stderr and SUPPORTED in r.stderr
+        assert "0.8.0" in r.stderr and "the 0.8 line is newer" in r.stderr and SUPPORTED in r.stderr
         assert "--force" in r.stderr and tree_hash(tree) == before
     first = assert_apply_check_revert(tree, "src/", "--force")
-    assert first.startswith("Megatron-Bridge v0.7.0 (") and "--force: trying the newest patch set" in first
+    assert first.startswith("Megatron-Bridge v0.8.0 (") and "--force: trying the newest patch set" in first
+    # the newest set's layout (main's energon builder) is absent here: the 0.6 layout's set
+    assert ("patches/megatron-bridge-v0.6.0/ (laid out as v0.6.0 (the sets of v0.7.0 and v0.6.0 both fit; "
+            "v0.6.0's fixes more))") in first, first
 
 
 def test_older_line_refused_even_forced(bridge_source, tmp_path):
     tree = bu.checkout_as(bridge_source, tmp_path / "Megatron-Bridge", "0.5.0")
     r = bu.apply_patches(tree, "--force")
     assert r.returncode == 1 and "not a supported Megatron-Bridge release" in r.stderr and SUPPORTED in r.stderr
+
+
+# --------------------------------------------------------------------------- main (0.7.0 dev)
+MAIN_LAYOUT = "laid out as main@067f987d (patches/megatron-bridge-v0.6.0/ does not fit "
+
+
+@pytest.mark.parametrize("kind", ["plain", "git", "installed"])
+def test_main_gets_the_set_made_on_it(bridge_main_source, tmp_path, kind):
+    """Bridge main (0.7.0 dev, 067f987d) as a plain tree, as a git checkout whose local commit
+    moves a context line of the setup.py hunk (3-way), and installed (site-packages): the set made
+    on main (2 patches: the energon builder's fix is upstream there), layout said, byte-exact revert."""
+    if kind == "installed":
+        site = tmp_path / "site-packages"
+        (site / "megatron").mkdir(parents=True)
+        subprocess.run(["cp", "-a", str(bridge_main_source / "src/megatron/bridge"), str(site / "megatron")], check=True)
+        first = assert_apply_check_revert(site, "", n=2)
+        assert MAIN_LAYOUT in first and "installed package in" in first, first
+        assert "does not fit megatron/bridge/data/builders/energon.py)" in first, first
+        return
+    tree = tmp_path / "Megatron-Bridge"
+    subprocess.run(["cp", "-a", str(bridge_main_source), str(tree)], check=True)
+    if kind == "git":
+        git(tree, "init", "-q")
+        git(tree, "add", "-A")
+        git(tree, "commit", "-q", "-m", "main 067f987d")
+        setup = tree / "src/megatron/bridge/training/setup.py"
+        assert setup.read_text().count(SETUP_CONTEXT[0]) == 1
+        setup.write_text(setup.read_text().replace(*SETUP_CONTEXT))
+        git(tree, "commit", "-q", "-am", "local change")
+        r = bu.apply_patches(tree, "--check")
+        assert "src/megatron/bridge/training/setup.py: pending (needs a 3-way merge" in r.stdout, r.stdout
+    first = assert_apply_check_revert(tree, "src/", n=2)
+    assert first.startswith("Megatron-Bridge v0.7.0 (src/megatron/bridge/package_info.py: 0.7.0)"), first
+    assert "main before the 0.7.0 release" in first and MAIN_LAYOUT in first, first
+    assert "src/megatron/bridge/data/builders/energon.py)" in first, first
+    assert "patches/megatron-bridge-v0.7.0/" in first
+
+
+def test_07_version_with_the_06_layout_gets_the_06_set(bridge_source, tmp_path):
+    """A commit of main from before the energon builder's fix (version file 0.7.0, 0.6 layout):
+    both sets fit, the 0.6 set, whose energon fix it needs, wins; said in the first line."""
+    tree = bu.checkout_as(bridge_source, tmp_path / "Megatron-Bridge", "0.7.0")
+    first = assert_apply_check_revert(tree, "src/")
+    assert "laid out as v0.6.0 (the sets of v0.7.0 and v0.6.0 both fit; v0.6.0's fixes more)" in first, first
+    assert "patches/megatron-bridge-v0.6.0/" in first
 
 
 # --------------------------------------------------------------------------- installed packages
@@ -138,10 +188,10 @@ def test_installed_without_dist_info_reads_package_info(bridge_source, tmp_path)
 
 
 def test_installed_newer_line_refused(bridge_source, tmp_path):
-    site = bu.installed_as(bridge_source, tmp_path / "site-packages", "0.7.0")
+    site = bu.installed_as(bridge_source, tmp_path / "site-packages", "0.8.0")
     r = bu.apply_patches(site)
-    assert r.returncode == 1 and "megatron_bridge-0.7.0.dist-info/METADATA: 0.7.0" in r.stderr
-    assert "the 0.7 line is newer" in r.stderr and SUPPORTED in r.stderr
+    assert r.returncode == 1 and "megatron_bridge-0.8.0.dist-info/METADATA: 0.8.0" in r.stderr
+    assert "the 0.8 line is newer" in r.stderr and SUPPORTED in r.stderr
 
 
 def test_installed_found_through_the_python_that_imports_it(bridge_source, tmp_path):

@@ -21,7 +21,11 @@ import pytest
 from megatron_mm_balance.testing import megatron_tree
 
 ROOT = Path(__file__).resolve().parents[2]
-RELEASES = ("core_v0.16.1", "core_v0.17.1", "core_v0.18.2", "core_v0.19.0")
+#: The Megatron-LM trees of the archives, by the name in ``Megatron-LM-<name>.tar.gz``: each
+#: release tag, and main of the 0.20 line (no tag yet).
+RELEASES = ("core_v0.16.1", "core_v0.17.1", "core_v0.18.2", "core_v0.19.0", "main-d98e8a64")
+#: The patch set of each tree (``patches/<set>/``; a release tag's own, main's the one made on it).
+PATCH_SET = {**{t: t for t in RELEASES if t.startswith("core_v")}, "main-d98e8a64": "core_v0.20.0"}
 # The file and line the "local commit" of the git variant changes: a context line of the
 # training.py hunk, so that a plain `git apply` fails there and the 3-way path is taken.
 LOCAL_EDIT_FILE = "megatron/training/training.py"
@@ -47,7 +51,7 @@ def package_version(tree: Path) -> str:
 
 # package_info.py of each tag (core_v0.19.0's already says 0.19.1).
 INFO_VERSION = {"core_v0.16.1": "0.16.1", "core_v0.17.1": "0.17.1", "core_v0.18.2": "0.18.2",
-                "core_v0.19.0": "0.19.1"}
+                "core_v0.19.0": "0.19.1", "main-d98e8a64": "0.20.0"}
 
 
 def git(d, *args, check=True):

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from megatron_trees import INFO_VERSION, LOCAL_EDIT_FILE, RELEASES, ROOT, git, tree_hash
+from megatron_trees import INFO_VERSION, LOCAL_EDIT_FILE, PATCH_SET, RELEASES, ROOT, git, tree_hash
 
 SCRIPT = ROOT / "scripts" / "apply_patches.sh"
-PATCH_SETS = {tag: sorted((ROOT / "patches" / tag).glob("*.patch")) for tag in RELEASES}
+PATCH_SETS = {tag: sorted((ROOT / "patches" / PATCH_SET[tag]).glob("*.patch")) for tag in RELEASES}
 PATCHES = PATCH_SETS["core_v0.16.1"]
 TARGETS = {"megatron/training/arguments.py", "megatron/training/training.py",
            "megatron/training/datasets/data_samplers.py", "examples/multimodal/model.py"}
@@ -28,7 +28,8 @@ TARGETS = {"megatron/training/arguments.py", "megatron/training/training.py",
 EXTRA_TARGETS = {"examples/multimodal/dataloader_provider.py", "megatron/training/checkpointing.py",
                  "megatron/core/tokenizers/utils/build_tokenizer.py", "examples/multimodal/train.py"}
 HUNK = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
-SUPPORTED_MSG = "supported releases: core_v0.16.1, core_v0.17.1, core_v0.18.2, core_v0.19.0"
+SUPPORTED_MSG = ("supported releases: core_v0.16.1, core_v0.17.1, core_v0.18.2, core_v0.19.0, "
+                 "core_v0.20.0 (main@d98e8a64)")
 
 
 # -- pure python ---------------------------------------------------------------------------
@@ -67,20 +68,21 @@ def targets(tag):
 
 
 def test_every_supported_release_has_a_patch_set():
-    assert sorted(p.name for p in (ROOT / "patches").iterdir()
-                  if not p.name.startswith("megatron-bridge-")) == sorted(RELEASES)   # docs/bridge.md
-    script = SCRIPT.read_text()
+    assert sorted(p.name for p in (ROOT / "patches").iterdir() if p.is_dir()
+                  and not p.name.startswith("megatron-bridge-")) == sorted(PATCH_SET.values())   # docs/bridge.md
+    sets = (ROOT / "patches" / "sets.tsv").read_text()
     for tag in RELEASES:
-        assert f"[{tag}]={INFO_VERSION[tag]}" in script
+        assert f"megatron-lm\t{PATCH_SET[tag]}\t{INFO_VERSION[tag]}\t" in sets
 
 
 @pytest.mark.parametrize("tag", RELEASES)
 def test_patch_files_are_well_formed_unified_diffs(tag):
     patches = PATCH_SETS[tag]
     # 0006 (checkpointing): not for core_v0.19.0 (fixed upstream); 0008: core_v0.17.1+ (their
-    # MultimodalTokenizer never got its path); 0009: core_v0.19.0 (train.py and pretrain()).
-    want = {"core_v0.16.1": ["0006", "0007"], "core_v0.19.0": ["0007", "0008", "0009"]}.get(
-        tag, ["0006", "0007", "0008"])
+    # MultimodalTokenizer never got its path, fixed upstream on main); 0009: core_v0.19.0 and main
+    # (train.py and pretrain()).
+    want = {"core_v0.16.1": ["0006", "0007"], "core_v0.19.0": ["0007", "0008", "0009"],
+            "main-d98e8a64": ["0007", "0009"]}.get(tag, ["0006", "0007", "0008"])
     assert [p.name[:4] for p in patches] == ["0001", "0002", "0003", "0004", "0005"] + want
     added = 0
     for p in patches:
@@ -127,7 +129,7 @@ def test_release_tree_accepted_idempotent_and_reverted_byte_for_byte(mlm_trees, 
     before = tree_hash(d)
     r = run_script(d, "--check")
     assert r.returncode == 0, r.stderr
-    assert f"Megatron-LM {tag} (" in r.stdout
+    assert f"Megatron-LM {PATCH_SET[tag]} (" in r.stdout
     files = targets(tag)
     assert states(r.stdout) == dict.fromkeys(files, "pending") and tree_hash(d) == before
     r = run_script(d)
@@ -204,21 +206,22 @@ def test_patch_release_gets_its_lines_patch_set(mlm_trees, tmp_path, version):
 
 
 NEWEST = RELEASES[-1]
+NEWEST_SET = PATCH_SET[NEWEST]
 
 
 def test_new_minor_line_is_refused_and_force_tries_the_newest_set(mlm_trees, tmp_path):
-    d = mlm_trees.copy_as(NEWEST, "0.20.0", tmp_path / "Megatron-LM")
+    d = mlm_trees.copy_as(NEWEST, "0.21.0", tmp_path / "Megatron-LM")
     before = tree_hash(d)
     for mode in ((), ("--check",), ("--revert",)):
         r = run_script(d, *mode)
         assert r.returncode == 1 and len(r.stderr.splitlines()) == 1, r.stdout + r.stderr
-        assert "0.20.0" in r.stderr and "the 0.20 line is newer" in r.stderr and SUPPORTED_MSG in r.stderr
-        assert f"--force tries the newest patch set ({NEWEST})" in r.stderr
+        assert "0.21.0" in r.stderr and "the 0.21 line is newer" in r.stderr and SUPPORTED_MSG in r.stderr
+        assert f"--force tries the newest patch set ({NEWEST_SET})" in r.stderr
     assert tree_hash(d) == before
     r = run_script(d, "--check", "--force")
     assert r.returncode == 0, r.stderr
-    assert r.stdout.splitlines()[0].startswith("Megatron-LM core_v0.20.0 (") and \
-        f"--force: trying the newest patch set patches/{NEWEST}/" in r.stdout
+    assert r.stdout.splitlines()[0].startswith("Megatron-LM core_v0.21.0 (") and \
+        f"--force: trying the newest patch set patches/{NEWEST_SET}/" in r.stdout
     assert tree_hash(d) == before
     r = run_script(d, "--force")
     assert r.returncode == 0 and f"applied {len(PATCH_SETS[NEWEST])} patch(es)" in r.stdout, r.stderr
@@ -228,7 +231,7 @@ def test_new_minor_line_is_refused_and_force_tries_the_newest_set(mlm_trees, tmp
 
 
 def test_force_is_all_or_nothing_and_only_for_newer_lines(mlm_trees, tmp_path):
-    d = mlm_trees.copy_as(NEWEST, "0.20.0", tmp_path / "Megatron-LM", "git")
+    d = mlm_trees.copy_as(NEWEST, "0.21.0", tmp_path / "Megatron-LM", "git")
     f = d / "megatron/training/training.py"           # upstream moved the hook's context away
     f.write_text(f.read_text().replace("    timers('train/valid/test-data-iterators-setup').stop()\n",
                                        "    pass\n", 1))
@@ -236,7 +239,7 @@ def test_force_is_all_or_nothing_and_only_for_newer_lines(mlm_trees, tmp_path):
     r = run_script(d, "--force")
     assert r.returncode == 1 and len(r.stderr.splitlines()) == 1
     assert r.stderr.startswith("apply_patches: megatron/training/training.py:")
-    assert f"--force: the newest patch set ({NEWEST}) does not fit core_v0.20.0" in r.stderr
+    assert f"--force: the newest patch set ({NEWEST_SET}) does not fit core_v0.21.0" in r.stderr
     assert "Nothing was changed" in r.stderr and tree_hash(d) == before
     old = mlm_trees.copy_as("core_v0.16.1", "0.15.2", tmp_path / "old")
     r = run_script(old, "--force")

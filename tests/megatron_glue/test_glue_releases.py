@@ -54,7 +54,7 @@ def test_launcher_refuses_an_unsupported_release(mlm_trees, tmp_path):
                        env=launch_env(MEGATRON_LM_DIR=str(d), DATA_PATH=str(tmp_path)))
     assert r.returncode == 1 and "0.14.1" in r.stderr and SUPPORTED_MSG in r.stderr
     r = subprocess.run(["bash", str(LAUNCH)], capture_output=True, text=True, timeout=60, env=launch_env())
-    assert r.returncode == 1 and "core_v0.16.1, core_v0.17.1, core_v0.18.2, core_v0.19.0" in r.stderr
+    assert r.returncode == 1 and "core_v0.16.1, core_v0.17.1, core_v0.18.2, core_v0.19.0, core_v0.20.0" in r.stderr
 
 
 def test_launcher_asks_for_python312_on_newer_releases(mlm_trees, tmp_path):
@@ -70,7 +70,7 @@ def test_launcher_asks_for_python312_on_newer_releases(mlm_trees, tmp_path):
 def test_launcher_takes_patch_releases_and_forced_lines(mlm_trees, tmp_path):
     """The launcher reads the release from apply_patches.sh --check: a patch release of the 0.16
     line runs under this Python (DRY_RUN prints the command), one of the 0.18 line asks for
-    Python 3.12, a forced 0.20 tree is refused unless FORCE_RELEASE=1."""
+    Python 3.12, a forced 0.21 tree is refused unless FORCE_RELEASE=1."""
     def launch(tree, **env):
         return subprocess.run(["bash", str(LAUNCH), "--config", str(ROOT / "configs/megatron/tiny_cpu.sh")],
                               capture_output=True, text=True, timeout=120,
@@ -85,12 +85,12 @@ def test_launcher_takes_patch_releases_and_forced_lines(mlm_trees, tmp_path):
         assert run_script(mid).returncode == 0
         r = launch(mid)
         assert r.returncode == 1 and "core_v0.18.0 needs Python >= 3.12" in r.stderr, r.stderr
-    new = mlm_trees.copy_as("core_v0.19.0", "0.20.0", tmp_path / "mlm-0.20.0")
+    new = mlm_trees.copy_as("main-d98e8a64", "0.21.0", tmp_path / "mlm-0.21.0")
     assert run_script(new, "--force").returncode == 0
     r = launch(new)
-    assert r.returncode == 1 and "the 0.20 line is newer" in r.stderr, r.stderr
+    assert r.returncode == 1 and "the 0.21 line is newer" in r.stderr, r.stderr
     r = launch(new, FORCE_RELEASE="1")
-    want = "core_v0.20.0 needs Python >= 3.12" if sys.version_info < (3, 12) else "examples/multimodal/train.py"
+    want = "core_v0.21.0 needs Python >= 3.12" if sys.version_info < (3, 12) else "examples/multimodal/train.py"
     assert want in r.stderr + r.stdout, r.stderr
 
 

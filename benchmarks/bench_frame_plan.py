@@ -23,6 +23,15 @@ on the same micro-steps: its moved cost over the certified minimum at its own ta
 its largest load, how many micro-steps this version ends lower / the same / higher, and
 its time.
 
+    python benchmarks/bench_frame_plan.py --group 8 [--dp 64,256,1024] [--steps 4] [--alpha 6608]
+
+The same micro-steps planned inside per-micro-step step groups (expert-parallel groups) of
+``--group`` consecutive ranks, next to the plan over all of data parallelism: frames per
+plan, the planner's CPU ms per plan (p50 / max; a rank plans only its own group's frames),
+and the largest load over the lower bound (of the group's own frames, mean over groups).
+The group plan's time is what ``mm-balance simulate --frame-plan-ms`` takes for that group
+size.
+
     python benchmarks/bench_frame_plan.py --bridge-data [--samples 256] [--seed 0]
         [--transfer B] [--cap]
 
@@ -214,6 +223,49 @@ def native_rows(args):
                   f"{_pct(b_ms, 50):11.2f} {max(b_ms):7.2f}")
 
 
+def group_rows(args):
+    """``--group N`` (module docstring): each micro-step planned over all ranks and inside
+    every group of ``N`` consecutive ranks."""
+    N = args.group
+    print(f"{args.steps} micro-steps per row; cost p*(p+alpha); patch cap "
+          f"{'the most any rank held' if args.cap else 'none'}; CPU ms of plan_frames per plan, "
+          f"p50 / max; groups of {N} consecutive ranks")
+    head = (f"{'DP':>5} {'alpha':>5} | {'frames':>6} {'ms p50':>8} {'ms max':>8} {'max/LB':>7} | "
+            f"{'group':>5} {'frames':>6} {'ms p50':>8} {'ms max':>8} {'max/LB':>7}")
+    print(head)
+    print("-" * len(head))
+    for D in [int(x) for x in args.dp.split(",")]:
+        if D % N:
+            raise SystemExit(f"--group {N} does not divide DP {D}")
+        for alpha in [int(x) for x in args.alpha.split(",")]:
+            rng = np.random.default_rng([args.seed, D])
+            wide_ms, wide_gap, nf, g_ms, g_gap, g_nf = [], [], [], [], [], []
+            for _ in range(args.steps):
+                owner, p = micro_step_frames(rng, D)
+                cost = p * (p + alpha)
+                cap = default_patch_cap(owner, p, D) if args.cap else None
+                t0 = time.thread_time()
+                pl = plan_frames(owner, cost, D, patches=p, patch_cap=cap)
+                wide_ms.append((time.thread_time() - t0) * 1e3)
+                wide_gap.append(pl.max_after / pl.lower_bound)
+                nf.append(len(p))
+                for lo in range(0, D, N):
+                    mine = (owner >= lo) & (owner < lo + N)
+                    if not mine.any():
+                        continue
+                    o, q = owner[mine] - lo, p[mine]
+                    c = q * (q + alpha)
+                    gcap = default_patch_cap(o, q, N) if args.cap else None
+                    t0 = time.thread_time()
+                    gp = plan_frames(o, c, N, patches=q, patch_cap=gcap)
+                    g_ms.append((time.thread_time() - t0) * 1e3)
+                    g_gap.append(gp.max_after / gp.lower_bound)
+                    g_nf.append(len(q))
+            print(f"{D:>5} {alpha:>5} | {int(np.mean(nf)):>6} {_pct(wide_ms, 50):8.2f} {max(wide_ms):8.2f} "
+                  f"{np.mean(wide_gap):7.4f} | {N:>5} {int(np.mean(g_nf)):>6} {_pct(g_ms, 50):8.2f} "
+                  f"{max(g_ms):8.2f} {np.mean(g_gap):7.4f}", flush=True)
+
+
 def _cpu_config_alpha() -> int:
     """``alpha`` of the Bridge CPU config's tower as the glue computes it (the whole tower's
     per-patch work over its per-squared-patch attention, ``VisionTower.frame_alpha``): a
@@ -402,7 +454,11 @@ def main(argv=None):
                     help="plan_frames then lower_by_swaps on the synthetic micro-steps instead")
     ap.add_argument("--timing", nargs="+", default=None, metavar="DIR",
                     help="the micro-steps of Bridge runs' timing records instead")
+    ap.add_argument("--group", type=int, default=None, metavar="N",
+                    help="also plan inside step groups of N consecutive ranks (the group plan's time)")
     args = ap.parse_args(argv)
+    if args.group:
+        return group_rows(args)
     if args.timing:
         return timing_runs(args)
     if args.swaps:

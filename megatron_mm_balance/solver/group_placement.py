@@ -14,12 +14,12 @@ to do with micro-step ``k`` of another. The plan:
 2. **Micro-steps inside each group**: the group's packs are cut into runs of ``S`` (its
    ranks) by an order, the runs become the group's micro-steps, heaviest first. One phase:
    the packs sorted by cost, the group's exact optimum (the sorted grouping). Two phases:
-   the best, per group, of the packs sorted by the sum of both, of the bands along
-   language that the two-phase grouping chooses on the whole batch
-   (:func:`~.two_phase._band_program`), and of the group's own bands (the same dynamic
-   program run in every group at once on its own packs, :func:`_own_banded_runs`; groups
-   of unequal size: sorted by vision and by language instead); on a small batch the swap
-   descent follows (:mod:`.two_phase`).
+   each group's own bands along language, every band cut by vision or by language (the
+   band program of :func:`~.two_phase._band_program` run in every group at once on its own
+   packs, :func:`_own_banded_runs`; its choices include the bands the program picks for
+   the whole batch and one band by either phase); groups of unequal size take the best of
+   the batch's bands and the packs sorted by vision, by language and by their sum. On a
+   small batch the swap descent follows (:mod:`.two_phase`).
 3. **Slots**, micro-step by micro-step for all groups at once: a rank keeps its heaviest
    pack of the micro-step; the others go to the ranks of the same group left without one,
    heaviest to the lightest running total, to a rank on the pack's own node first.
@@ -131,27 +131,29 @@ def _group_steps(vc: np.ndarray, groups: np.ndarray, sizes: np.ndarray):
         run = _positions((idx, -v), g_of, start) // S
     else:
         l = vc[:, :, 1].ravel()
-        candidates = [
-            _positions((idx, -v, -(v + l)), g_of, start) // S,    # by the sum
-            _banded_runs(v, l, g_of, S, start, D, G),             # the batch's bands
-        ]
-        if np.all(sizes == sizes[0]):                             # each group's own bands
-            candidates.append(_own_banded_runs(v, l, groups, int(sizes[0]), G))
+        if np.all(sizes == sizes[0]):
+            # each group's own bands: the band program on the same grid in every group,
+            # whose choices include the batch's bands and single bands by either phase
+            candidates = [_own_banded_runs(v, l, groups, int(sizes[0]), G)]
         else:
-            candidates += [_positions((idx, -l, -v), g_of, start) // S,     # by vision
-                           _positions((idx, -v, -l), g_of, start) // S]     # by language
-        scores = np.stack([_run_objective(v, l, g_of * G + r, E, G) for r in candidates])
-        best = np.argmin(scores, axis=0)                    # first of the best per group
-        run = np.choose(best[g_of], candidates)
+            candidates = [
+                _positions((idx, -v, -(v + l)), g_of, start) // S,        # by the sum
+                _banded_runs(v, l, g_of, S, start, D, G),                 # the batch's bands
+                _positions((idx, -l, -v), g_of, start) // S,              # by vision
+                _positions((idx, -v, -l), g_of, start) // S]              # by language
+        if len(candidates) == 1:
+            run = candidates[0]
+        else:
+            scores = np.stack([_run_objective(v, l, g_of * G + r, E, G) for r in candidates])
+            best = np.argmin(scores, axis=0)                # first of the best per group
+            run = np.choose(best[g_of], candidates)
         if D * G <= SWAP_DESCENT_MAX_PACKS and G > 1:
             for e in range(E):
                 mine = np.flatnonzero(g_of == e)
                 r = run[mine].copy()
                 _swap_descent(v[mine], l[mine], r, G)
                 run[mine] = r
-    maxima = np.zeros((E * G, P), dtype=np.int64)
-    np.maximum.at(maxima, g_of * G + run, vc.reshape(D * G, P))
-    maxima = maxima.reshape(E, G, P)
+    maxima = _segment_max(vc.reshape(D * G, P), g_of * G + run).reshape(E, G, P)
     # the group's steps heaviest first (ties: run order)
     rank_of_run = np.empty((E, G), dtype=np.int64)
     order = np.lexsort((np.broadcast_to(np.arange(G), (E, G)), -maxima.sum(axis=2)), axis=1)
@@ -161,13 +163,18 @@ def _group_steps(vc: np.ndarray, groups: np.ndarray, sizes: np.ndarray):
     return step.reshape(D, G), boxes
 
 
+def _segment_max(values: np.ndarray, key: np.ndarray) -> np.ndarray:
+    """``values`` ``[N, P]``: the maximum over the rows of each key ``0 .. K-1`` (every key
+    present), ``[K, P]``."""
+    order = stable_argsort(key)
+    starts = np.flatnonzero(np.r_[True, key[order][1:] != key[order][:-1]])
+    return np.maximum.reduceat(values[order], starts, axis=0)
+
+
 def _run_objective(v, l, key, E, G) -> np.ndarray:
     """Per group: the sum over its runs of (max vision + max language)."""
-    vm = np.zeros(E * G, dtype=np.int64)
-    lm = np.zeros(E * G, dtype=np.int64)
-    np.maximum.at(vm, key, v)
-    np.maximum.at(lm, key, l)
-    return (vm + lm).reshape(E, G).sum(axis=1)
+    m = _segment_max(np.stack([v, l], axis=1), key)
+    return m.sum(axis=1).reshape(E, G).sum(axis=1)
 
 
 def _banded_runs(v, l, g_of, S, start, D, G, units: int = 8) -> np.ndarray:

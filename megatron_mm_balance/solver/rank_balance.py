@@ -22,6 +22,10 @@ next light rank in the following round. The sum of squared totals falls with
 every applied swap, so the pass ends; it stops when no rank is above ``U``, no
 pair improves, or after ``max_rounds``.
 
+With step groups (``SwapRules.unit``: the per-micro-step meeting groups of
+:mod:`.group_placement`) a rank swaps only with ranks of its own group, against that
+group's levels, and its limit is its group's mean; without units nothing changes.
+
 What every pass of one solve must respect (the costs checked against the levels,
 the scalar whose rank totals are evened, the levels, the nodes) travels as one
 :class:`SwapRules`; the placement being improved as its two ``[D, G]`` arrays

@@ -70,9 +70,10 @@ def group_objective(placed, groups: np.ndarray | None) -> int:
         a = a[:, :, None]
     if groups is None:
         return int(a.max(axis=0).sum())
-    num = int(groups.max()) + 1
-    per = np.zeros((num,) + a.shape[1:], dtype=np.int64)
-    np.maximum.at(per, groups, a)                      # [E, G, P]: each group's maxima
+    order = np.argsort(groups, kind="stable")
+    g = groups[order]
+    starts = np.flatnonzero(np.r_[True, g[1:] != g[:-1]])
+    per = np.maximum.reduceat(a[order], starts, axis=0)   # [E, G, P]: each group's maxima
     return int(per.sum(axis=(1, 2)).max())
 
 

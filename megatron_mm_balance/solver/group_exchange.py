@@ -50,8 +50,16 @@ import numpy as np
 
 from .sorting import lex_argsort
 
-#: composite keys (group, cost): costs stay below this.
+#: composite keys (group, cost) and the swap keys need every profile below this.
 _SPAN = 1 << 40
+
+
+def exchangeable(costs: np.ndarray) -> bool:
+    """Whether :func:`exchange_between_groups` takes ``costs`` ``[D, G, P]``: every profile
+    (at most ``G * P`` times the largest cost) below ``2**40`` (microseconds: a pack of
+    hours)."""
+    D, G, P = costs.shape
+    return int(costs.max(initial=0)) * G * P < _SPAN
 
 
 @dataclass
@@ -171,7 +179,7 @@ def exchange_between_groups(costs: np.ndarray, group: np.ndarray, *, tolerance: 
     S = int(size[0])
     N = S * G
     flat = c.reshape(D * G, P).astype(np.int64)
-    if int(flat.max(initial=0)) * G * P >= _SPAN:
+    if not exchangeable(c):
         raise ValueError(f"costs must stay below {_SPAN // (G * P)} for the exchange between groups")
     # members[e]: the flat ids of the packs group e holds, in rank-major order of its ranks.
     ranks_of = np.argsort(group, kind="stable").reshape(E, S)

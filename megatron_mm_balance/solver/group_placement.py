@@ -34,7 +34,8 @@ on another rank 1, on another node ``1 + INTER_NODE_WEIGHT``,
 :func:`~.rank_balance.move_weight`); otherwise today's placement is returned, so the plan
 never loses to today's on any of them. One group of all ranks is today's placement
 (the caller dispatches it there unchanged); every rank its own group is ``step`` mode.
-Groups of unequal size skip part 1 (each keeps its own packs).
+Groups of unequal size (or costs beyond ``2**40`` over a profile) skip part 1: each
+keeps its own packs.
 
 Vectorised over groups (the only Python loops run over micro-steps and swap rounds), so
 a thousand ranks in groups of eight cost about what one group of a thousand does.
@@ -44,7 +45,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .group_exchange import exchange_between_groups
+from .group_exchange import exchange_between_groups, exchangeable
 from .rank_balance import SwapRules, balance_rank_totals, move_weight, send_home
 from .sorting import lex_argsort, stable_argsort
 from .step_groups import group_objective, inter_group_packs
@@ -88,7 +89,7 @@ def group_plan(c: np.ndarray, groups: np.ndarray, node: np.ndarray | None,
     D, G = c.shape[:2]
     ph = c if c.ndim == 3 else c[:, :, None]               # [D, G, P]
     sizes = np.bincount(groups)
-    if np.all(sizes == sizes[0]):
+    if np.all(sizes == sizes[0]) and exchangeable(ph):
         held = exchange_between_groups(ph, groups,
                                        tolerance=tolerance * EXCHANGE_TOLERANCE_SHARE).held
     else:

@@ -263,6 +263,15 @@ def test_unequal_groups_and_interleaved_labels():
         assert group_objective(p.apply(c), g) <= group_objective(today.apply(c), g)
 
 
+def test_huge_costs_keep_every_group_its_own_packs():
+    c = np.full((8, 4), 1 << 38, dtype=np.int64)
+    c[0, 0] = 1 << 39
+    p = plan_placement(c, step_groups=[0, 0, 1, 1, 2, 2, 3, 3])
+    check_placement(p, 8, 4)
+    g = np.arange(8) // 2
+    assert inter_group_packs(p.src_rank, g) <= inter_group_packs(plan_placement(c).src_rank, g)
+
+
 def test_group_placement_is_the_same_in_every_process():
     code = ("import numpy as np\n"
             "from megatron_mm_balance.solver.placement import plan_placement\n"

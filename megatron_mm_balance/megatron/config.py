@@ -340,7 +340,8 @@ class MMBalanceConfig:
                               "--mm-balance.")
     #: what the config was resolved against (Megatron's defaults unless built from ``args``)
     megatron: MegatronArgs = field(default_factory=MegatronArgs)
-    #: the runtime's settings, derived (packs stay where the loader put them: device None)
+    #: the runtime's settings, derived (device "auto": on a GPU, packs arrive on it, copied on
+    #: the exchange's side stream; on a CPU they stay where the loader put them)
     balancer: BalancerConfig = field(init=False, repr=False)
 
     def __post_init__(self):
@@ -358,7 +359,7 @@ class MMBalanceConfig:
             object.__setattr__(self, name, value)
         try:
             balancer = BalancerConfig(sync=self.sync, overlap=bool(self.overlap), timeout=self.timeout,
-                                      device=None, balance_tolerance=self.tolerance,
+                                      device="auto", balance_tolerance=self.tolerance,
                                       shadow=self.mode == "shadow", control=self.mode == "control",
                                       crossover=crossover_parity(self.mode),
                                       ranks_per_node=self.ranks_per_node)
@@ -399,7 +400,7 @@ class MMBalanceConfig:
 
     # -- derived from Megatron's arguments ------------------------------------------------
     def runtime(self) -> BalancerConfig:
-        """The balanced iterator's settings (packs stay where the loader put them)."""
+        """The balanced iterator's settings (on a GPU, packs are delivered on it)."""
         return self.balancer
 
     @property

@@ -21,6 +21,8 @@ from ..solver.placement import DEFAULT_BALANCE_TOLERANCE, SYNC_MODES
 
 #: seconds any wait on a peer may take before a clear error (the one default)
 DEFAULT_TIMEOUT_S = 300.0
+#: the pinned host memory one iterator may keep for packs on a GPU job (the default cap)
+DEFAULT_PINNED_BYTES = 1 << 30
 #: the parities :attr:`BalancerConfig.crossover` balances
 CROSSOVER_PARITIES = ("even", "odd")
 #: the tolerance's valid range, [0, TOLERANCE_BELOW): a fraction of the mean rank total
@@ -52,8 +54,12 @@ class BalancerConfig:
     overlap: bool = True
     #: seconds any wait on a peer may take before a clear error.
     timeout: float = DEFAULT_TIMEOUT_S
-    #: None (tensors keep their device type), ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
+    #: None (tensors keep their device type), ``"cpu"``, ``"cuda"`` or ``"cuda:N"``, or
+    #: ``"auto"``: the current CUDA device where CUDA is available, else None.
     device: Any = None
+    #: cap on the pinned host memory one iterator keeps for packs on a GPU job (received
+    #: packs, local ones staged for the device); reused, never grown past it. 0: none pinned.
+    pinned_bytes: int = DEFAULT_PINNED_BYTES
     #: False: pure pass-through of the source, no collectives, no thread.
     enabled: bool = True
     #: the solver's knob: how far (a fraction of the mean rank total) a rank's total may
@@ -106,6 +112,9 @@ class BalancerConfig:
                 raise SettingError("crossover", "must be 'even', 'odd' or None", self.crossover)
             if self.shadow or self.control:
                 raise SettingError("crossover", "cannot be combined with shadow or control", self.crossover)
+        pinned = self.pinned_bytes
+        if isinstance(pinned, bool) or not isinstance(pinned, int) or pinned < 0:
+            raise SettingError("pinned_bytes", "must be an integer >= 0", pinned)
         hist = self.stats_history
         if isinstance(hist, bool) or not isinstance(hist, int) or hist < 1:
             raise SettingError("stats_history", "must be an integer >= 1", hist)

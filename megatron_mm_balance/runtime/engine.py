@@ -40,6 +40,7 @@ from . import faults
 from .agreement import (INLINE_COSTS, STATUS_WHAT, BatchRecord, BatchStatus, check_agreement,
                         settings_hash, settings_string)
 from .config import CROSSOVER_PARITIES, BalancerConfig
+from .device import nvtx_range
 from .errors import add_context, batch_name
 from .planner import node_of_ranks, plan_batch
 from .stats import BatchStats
@@ -139,7 +140,7 @@ class Engine:
 
     def __init__(self, source, *, ranks, rank_index, exchange_group, cost_fn, cost_identity,
                  config: BalancerConfig, device=None, board=None, state_fn=None, found_nodes=None,
-                 check_fn=None, first_iteration: int | None = None):
+                 check_fn=None, first_iteration: int | None = None, describe=None):
         self.source = source
         #: ``pack -> None``, raising for a pack that must not be balanced (None: no check)
         self.check_fn = check_fn
@@ -175,7 +176,8 @@ class Engine:
         self.board = board
         self.transport = PackTransport(exchange_group, self.ranks, rank_index,
                                        timeout=config.timeout, device=device, board=board,
-                                       name_batch=self.name_batch)
+                                       name_batch=self.name_batch, pinned_bytes=config.pinned_bytes,
+                                       describe=describe)
         #: the test hook's fault for this rank (:mod:`.faults`; None whenever it is unset)
         self.fault = faults.configured(self.ranks[rank_index])
         self.heartbeat = time.monotonic()
@@ -210,7 +212,8 @@ class Engine:
         return plan
 
     def _start_batch(self, gb: int, G: int) -> BatchPlan:
-        packs, costs, status, err, state_after = self._pull(gb, G)
+        with nvtx_range("mm-balance pull"):
+            packs, costs, status, err, state_after = self._pull(gb, G)
         pulled = len(packs)
         if self.world == 1:
             if err is not None:
@@ -223,7 +226,8 @@ class Engine:
         self._post_to_board(gb, status, err)
         self._beat("all-gathering pack costs")
         t0 = time.perf_counter()
-        all_costs = self._agree(gb, G, costs, pulled, status, err)
+        with nvtx_range("mm-balance all-gather"):
+            all_costs = self._agree(gb, G, costs, pulled, status, err)
         gather_ms = (time.perf_counter() - t0) * 1e3
         return self._plan(gb, G, packs, all_costs, gather_ms, state_after)
 
@@ -316,7 +320,8 @@ class Engine:
         micro-step order (and records that permutation's figures: nothing moved)."""
         self._beat("solving placement")
         t0 = time.perf_counter()
-        solved, plan = plan_batch(costs, self.config, nodes=self.nodes)
+        with nvtx_range("mm-balance solve"):
+            solved, plan = plan_batch(costs, self.config, nodes=self.nodes)
         mode = delivery_mode(self.config, self.iteration_of(gb))
         scalar = costs.sum(axis=2) if costs.ndim == 3 else costs
         if mode == "shadow":
@@ -351,9 +356,10 @@ class Engine:
         """Deliver micro-step ``k``: send the packs peers compute now, receive (or take)
         the one this rank computes, placed on the target device."""
         t0, cpu0 = time.perf_counter(), time.thread_time()
-        sends = self._post_sends(plan, k)
-        item = self._take(plan, k, place=True)
-        self._finish_sends(plan, sends)
+        with nvtx_range("mm-balance exchange"):
+            sends = self._post_sends(plan, k)
+            item = self._take(plan, k, place=True)
+            self._finish_sends(plan, sends)
         self._account(plan, t0, cpu0)
         return item
 
@@ -372,9 +378,10 @@ class Engine:
         in both directions, share the link instead of taking turns."""
         t0, cpu0 = time.perf_counter(), time.thread_time()
         G = plan.num_microbatches
-        sends = [s for k in range(G) for s in self._post_sends(plan, k)]
-        items = [self._take(plan, k, place=False) for k in range(G)]
-        self._finish_sends(plan, sends)
+        with nvtx_range("mm-balance exchange"):
+            sends = [s for k in range(G) for s in self._post_sends(plan, k)]
+            items = [self._take(plan, k, place=False) for k in range(G)]
+            self._finish_sends(plan, sends)
         self._account(plan, t0, cpu0)
         return items
 

@@ -447,9 +447,18 @@ class ImageExchange(UnitExchange):
         return super().to_owners(embeddings)
 
 
+def collective_device(group, like: torch.Tensor) -> torch.device:
+    """Where a collective's tensors must live on ``group``: ``like``'s device on an NCCL
+    group (NCCL takes no host tensors), the host otherwise (gloo)."""
+    if dist.is_available() and dist.is_initialized() and dist.get_backend(group) == "nccl":
+        return like.device
+    return torch.device("cpu")
+
+
 def balanced_encode(encoder, images: torch.Tensor, costs, group=None) -> torch.Tensor:
     """``encoder(images)`` computed with this micro-step's images balanced over ``group``:
-    gather the costs, plan, send, encode, send back. Collective: every rank calls it."""
-    plan = ImagePlan.from_costs(gather_image_costs(costs, group))
+    gather the costs (on the device :func:`collective_device` gives the group's backend),
+    plan, send, encode, send back. Collective: every rank calls it."""
+    plan = ImagePlan.from_costs(gather_image_costs(costs, group, device=collective_device(group, images)))
     ex = ImageExchange(plan, group)
     return ex.to_owners(encoder(ex.to_encoders(images)))

@@ -54,7 +54,7 @@ import torch.distributed as dist
 
 from .config import BalancerConfig
 from ..cost.pack import cost_fn_identity, default_cost_fn
-from .device import enter_thread, resolve_device, thread_device
+from .device import enter_thread, nvtx_range, resolve_device, thread_device
 from .engine import Engine, SourceExhausted
 from .errors import BalancerError, ExchangeThreadError
 from .groups import ProgressBoard, exchange_group_for, gather_node_ids, group_ranks
@@ -196,6 +196,10 @@ class BalancedDataIterator:
             run on a private calculator), so the thread can prefetch across
             batches; each prediction is checked against ``num_microbatches()``
             when the batch starts.
+        describe: ``pack -> object``, read from every delivered pack while it is still on the
+            host (on the exchange thread, before its copy to the device); the delivered pack's
+            is :attr:`last_info`. For whatever must not read device tensors (the timing hooks'
+            features).
         **settings: the same fields as keywords, a convenience that builds the
             config (``sync="step", overlap=False``); not together with ``config``.
     """
@@ -203,7 +207,7 @@ class BalancedDataIterator:
     def __init__(self, source, *, num_microbatches, group=None, cost_fn=None, exchange_group=None,
                  config: BalancerConfig | None = None, state_fn=None, predict_microbatches=None,
                  name: str = "", node_ids=None, check_fn=None, first_iteration: int | None = None,
-                 **settings):
+                 describe=None, **settings):
         if not (callable(num_microbatches) or _is_count(num_microbatches)):
             raise ValueError(f"num_microbatches must be a positive int or a callable, got {num_microbatches!r}")
         if predict_microbatches is not None and not (callable(predict_microbatches)
@@ -246,6 +250,8 @@ class BalancedDataIterator:
         self._G = 0
         self._k = 0
         self._staged = None                 # without the thread: the batch's exchanged items
+        #: ``describe`` of the micro-batch delivered last (None without ``describe``)
+        self.last_info = None
         self._wait_ms = self._wait_first_ms = 0.0
         if not self.enabled:
             return
@@ -281,7 +287,7 @@ class BalancedDataIterator:
                               cost_identity=cost_fn_identity(cost_fn), config=config,
                               device=self.device, board=board, state_fn=state_fn,
                               found_nodes=_group_nodes(node_ids, ranks), check_fn=check_fn,
-                              first_iteration=first_iteration)
+                              first_iteration=first_iteration, describe=describe)
         if self.overlap:
             fixed = None if callable(self._num_mb) else int(self._num_mb)
             self._worker = _Worker(self._engine, fixed, predict_microbatches, thread_device(self.device))
@@ -303,9 +309,10 @@ class BalancedDataIterator:
         if self._exhausted is not None:
             raise StopIteration(*self._exhausted.args)
         t0 = time.perf_counter()
-        if self._k == self._G:                       # first micro-step of a new global batch
-            self._start_batch()
-        item = self._get_item()
+        with nvtx_range("mm-balance wait"):
+            if self._k == self._G:                   # first micro-step of a new global batch
+                self._start_batch()
+            item = self._get_item()
         waited = (time.perf_counter() - t0) * 1e3
         self._wait_ms += waited
         if self._k == 0:
@@ -315,8 +322,8 @@ class BalancedDataIterator:
                 f"num_microbatches() is {self._G} at {self._batch_name()} but the exchange thread "
                 f"prefetched it with {item.num_microbatches} micro-batches (predict_microbatches "
                 f"disagrees with the training loop's schedule)", global_batch=self._gb))
-        if item.event is not None:
-            self._engine.cuda_mover.ready(item.event, item.buffers)
+        self._engine.transport.hand_over(item)
+        self.last_info = item.info
         self._k += 1
         if item.last:
             self._finish_batch(item)
@@ -417,6 +424,12 @@ class BalancedDataIterator:
     def last_stats(self) -> BatchStats | None:
         """The :class:`~.stats.BatchStats` of the last global batch delivered (None before)."""
         return self.stats[-1] if self.stats else None
+
+    def pinned_pool(self):
+        """The :class:`~.device.PoolStats` of the pinned host memory this iterator keeps
+        (None without CUDA or when disabled)."""
+        pool = self._engine.transport.pool if self._engine is not None else None
+        return pool.stats() if pool is not None else None
 
     @property
     def exhaustion(self) -> SourceExhausted | None:

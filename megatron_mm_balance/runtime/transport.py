@@ -16,6 +16,7 @@ header, then each non-empty tensor's bytes.
 from __future__ import annotations
 
 import datetime
+import pickle
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
@@ -24,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from . import wire
-from .device import CudaMover, cuda_api
+from .device import DEFAULT_PINNED_BYTES, CudaMover, PinnedPool, cuda_api
 from .errors import PeerFailure, batch_name
 
 #: bytes of the per-pack record (3 int64) that precedes every moved pack
@@ -42,6 +43,8 @@ class Item:
     #: consumer completes the batch's statistics (and takes the source state paired with it)
     batch: object = None
     num_microbatches: int = 0          # the global batch's G, as the thread ran it
+    #: what ``describe`` read from the pack while it was on the host (None without one)
+    info: object = None
     #: False: exchanged but still where it arrived (a received pack as its ``(header, data)``
     #: host buffers in ``staged``, a local one as drawn); :meth:`PackTransport.placed`
     #: puts it on the target device when it is delivered
@@ -74,7 +77,8 @@ class PackTransport:
 
     def __init__(self, group, ranks: Sequence[int], me: int, *, timeout: float,
                  device: Optional[torch.device] = None, board=None,
-                 name_batch: Callable[[int], str] = batch_name):
+                 name_batch: Callable[[int], str] = batch_name, pinned_bytes: int = DEFAULT_PINNED_BYTES,
+                 describe: Optional[Callable] = None):
         self.group = group
         self.ranks = list(ranks)
         self.me = me
@@ -83,7 +87,13 @@ class PackTransport:
         self.device = device
         self.board = board
         self.name_batch = name_batch
+        #: ``pack -> object`` read from each delivered pack on the host, before it goes to the
+        #: device (what the timing hooks record, so they never read a device tensor)
+        self.describe = describe
         self.cuda_mover = CudaMover(device) if device is not None and device.type == "cuda" else None
+        #: pinned host memory for packs on a GPU job (received ones, and local ones staged for
+        #: the device), capped and reused; None without CUDA or with ``pinned_bytes=0``
+        self.pool = PinnedPool(pinned_bytes) if pinned_bytes > 0 and cuda_api().is_available() else None
 
     @property
     def my_rank(self) -> int:
@@ -173,7 +183,7 @@ class PackTransport:
             raise PeerFailure(f"rank {self.my_rank}: pack header from rank {src} does not match "
                               f"its record at {self.name_batch(gb)}, micro-step {step}",
                               global_batch=gb, peers=(src,))
-        data = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.cuda_mover is not None)
+        data = self.host_buffer(nbytes)
         works = [self.post(lambda r=r: dist.irecv(data[r.offset: r.offset + r.nbytes], src=src,
                                                   group=self.group),
                            "receiving a pack", gb, (src,), step)
@@ -184,15 +194,48 @@ class PackTransport:
         return item, PACK_RECORD_BYTES + hlen + sum(r.nbytes for r in refs)
 
     # -- device placement ----------------------------------------------------------------
+    def host_buffer(self, nbytes: int) -> torch.Tensor:
+        """Host memory for a pack's bytes: from the pinned pool on a GPU job (pageable when it
+        is full), else a new pageable buffer."""
+        if self.pool is not None:
+            return self.pool.take(nbytes)
+        return torch.empty(nbytes, dtype=torch.uint8)
+
     def local(self, pack, *, place: bool = True) -> Item:
         """A pack this rank drew and computes itself, on the target device (``place=False``:
-        as drawn, see :meth:`placed`)."""
+        as drawn, see :meth:`placed`). On the host it stays as drawn (the source's pinned
+        memory with it); to a GPU its tensors go straight from their pinned memory when they
+        all have some, else through one pinned buffer of the pool (one host copy)."""
         if not place:
             return Item(pack, placed=False)
+        info = self._info(pack)
         if self.device is None or _all_on(pack, self.device):
-            return Item(pack)
-        header, data = wire.encode(pack, pin_memory=self.device.type == "cuda")
-        return self.place(header, data)
+            return Item(pack, info=info)
+        if self.device.type == "cuda":
+            direct = self._pinned_parts(pack)
+            if direct is not None:
+                direct.info = info
+                return direct
+        header, data = wire.encode(pack, alloc=self.host_buffer)
+        return self.place(header, data, info=info)
+
+    def _info(self, pack):
+        return self.describe(pack) if self.describe is not None else None
+
+    def _pinned_parts(self, pack):
+        """``pack`` on the device copied tensor by tensor from the source's pinned memory
+        (None unless every tensor is on the host, pinned and needs no reshaping copy)."""
+        api = cuda_api()
+        sp = wire.split(pack)
+        if not sp.parts or not all(p.device.type == "cpu" and api.is_pinned(p) for p in sp.parts):
+            return None
+        header = pickle.loads(sp.header)
+        refs = wire.refs_of(header)
+        mover = self._cuda()
+        dev, event = mover.parts_to_device(sp.parts, [r.offset for r in refs], sp.data_nbytes)
+        if self.pool is not None:                  # the source's buffers live until the copy is done
+            self.pool.release_after(dev, event, keep=sp.parts)
+        return Item(wire.decode(header, lambda ref: dev), event, (dev,))
 
     def placed(self, item: Item) -> Item:
         """``item`` on the target device: what :meth:`receive` or :meth:`local` return, placed
@@ -204,8 +247,16 @@ class PackTransport:
         out.batch, out.num_microbatches = item.batch, item.num_microbatches
         return out
 
-    def place(self, header, data) -> Item:
-        """Decode a host data buffer onto the target device(s)."""
+    def place(self, header, data, info=None) -> Item:
+        """Decode a host data buffer onto the target device(s) (``info``: the pack's
+        description when the caller has it; else read here from the host bytes)."""
+        if info is None and self.describe is not None:
+            info = self._info(wire.decode(header, lambda ref: data))
+        item = self._place(header, data)
+        item.info = info
+        return item
+
+    def _place(self, header, data) -> Item:
         if self.device is not None:
             target_cuda = self.device.type == "cuda"
         else:                                        # keep each tensor's device type
@@ -213,10 +264,22 @@ class PackTransport:
         if not target_cuda:
             return Item(wire.decode(header, lambda ref: data))
         dev, event = self._cuda().to_device(data)
+        if self.pool is not None:
+            self.pool.release_after(data, event)   # reusable once the copy is done
         if self.device is not None:
             return Item(wire.decode(header, lambda ref: dev), event, (dev,))
         return Item(wire.decode(header, lambda ref: dev if ref.device_type == "cuda" else data),
                     event, (dev,))
+
+    def hand_over(self, item: Item) -> None:
+        """Consumer side, as ``item`` is delivered: its compute stream waits for the item's
+        copy (and the allocator learns of the use); host buffers given back since the last
+        delivery wait for what that stream has been given so far (:meth:`PinnedPool.fence`)."""
+        if item.event is not None:
+            self.cuda_mover.ready(item.event, item.buffers)
+        if self.pool is not None:
+            device = self.cuda_mover.device if self.cuda_mover is not None else None
+            self.pool.fence(cuda_api().current_stream(device))
 
     def _cuda(self) -> CudaMover:
         if self.cuda_mover is None:

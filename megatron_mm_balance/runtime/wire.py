@@ -140,10 +140,12 @@ def refs_of(header) -> list[TensorRef]:
     return sorted(out, key=lambda r: r.offset)
 
 
-def encode(pack, *, pin_memory: bool = False):
-    """``(header, data)``: the unpickled header and one CPU buffer holding every tensor."""
+def encode(pack, *, alloc=None):
+    """``(header, data)``: the unpickled header and one CPU buffer holding every tensor
+    (``alloc(nbytes)``: where that buffer comes from, e.g. a pinned pool; default a new
+    pageable one)."""
     sp = split(pack)
-    data = torch.empty(sp.data_nbytes, dtype=torch.uint8, pin_memory=pin_memory)
+    data = alloc(sp.data_nbytes) if alloc is not None else torch.empty(sp.data_nbytes, dtype=torch.uint8)
     header = pickle.loads(sp.header)
     for ref, f in zip(refs_of(header), sp.parts):
         if f.numel():

@@ -84,6 +84,7 @@ class FakeCuda:
         self._events = 0
         self.pinned_bytes = 0            # allocated through pinned_empty, ever
         self.pinned_allocations = 0
+        self._pinned: list = []          # (address, bytes, tensor) of every pinned allocation
 
     # -- bookkeeping -------------------------------------------------------------------
     def _log(self, name: str, arg=None) -> None:
@@ -153,6 +154,42 @@ class FakeCuda:
     def record_stream(self, tensor: torch.Tensor, stream) -> None:
         self._log("record_stream", stream.name)
 
+    def pinned_empty(self, nbytes: int) -> torch.Tensor:
+        out = torch.empty(nbytes, dtype=torch.uint8)
+        with self._lock:
+            self.pinned_bytes += nbytes
+            self.pinned_allocations += 1
+            self._pinned.append((out.data_ptr(), nbytes, out))
+        self._log("pinned_empty", nbytes)
+        return out
+
+    def pin(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A copy of ``tensor`` in "pinned" memory (what a loader with ``pin_memory`` gives)."""
+        flat = self.pinned_empty(tensor.numel() * tensor.element_size())
+        out = flat.view(tensor.dtype).view(tensor.shape)
+        out.copy_(tensor)
+        return out
+
+    def is_pinned(self, tensor: torch.Tensor) -> bool:
+        ptr = tensor.data_ptr()
+        with self._lock:
+            return any(base <= ptr < base + n for base, n, _ in self._pinned)
+
+    def device_empty(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        self._log("device_empty", nbytes)
+        return torch.empty(nbytes, dtype=torch.uint8).as_subclass(FakeDeviceTensor)
+
+    def copy_async(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        self._log("copy_async", src.numel())
+        with torch._C.DisableTorchFunctionSubclass():
+            dst.copy_(src)
+
+    def range_push(self, name: str) -> None:
+        self._log("range_push", name)
+
+    def range_pop(self) -> None:
+        self._log("range_pop")
+
 
 # -- device-to-host reads -----------------------------------------------------------------
 
@@ -220,11 +257,12 @@ class Read:
 
 def owner_of(stack) -> tuple:
     """``(owner, "file:line")`` of a read from its stack (innermost last): the innermost frame
-    outside torch and this module decides; this package (but not its ``testing`` stand-ins
+    outside torch, this module and any ``__torch_function__`` dispatch decides; this package (but not its ``testing`` stand-ins
     for a framework) is ``ours``, anything else ``upstream``."""
     for frame in reversed(stack):
         path = os.path.abspath(frame.filename)
-        if path.startswith(_TORCH_DIR) or path == os.path.abspath(__file__):
+        if path.startswith(_TORCH_DIR) or path == os.path.abspath(__file__) \
+                or frame.name == "__torch_function__":          # dispatch (a mode), not a caller
             continue
         mine = path.startswith(_PACKAGE_DIR) and not path.startswith(_TESTING_DIR)
         return ("ours" if mine else "upstream"), f"{path}:{frame.lineno}"

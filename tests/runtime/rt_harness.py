@@ -753,7 +753,7 @@ def scenario_stall(rank, world, G=4, timeout=4.0, stall=12.0):
     return res
 
 
-def scenario_thread_device(rank, world, G=2, batches=3, overlap=True):
+def scenario_thread_device(rank, world, G=2, batches=3, overlap=True, delivery_batches=24):
     """With a fake CUDA (:mod:`megatron_mm_balance.testing.fake_cuda`) on every rank: the
     training thread selects device ``rank`` (as a launcher's LOCAL_RANK does); the iterator's
     exchange thread must run on it too, from its first call on, and the source (the train
@@ -781,10 +781,57 @@ def scenario_thread_device(rank, world, G=2, batches=3, overlap=True):
         moved = sum(s.packs_moved for s in it.stats)
     thread = "mm-balance-exchange" if overlap else "MainThread"
     calls = fake.by_thread(thread)
-    return {"first_call": [calls[0].name, calls[0].arg] if calls else None,
-            "set_device": [c.arg for c in fake.calls_named("set_device")],
-            "pull_threads": sorted({t for t, _ in pulls}), "pull_devices": sorted({d for _, d in pulls}),
-            "moved": moved}
+    out = {"first_call": [calls[0].name, calls[0].arg] if calls else None,
+           "set_device": [c.arg for c in fake.calls_named("set_device")],
+           "pull_threads": sorted({t for t, _ in pulls}), "pull_devices": sorted({d for _, d in pulls}),
+           "moved": moved}
+    out.update(_cuda_delivery(rank, fake, G, delivery_batches))
+    return out
+
+
+def _cuda_delivery(rank, fake, G, batches):
+    """Delivery to the (fake) device: which thread and stream do what, per delivered pack;
+    the pinned pool's size after warm-up and at the end; what arrived (checksums)."""
+    import threading
+    import torch
+    from megatron_mm_balance.runtime import BalancedDataIterator, wire
+    fake.calls.clear()
+
+    def source():
+        i = 0
+        while True:
+            pack = make_pack(rank, i)
+            if i % 2:                                   # a loader with pin_memory: no staging copy
+                pack = wire._map(pack, fake.pin, torch.Tensor)
+            yield pack
+            i += 1
+
+    def expected(pack_id):                              # "r<rank>-p<i>": its owner's draw
+        r, i = pack_id[1:].split("-p")
+        return checksum(make_pack(int(r), int(i)))
+
+    got, protocol, pools = [], [], []
+    with BalancedDataIterator(source(), num_microbatches=G, device="cuda", timeout=30) as it:
+        for b in range(batches):
+            for _ in range(G):
+                before = len(fake.calls)
+                pack = next(it)
+                mine = [c for c in fake.calls[before:] if c.thread == threading.current_thread().name]
+                protocol.append([[c.name, c.stream] for c in mine])
+                got.append([pack["id"], checksum(pack), type(pack["tokens"]).__name__])
+            if b in (batches // 2, batches - 1):
+                pools.append(it.pinned_pool().__dict__)
+        moved = sum(s.packs_moved for s in it.stats)
+    copies = [[c.name, c.thread, c.device, c.stream] for c in fake.calls
+              if c.name in ("to_device", "copy_async", "device_empty", "record_event")]
+    ranges = {}
+    for c in fake.calls:
+        if c.name in ("range_push", "range_pop"):
+            ranges.setdefault(c.thread, []).append(c.arg if c.name == "range_push" else None)
+    return {"delivered_ok": all(expected(i) == h for i, h, _ in got),
+            "delivered_types": sorted({t for _, _, t in got}), "protocol": protocol, "copies": copies,
+            "ranges": ranges, "pools": pools, "cuda_moved": moved,
+            "pinned_allocations": fake.pinned_allocations}
 
 
 def run_rank(scenario, rank, world, port, outdir, kw):

@@ -47,8 +47,12 @@ class BalancedTrainIterable:
     """
 
     def __init__(self, items, source, *, global_batch_of: Callable[[], int], stats, telemetry=None,
-                 recorder=None, reporter=None):
+                 recorder=None, reporter=None, timing=None, chunk: int = 0):
         self.items = items
+        #: the per-pack timing recorder, told each micro-batch's features from its host copy
+        #: (:meth:`~.timing.TimingRecorder.expect`), and this iterator's model chunk
+        self._timing = timing
+        self._chunk = chunk
         self.source = source
         self._global_batch_of = global_batch_of
         self._stats = stats
@@ -78,6 +82,10 @@ class BalancedTrainIterable:
                 self._telemetry.on_batch(gb)
         if self._recorder is not None:
             self._recorder.record(item)
+        if self._timing is not None:
+            balancer = self.balancer
+            self._timing.expect(balancer.last_info if balancer is not None else
+                                _host_features(self._timing, item), self._chunk)
         return item
 
     @property
@@ -108,6 +116,36 @@ class BalancedTrainIterable:
     def close(self) -> None:
         if self.balancer is not None:
             self.balancer.close()
+
+
+def _host_features(timing, item):
+    """The timing features of a micro-batch still on the host (None without a reader)."""
+    return timing.host_features(item) if timing.host_features is not None else None
+
+
+class TimingTap:
+    """Balancing off, timing on: hands each micro-batch's features, read from the host copy
+    the loader gives, to the timing recorder (:meth:`~.timing.TimingRecorder.expect`);
+    otherwise a pass-through that keeps ``save_state`` and the rest of the loader."""
+
+    def __init__(self, source, timing, chunk: int = 0):
+        self.source = source
+        self._it = source if hasattr(source, "__next__") else iter(source)
+        self.timing = timing
+        self.chunk = chunk
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        item = next(self._it)
+        self.timing.expect(_host_features(self.timing, item), self.chunk)
+        return item
+
+    def __getattr__(self, name):          # save_state and anything else the loader offers
+        if name in ("source", "_it", "timing", "chunk"):
+            raise AttributeError(name)
+        return getattr(self.source, name)
 
 
 def make_cost_fn(cfg: MMBalanceConfig):
@@ -241,17 +279,21 @@ class ExchangeCoordinator(Coordinator):
         if cost_fn is None:
             from .timing import auto_cost_fn
             cost_fn = auto_cost_fn(self.cfg, self.timing, group, features=self.auto_features)
-        # Packs stay where the loader put them (device None); get_batch moves them.
+        # On a GPU packs arrive on the device, copied on the exchange's side stream
+        # (BalancerConfig.device "auto"); get_batch's own .cuda() finds them there.
+        timing = self.timing
         balanced = BalancedDataIterator(source, num_microbatches=_schedule_for(self.cfg, self.num_microbatches),
                                         group=group, exchange_group=group, cost_fn=cost_fn,
                                         config=self.cfg.runtime(),
                                         state_fn=state_fn if callable(state_fn) else None,
                                         predict_microbatches=_predictor_for(self.cfg, self.num_microbatches),
                                         name=f"chunk{chunk}", node_ids=node_ids, check_fn=self.check_fn,
-                                        first_iteration=self.cfg.megatron.start_iteration + 1)
+                                        first_iteration=self.cfg.megatron.start_iteration + 1,
+                                        describe=timing.host_features if timing is not None else None)
         return RerunDataIterator(BalancedTrainIterable(
             balanced, source, global_batch_of=lambda: balanced.global_batch, stats=balanced,
-            telemetry=self._telemetry(balanced, group, chunk), recorder=recorder, reporter=reporter))
+            telemetry=self._telemetry(balanced, group, chunk), recorder=recorder, reporter=reporter,
+            timing=timing, chunk=chunk))
 
 
 class SamplerCoordinator(Coordinator):
@@ -342,8 +384,8 @@ def wrap_train_data_iterator(train_data_iterator, args=None, *, exchange_groups=
     cfg = checked_config(args)
     timing = _install_timing(model, cfg, args)
     if not cfg.enabled:
-        if cfg.record_samples:
-            return _recording_only(train_data_iterator, cfg, args)
+        if cfg.record_samples or timing is not None:
+            return _passed_through(train_data_iterator, cfg, args, timing)
         return train_data_iterator
     is_list = isinstance(train_data_iterator, list)
     iterators = train_data_iterator if is_list else [train_data_iterator]
@@ -376,16 +418,26 @@ def _recorder(cfg: MMBalanceConfig, args, chunk: int):
                           job_start=cfg.megatron.start_iteration, chunk=chunk)
 
 
-def _recording_only(train_data_iterator, cfg: MMBalanceConfig, args):
-    """Balancing off, recording on: each iterator's loader behind a recording pass-through,
-    still in a ``RerunDataIterator`` (no collectives, nothing else changes)."""
+def _passed_through(train_data_iterator, cfg: MMBalanceConfig, args, timing=None):
+    """Balancing off, recording or timing on: each iterator's loader behind pass-throughs that
+    record its micro-batches (``--mm-balance-record-samples``) and hand their host features to
+    the timing hooks (:class:`TimingTap`), still in a ``RerunDataIterator`` (no collectives,
+    nothing else changes)."""
     from megatron.core.rerun_state_machine import RerunDataIterator
     from .samples import RecordingIterable
     is_list = isinstance(train_data_iterator, list)
     iterators = train_data_iterator if is_list else [train_data_iterator]
-    wrapped = [None if it is None else
-               RerunDataIterator(RecordingIterable(_unwrap(it), _recorder(cfg, args, chunk)))
-               for chunk, it in enumerate(iterators)]
+    wrapped = []
+    for chunk, it in enumerate(iterators):
+        if it is None:
+            wrapped.append(None)
+            continue
+        inner = _unwrap(it)
+        if timing is not None:
+            inner = TimingTap(inner, timing, chunk)
+        if cfg.record_samples:
+            inner = RecordingIterable(inner, _recorder(cfg, args, chunk))
+        wrapped.append(RerunDataIterator(inner))
     return wrapped if is_list else wrapped[0]
 
 

@@ -6,11 +6,17 @@ Module hooks on a vision-language model with a ``vision_model`` and a
 through :mod:`megatron_mm_balance.bridge.timing`), found inside Megatron's DDP and
 ``Float16Module`` wrappers by following ``.module``, no change to the maths:
 
-* the model's forward pre-hook: a new record, with the pack's features read from
-  the call by a ``features`` function (default :func:`llava_features`:
-  ``num_image_tiles`` x the model's tokens per tile: per-image tokens;
-  ``packed_seq_params.cu_seqlens_q``: sample lengths; Qwen-VL's adds the ``(t, h, w)``
-  grids, ``grids``); evaluation (no grad, or ``eval()``) is not recorded;
+* the model's forward pre-hook: a new record, with the pack's features. They are read
+  from the micro-batch's host copy as the train iterator hands it over
+  (:meth:`TimingRecorder.expect`, by a ``host_features`` function, default
+  :func:`llava_pack_features`: the pack's ``num_tiles`` x the model's tokens per tile:
+  per-image tokens; ``cu_lengths``: sample lengths), so no hook reads a device tensor
+  (which would make the host wait for the GPU at every micro-batch). A forward with no
+  features handed over (a harness calling the model without the wrapped iterator, a
+  replayed micro-batch) reads them from the call instead, by a ``features`` function
+  (default :func:`llava_features`: ``num_image_tiles``, ``packed_seq_params.cu_seqlens_q``;
+  Qwen-VL's adds the ``(t, h, w)`` grids, ``grids``); evaluation (no grad, or
+  ``eval()``) is not recorded;
 * ``vision_model`` forward pre-hook and ``vision_projection`` (else ``vision_model``)
   forward hook: vision forward;
 * ``language_model`` forward pre-hook and forward hook: language-model forward; a
@@ -42,6 +48,8 @@ online calibration of ``--mm-balance-cost auto`` (:meth:`TimingRecorder.records`
 from __future__ import annotations
 
 import atexit
+import collections
+import functools
 import logging
 import os
 import threading
@@ -55,6 +63,9 @@ from ..runtime.log_line import emit_line
 logger = logging.getLogger("megatron_mm_balance")
 
 PHASES = ("vision_forward_ms", "vision_backward_ms", "lm_forward_ms", "lm_backward_ms")
+#: handed-over features kept per chunk before the oldest is dropped (a forward reads one each;
+#: a schedule holds at most a few micro-batches between its get_batch and their forward)
+_EXPECTED_MAX = 64
 
 
 def unwrap(module):
@@ -139,6 +150,11 @@ class TimingRecorder:
         self._records: List[dict] = []
         self._cond = threading.Condition()
         self._pending: List[_Open] = []
+        #: per model chunk, the features of micro-batches handed over and not yet recorded
+        self._expected: Dict[int, collections.deque] = {}
+        #: ``pack -> features`` on a micro-batch's host copy (:meth:`expect`); None: each
+        #: forward reads its call
+        self.host_features: Optional[Callable] = None
         self._current: Optional[_Open] = None
         self._backward: Optional[_Open] = None
         self._iteration = None
@@ -184,6 +200,20 @@ class TimingRecorder:
         rec = self._current
         if rec is not None:
             rec.details[name] = rec.details.get(name, 0.0) + float(value)
+
+    def expect(self, features: Optional[tuple], chunk: int = 0) -> None:
+        """The features (``(images, lengths)`` or ``(images, lengths, grids)``) of the
+        micro-batch the training loop has just been handed for model ``chunk``, read from its
+        host copy; the chunk's next training forward records them (in hand-over order). None:
+        nothing read (that forward reads its call)."""
+        queue = self._expected.setdefault(chunk, collections.deque(maxlen=_EXPECTED_MAX))
+        queue.append(features)
+
+    def features_for(self, chunk: int, read_call: Callable[[], tuple]) -> tuple:
+        """The next handed-over features of ``chunk``, else ``read_call()`` (the model's call)."""
+        queue = self._expected.get(chunk)
+        features = queue.popleft() if queue else None
+        return features if features is not None else read_call()
 
     def skip(self) -> None:
         """A forward that is not a training micro-batch (evaluation): nothing recorded."""
@@ -339,6 +369,34 @@ def llava_features(llava, args, kwargs) -> tuple:
     return counts, lengths
 
 
+def llava_pack_features(pack, tokens_per_tile: int) -> Optional[tuple]:
+    """:func:`llava_features` read from an examples/multimodal micro-batch on the host, as
+    ``get_batch`` will hand it to the model: per-image tokens from ``num_tiles`` (none for
+    the text-only dummy image ``imgs`` of shape ``[1, 1]``), sample lengths from
+    ``cu_lengths`` (else the ``tokens`` row length, when ``cu_lengths`` is the ``[1, 1]``
+    dummy). None when the micro-batch is not such a dict (the forward reads its call)."""
+    from ..cost.pack import flatten_ints
+
+    if not isinstance(pack, dict) or ("num_tiles" not in pack and "imgs" not in pack):
+        return None
+    imgs, tiles = pack.get("imgs"), pack.get("num_tiles")
+    shape = tuple(getattr(imgs, "shape", ()))
+    if imgs is not None and (shape == (1, 1) or getattr(imgs, "numel", lambda: 1)() == 0):
+        counts = []
+    elif tiles is not None:
+        counts = [t * tokens_per_tile for t in flatten_ints(tiles, "num_tiles")]
+    else:
+        counts = [tokens_per_tile] * (shape[0] if shape else 0)
+    cu = pack.get("cu_lengths")
+    if cu is not None and tuple(getattr(cu, "shape", ())) != (1, 1):
+        c = flatten_ints(cu, "cu_lengths")
+        lengths = [b - a for a, b in zip(c, c[1:]) if b > a]
+    else:
+        tokens = pack.get("tokens")
+        lengths = [int(tokens.shape[-1])] if tokens is not None and hasattr(tokens, "shape") else []
+    return counts, lengths
+
+
 def _grad_hook(tensor, fn) -> None:
     import torch
     if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
@@ -361,7 +419,8 @@ def install_hooks(model_chunks, recorder: TimingRecorder, features: Callable = N
 
     features = features or llava_features
     handles = []
-    for chunk in (model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]):
+    chunks = model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]
+    for index, chunk in enumerate(chunks):
         llava = unwrap(chunk)
         vision = getattr(llava, "vision_model", None)
         projection = getattr(llava, "vision_projection", None)
@@ -369,11 +428,11 @@ def install_hooks(model_chunks, recorder: TimingRecorder, features: Callable = N
         top = llava if lm is not None or vision is not None else chunk
         clock = recorder.clock
 
-        def top_pre(module, args, kwargs):
+        def top_pre(module, args, kwargs, index=index):
             if not (torch.is_grad_enabled() and module.training):
                 recorder.skip()
                 return None
-            recorder.begin(*features(module, args, kwargs))
+            recorder.begin(*recorder.features_for(index, lambda: features(module, args, kwargs)))
             return None
 
         handles.append(top.register_forward_pre_hook(top_pre, with_kwargs=True))
@@ -427,13 +486,16 @@ def install_hooks(model_chunks, recorder: TimingRecorder, features: Callable = N
 def install_timing(model_chunks, *, out_dir: Optional[str], interval: int,
                    iteration_fn: Optional[Callable[[], Optional[int]]] = None,
                    features: Optional[Callable] = None, writers: Optional[tuple] = None,
-                   files: str = "rank", every: int = 1) -> TimingRecorder:
+                   files: str = "rank", every: int = 1,
+                   host_features: Optional[Callable] = None) -> TimingRecorder:
     """``--mm-balance-timing``: a :class:`TimingRecorder` for this rank and its hooks on
     ``model_chunks`` (what ``setup_model_and_optimizer`` returned). Called on every rank
     by :func:`~.iterator.wrap_train_data_iterator` (and by Bridge's glue, with the Qwen-VL
     ``features`` and its ``writers``: ``(tensorboard, wandb)``; default Megatron's).
     ``files`` and ``every``: ``--mm-balance-timing-files`` and ``--mm-balance-timing-every``
-    (the written lines name this rank's node either way)."""
+    (the written lines name this rank's node either way). ``host_features``: ``pack ->
+    features`` on a micro-batch's host copy (:meth:`TimingRecorder.expect`; default, with
+    the default ``features``, :func:`llava_pack_features` at the model's tokens per tile)."""
     import torch
     import torch.distributed as dist
 
@@ -447,7 +509,19 @@ def install_timing(model_chunks, *, out_dir: Optional[str], interval: int,
                               interval=interval, report=rank == 0, tb_writer=tb, wandb_writer=wandb,
                               files=files, every=every, node=node_identity())
     recorder.handles = install_hooks(model_chunks, recorder, features)
+    if host_features is None and features is None:      # Megatron-LM's examples/multimodal
+        host_features = functools.partial(llava_pack_features, tokens_per_tile=_tokens_per_tile(model_chunks))
+    recorder.host_features = host_features
     return recorder
+
+
+def _tokens_per_tile(model_chunks) -> int:
+    """LLaVA's ``img_seq_len`` (image embeddings per tile) of the first chunk that has one."""
+    for chunk in (model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]):
+        per_tile = getattr(unwrap(chunk), "img_seq_len", None)
+        if per_tile:
+            return int(per_tile)
+    return 0
 
 
 def _megatron_writers() -> tuple:

@@ -113,15 +113,17 @@ def train(rank, hooks, out_dir=None):
     model = toy_llava()
     args = argparse.Namespace(mm_balance=False, mm_balance_timing=hooks, mm_balance_timing_dir=out_dir,
                               mm_balance_log_interval=1, curr_iteration=None)
-    sentinel = object()
-    assert wrap_train_data_iterator(sentinel, args, model=[model]) is sentinel   # off: unchanged
+    loader = iter([toy_batch(rank, it, m)[0] for it in range(ITERS) for m in range(G)])
+    train_iterator = wrap_train_data_iterator(loader, args, model=[model])
+    if not hooks:
+        assert train_iterator is loader                # off, no timing: unchanged
     losses, grads = [], []
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for it in range(ITERS):
         args.curr_iteration = it                       # Megatron's 0-based counter
         opt.zero_grad()
         for m in range(G):
-            batch, _, _ = toy_batch(rank, it, m)
+            batch = next(train_iterator)
             out, _ = model(batch["images"], batch["input_ids"], None, None, batch["labels"], None,
                            num_image_tiles=batch["num_image_tiles"],
                            packed_seq_params=batch["packed_seq_params"])

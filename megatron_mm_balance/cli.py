@@ -17,6 +17,7 @@ import time
 import numpy as np
 
 from .data import mixtures, packing
+from .data.jsonl import json_lines
 from .solver import placement
 from .data.traces import DEFAULT_TOKENS_PER_TILE, TraceError, load_trace
 
@@ -53,13 +54,7 @@ def read_pack_costs(path: str) -> np.ndarray:
         raise CliError(f"{path}: no such file")
     costs = []
     with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise CliError(f"{path}:{lineno}: malformed JSON line ({exc.msg})") from None
+        for lineno, rec in json_lines(f, path, CliError):
             if not isinstance(rec, dict):
                 raise CliError(f"{path}:{lineno}: expected a JSON object")
             if "image_tokens" in rec:

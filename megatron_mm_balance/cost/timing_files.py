@@ -26,6 +26,8 @@ import os
 import re
 from typing import List, Optional
 
+from ..data.jsonl import json_lines
+
 #: the layouts of ``--mm-balance-timing-files``
 TIMING_FILE_LAYOUTS = ("rank", "node")
 RANK_FILE_PATTERN = "timing-rank*.jsonl"
@@ -130,13 +132,7 @@ def read_timing_records(directory: str) -> List[dict]:
     out = []
     for path in timing_paths(directory):
         with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise TimingFileError(f"{path}:{lineno}: malformed JSON line ({exc.msg})") from None
+            for lineno, rec in json_lines(f, path, TimingFileError):
                 if not isinstance(rec, dict):
                     raise TimingFileError(f"{path}:{lineno}: expected a JSON object")
                 missing = REQUIRED_FIELDS - set(rec)

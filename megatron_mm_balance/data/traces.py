@@ -23,6 +23,7 @@ from typing import Iterable, Sequence
 
 # The one image-token convention (tokens per tile of an OmniBal trace's ``vit_num``).
 from ..cost.pack import DEFAULT_TOKENS_PER_TILE
+from .jsonl import json_lines
 
 
 class TraceError(ValueError):
@@ -100,15 +101,8 @@ def parse_trace_text(text: str, *, name: str = "<trace>",
             raise TraceError(f"{name}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
         return [_parse_record(r, tokens_per_tile, f"{name}[{i}]") for i, r in enumerate(rows)]
     samples = []
-    for lineno, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        where = f"{name}:{lineno}"
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise TraceError(f"{where}: malformed JSON line ({exc.msg})") from None
-        samples.append(_parse_record(rec, tokens_per_tile, where))
+    for lineno, rec in json_lines(text.splitlines(), name, TraceError):
+        samples.append(_parse_record(rec, tokens_per_tile, f"{name}:{lineno}"))
     if not samples:
         raise TraceError(f"{name}: trace has no samples")
     return samples

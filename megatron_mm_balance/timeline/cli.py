@@ -16,7 +16,6 @@ iteration, on the same time axis. Prints what it drew.
 from __future__ import annotations
 
 import argparse
-import os
 
 from ..sim.run_trace import RunTraceError
 from .draw import draw, panel_title
@@ -111,7 +110,7 @@ def cmd(a) -> int:
     for panel in panels:
         print("\n".join(describe(panel, panels[0])))
     for path in draw(panels, stem, title=a.title):
-        print(f"wrote {os.path.relpath(path)}")
+        print(f"wrote {path}")
     return 0
 
 

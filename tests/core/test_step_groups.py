@@ -197,16 +197,21 @@ CASES = [(kind, D, G, S) for kind in ("skewed", "lognormal", "ties", "heldout", 
 
 
 @pytest.mark.parametrize("kind, D, G, S", CASES)
-def test_never_worse_than_todays_placement_and_moves_no_more(kind, D, G, S):
+@pytest.mark.parametrize("tolerance", [0.0, 0.001])
+def test_never_worse_than_todays_placement_and_moves_no_more(kind, D, G, S, tolerance):
+    # no worse in the group objective (beyond the tolerance's share of the mean rank total,
+    # the trade the tolerance makes; exactly at 0), in packs across groups, in weighted moves
     for seed in range(2):
         c = _synthetic(kind, D, G, seed)
         labels = [r // S for r in range(D)]
         nodes = [r // 4 for r in range(D)]
         groups, node = np.array(labels), node_ids(D, np.array(nodes))
-        today = plan_placement(c, ranks_per_node=nodes)
-        got = plan_placement(c, ranks_per_node=nodes, step_groups=labels)
+        today = plan_placement(c, ranks_per_node=nodes, balance_tolerance=tolerance)
+        got = plan_placement(c, ranks_per_node=nodes, step_groups=labels,
+                             balance_tolerance=tolerance)
         check_placement(got, D, G)
-        assert group_objective(got.apply(c), groups) <= group_objective(today.apply(c), groups)
+        slack = np.floor(tolerance * c.sum() / D)
+        assert group_objective(got.apply(c), groups) <= group_objective(today.apply(c), groups) + slack
         assert inter_group_packs(got.src_rank, groups) <= inter_group_packs(today.src_rank, groups)
         weighted = lambda p: int(move_weight(p.src_rank, np.arange(D)[:, None], node).sum())
         assert weighted(got) <= weighted(today)

@@ -6,6 +6,8 @@ Modules, each importable without Megatron-Bridge (it is imported inside function
   ``ConfigContainer`` (overrides ``mm_balance.enabled=true``, ``mm_balance.mode=shadow``...);
 * :mod:`.iterator` — ``wrap_train_data_iterator``: the hook the setup.py patch calls; it
   hands Bridge's train iterator to the core package's exchange coordinator;
+* :mod:`.model_spec` — ``ModelSpec``: Bridge's model config, read once into the description
+  of the vision tower and the model that the other modules take;
 * :mod:`.timing` — the core package's per-micro-batch timing hooks on Bridge's Qwen3-VL model
   (``mm_balance.timing``, ``timing_dir``; ``cost=auto`` fits them);
 * :mod:`.dataset` — ``make-dataset --format bridge-qwen-vl``;

@@ -113,7 +113,7 @@ class MMBalanceBridgeConfig:
         return bool(self.enabled or self.timing or self.timing_dir)
 
 
-def as_args(mm: MMBalanceBridgeConfig, cfg, *, train_state=None) -> types.SimpleNamespace:
+def as_args(mm: MMBalanceBridgeConfig, cfg, spec, *, train_state=None) -> types.SimpleNamespace:
     """The ``args`` namespace of the core glue, from ``cfg.mm_balance`` and Bridge's config.
 
     Carries the ``mm_balance_*`` values and the Bridge settings the checks, the
@@ -121,8 +121,10 @@ def as_args(mm: MMBalanceBridgeConfig, cfg, *, train_state=None) -> types.Simple
     router's load balancing, the log interval and TensorBoard directory, and
     ``checkpoint.load``/``checkpoint.save``, where ``cost=auto`` keeps its fit).
     ``curr_iteration`` follows ``train_state.step`` (Bridge's iteration counter).
+    ``spec``: ``cfg.model`` as read once, the :class:`~.model_spec.ModelSpec` (the model's
+    settings come from it; ``cfg`` gives the training, logger, checkpoint and dataset ones).
     """
-    model, train, logger = cfg.model, cfg.train, cfg.logger
+    train, logger = cfg.train, cfg.logger
     checkpoint = getattr(cfg, "checkpoint", None)
     if mm.mode == "sampler":
         from ..megatron.checks import MMBalanceConfigError
@@ -132,7 +134,7 @@ def as_args(mm: MMBalanceBridgeConfig, cfg, *, train_state=None) -> types.Simple
     from .cp_split import checked_choice
     from .vision import checked_vision
     checked_choice(getattr(mm, "cp_split", "cost"))
-    checked_vision(mm, model)
+    checked_vision(mm, spec)
     return _BridgeArgs(
         train_state,
         mm_balance=bool(mm.enabled), mm_balance_mode=mm.mode, mm_balance_sync=mm.sync,
@@ -144,15 +146,15 @@ def as_args(mm: MMBalanceBridgeConfig, cfg, *, train_state=None) -> types.Simple
         mm_balance_timeout=mm.timeout, mm_balance_ranks_per_node=mm.ranks_per_node,
         log_interval=getattr(logger, "log_interval", None),
         tensorboard_dir=getattr(logger, "tensorboard_dir", None),
-        expert_model_parallel_size=getattr(model, "expert_model_parallel_size", 1) or 1,
-        pipeline_model_parallel_size=getattr(model, "pipeline_model_parallel_size", 1) or 1,
-        context_parallel_size=getattr(model, "context_parallel_size", 1) or 1,
+        expert_model_parallel_size=spec.expert_model_parallel_size,
+        pipeline_model_parallel_size=spec.pipeline_model_parallel_size,
+        context_parallel_size=spec.context_parallel_size,
         load=getattr(checkpoint, "load", None), save=getattr(checkpoint, "save", None),
-        num_experts=getattr(model, "num_moe_experts", None),
-        moe_router_load_balancing_type=getattr(model, "moe_router_load_balancing_type", None),
-        moe_aux_loss_coeff=getattr(model, "moe_aux_loss_coeff", 0.0),
-        calculate_per_token_loss=bool(getattr(model, "calculate_per_token_loss", False)),
-        hybrid_context_parallel=bool(getattr(model, "hybrid_context_parallel", False)),
+        num_experts=spec.num_moe_experts,
+        moe_router_load_balancing_type=spec.moe_router_load_balancing_type,
+        moe_aux_loss_coeff=spec.moe_aux_loss_coeff,
+        calculate_per_token_loss=spec.calculate_per_token_loss,
+        hybrid_context_parallel=spec.hybrid_context_parallel,
         micro_batch_size=train.micro_batch_size, global_batch_size=train.global_batch_size,
         rampup_batch_size=getattr(train, "rampup_batch_size", None),
         decrease_batch_size_if_needed=getattr(train, "decrease_batch_size_if_needed", False),

@@ -38,19 +38,17 @@ SPLIT_NAME = "qwen3vl_cp_split"
 CHOICES = ("cost", "count")
 
 
-def frame_alpha_for(model_cfg) -> int:
+def frame_alpha_for(spec) -> int:
     """``alpha`` of the model's vision tower (:func:`frame_cost_for`): its layers' projections
     and MLPs, the patch embedding and the mergers per patch, over its attention per squared
-    patch (:meth:`~megatron_mm_balance.cost.flops.VisionTower.frame_alpha`)."""
-    from ..cost.flops import VisionTower
-    tower = VisionTower.from_config(getattr(model_cfg, "vision_config", None) or {},
-                                    where="model.vision_config (the per-frame cost)")
-    return tower.frame_alpha()
+    patch (:meth:`~megatron_mm_balance.cost.flops.VisionTower.frame_alpha`, read once into the
+    :class:`~.model_spec.ModelSpec`); a one-line ``ValueError`` when the tower has none."""
+    return spec.required_frame_alpha()
 
 
-def frame_cost_for(model_cfg):
+def frame_cost_for(spec):
     """The per-frame cost ``p -> p * (p + alpha)`` of the model's vision tower (:func:`frame_alpha_for`)."""
-    return default_frame_cost(frame_alpha_for(model_cfg))
+    return default_frame_cost(frame_alpha_for(spec))
 
 
 def cost_split_qwen3vl(bridge_split, frame_cost):
@@ -79,17 +77,17 @@ def checked_choice(value) -> str:
     return value
 
 
-def install_cp_split(cfg) -> bool:
-    """Split Qwen3-VL's context-parallel frames by cost for ``mm_balance.cp_split=cost``.
+def install_cp_split(mm, spec) -> bool:
+    """Split Qwen3-VL's context-parallel frames by cost for ``mm_balance.cp_split=cost``
+    (``mm``: ``cfg.mm_balance``; ``spec``: the model's :class:`~.model_spec.ModelSpec`).
 
     Acts only where Bridge splits frames at all (``context_parallel_size > 1`` with
     ``vision_dp_when_cp``) and the Qwen3-VL model module is loaded (the model is built
     before the train iterators); idempotent. Returns whether the cost split is in place.
     """
-    mm, model = cfg.mm_balance, cfg.model
     if checked_choice(getattr(mm, "cp_split", "cost")) == "count":
         return False
-    if (getattr(model, "context_parallel_size", 1) or 1) <= 1 or not getattr(model, "vision_dp_when_cp", False):
+    if not spec.splits_frames_across_cp:
         return False
     module = sys.modules.get(QWEN3_VL_MODEL)
     if module is None:
@@ -99,5 +97,5 @@ def install_cp_split(cfg) -> bool:
         raise RuntimeError(f"mm_balance.cp_split=cost: {QWEN3_VL_MODEL} has no {SPLIT_NAME} in this "
                            f"Megatron-Bridge; set mm_balance.cp_split=count")
     if getattr(current, "mm_balance_wraps", None) is None:
-        setattr(module, SPLIT_NAME, cost_split_qwen3vl(current, frame_cost_for(model)))
+        setattr(module, SPLIT_NAME, cost_split_qwen3vl(current, frame_cost_for(spec)))
     return True

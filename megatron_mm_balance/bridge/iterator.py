@@ -60,16 +60,15 @@ class BridgeCoordinator(ExchangeCoordinator):
                          wandb_writer=wandb)
 
 
-def cost_fn_for(core_cfg, model_cfg):
-    """The Qwen-VL cost the checked config asks for (merge size from the model config):
-    patch count by default; ``cost=model`` a cost file's model, or without one the FLOP
-    count of the provider's vision tower and language model under its training regime
-    (:func:`flops_cost_model`). Under ``microstep`` sync a model gives (vision, language)
-    for the two-phase solver. None for ``auto``: each exchange group fits its own
-    (:func:`auto_features_for`)."""
+def cost_fn_for(core_cfg, spec):
+    """The Qwen-VL cost the checked config asks for (merge size from the model's
+    :class:`~.model_spec.ModelSpec`): patch count by default; ``cost=model`` a cost file's
+    model, or without one the FLOP count of the provider's vision tower and language model
+    under its training regime (:attr:`~.model_spec.ModelSpec.flops_model`). Under ``microstep``
+    sync a model gives (vision, language) for the two-phase solver. None for ``auto``: each
+    exchange group fits its own (:func:`auto_features_for`)."""
     from ..cost.pack import QwenVLCost
-    from .timing import spatial_merge_size
-    merge = spatial_merge_size(model_cfg)
+    merge = spec.spatial_merge_size
     if core_cfg.cost == "auto":
         return None
     if core_cfg.cost != "model":
@@ -79,29 +78,15 @@ def cost_fn_for(core_cfg, model_cfg):
         return QwenVLCost.from_file(core_cfg.cost_file, merge, phases=phases)
     from ..megatron.checks import MMBalanceConfigError
     try:
-        model = flops_cost_model(model_cfg)
+        model = spec.required_flops_model()
     except ValueError as exc:
         raise MMBalanceConfigError(f"mm_balance.cost=model: {exc}") from None
     return QwenVLCost(merge, model=model, phases=phases, source="flops")
 
 
-def flops_cost_model(model_cfg):
-    """The provider's FLOP-derived :class:`~megatron_mm_balance.cost.model.CostModel`
-    (:func:`~megatron_mm_balance.cost.flops.vision_cost_model` of its vision tower and
-    language model under its :func:`training_regime`, at a GPU's nominal throughput, or the
-    CPU harness's); a one-line ``ValueError`` when the config cannot give one."""
-    import torch
-
-    from ..cost.flops import CPU_FLOPS_PER_MS, DEFAULT_FLOPS_PER_MS, vision_cost_model
-    return vision_cost_model(getattr(model_cfg, "vision_config", None), training_regime(model_cfg),
-                             language_config=model_cfg,
-                             flops_per_ms=DEFAULT_FLOPS_PER_MS if torch.cuda.is_available() else CPU_FLOPS_PER_MS,
-                             where="model.vision_config")
-
-
-def save_flops_model(timing_dir: str, model_cfg) -> Optional[str]:
+def save_flops_model(timing_dir: str, spec) -> Optional[str]:
     """Write the provider's FLOP-derived cost model (what ``cost=model`` balances with,
-    :func:`flops_cost_model`) beside the timing records, as
+    :attr:`~.model_spec.ModelSpec.flops_model`) beside the timing records, as
     ``TIMING_DIR/flops_cost_model.json`` (a cost file), so that ``mm-balance replay
     TIMING_DIR`` replays it as its ``flops`` candidate; on global rank 0 only. The path, or
     None (another rank, or a config that gives no model: the replay then says why not)."""
@@ -112,47 +97,24 @@ def save_flops_model(timing_dir: str, model_cfg) -> Optional[str]:
     from ..cost.replay import FLOPS_MODEL_FILE
     if dist.is_initialized() and dist.get_rank() != 0:
         return None
-    try:
-        model = flops_cost_model(model_cfg)
-    except (ValueError, TypeError):
+    if spec.flops_model is None:
         return None
     os.makedirs(timing_dir, exist_ok=True)
     path = os.path.join(timing_dir, FLOPS_MODEL_FILE)
     tmp = f"{path}.tmp{os.getpid()}"
-    model.save(tmp)
+    spec.flops_model.save(tmp)
     os.replace(tmp, path)
     return path
 
 
-def training_regime(model_cfg):
-    """What the provider trains, recomputes and pads (Bridge 0.6 names; the Qwen3-VL tower
-    takes the language model's recompute settings, Qwen2.5-VL's Hugging Face tower none)."""
-    from ..cost.flops import TrainingRegime
-    get = lambda name, default=None: getattr(model_cfg, name, default)  # noqa: E731
-    megatron_tower = hasattr(get("vision_config"), "deepstack_visual_indexes")
-    return TrainingRegime(
-        freeze_vision_model=bool(get("freeze_vision_model", False)),
-        freeze_vision_projection=bool(get("freeze_vision_projection", False)),
-        freeze_language_model=bool(get("freeze_language_model", False)),
-        recompute_granularity=get("recompute_granularity") if megatron_tower else None,
-        recompute_method=get("recompute_method"), recompute_num_layers=get("recompute_num_layers"),
-        recompute_modules=tuple(get("recompute_modules", None) or ("core_attn",)),
-        language_recompute_granularity=get("recompute_granularity"),
-        vision_cuda_graphs=(get("vision_cuda_graph_impl", "none") or "none") != "none")
-
-
-def auto_features_for(model_cfg):
+def auto_features_for(spec):
     """What ``cost=auto`` fits, replays and costs on Qwen-VL: one unit per frame of the
     grids, and the per-sample lengths
     (:class:`~megatron_mm_balance.cost.features.QwenVLFeatures`), with the provider's
-    FLOP-derived model (:func:`flops_cost_model`) for the replay's ``flops`` candidate."""
+    FLOP-derived model (:attr:`~.model_spec.ModelSpec.flops_model`) for the replay's
+    ``flops`` candidate, or the reason there is none."""
     from ..cost.features import QwenVLFeatures
-    from .timing import spatial_merge_size
-    try:
-        model, note = flops_cost_model(model_cfg), ""
-    except (ValueError, TypeError) as exc:          # a config the FLOP count cannot read
-        model, note = None, str(exc)
-    return QwenVLFeatures(spatial_merge_size(model_cfg), flops_model=model, flops_note=note)
+    return QwenVLFeatures(spec.spatial_merge_size, flops_model=spec.flops_model, flops_note=spec.flops_problem)
 
 
 def _layout(pg_collection):
@@ -187,28 +149,30 @@ def wrap_train_data_iterator(train_data_iterator, cfg, pg_collection, *, state=N
     from ..megatron.stops import StopReporter
     from .config import as_args
     from .cp_split import install_cp_split
+    from .model_spec import ModelSpec
     from .timing import install_bridge_timing
     from .vision import install_frame_balance, pack_cost_for
 
-    args = as_args(mm, cfg, train_state=getattr(state, "train_state", None))
+    spec = ModelSpec.read(cfg.model)                    # the provider, read once
+    args = as_args(mm, cfg, spec, train_state=getattr(state, "train_state", None))
     core_cfg = checked_config(args)
     timing = install_bridge_timing(model, core_cfg, args, state)
     if timing is not None and core_cfg.timing_dir:
-        save_flops_model(core_cfg.timing_dir, cfg.model)
+        save_flops_model(core_cfg.timing_dir, spec)
     if not core_cfg.enabled:
         return train_data_iterator
-    install_cp_split(cfg)
+    install_cp_split(mm, spec)
     is_list = isinstance(train_data_iterator, list)
     iterators = train_data_iterator if is_list else [train_data_iterator]
     groups = init_exchange_groups(_layout(pg_collection), num_chunks=len(iterators),
                                   timeout=core_cfg.timeout)
-    install_frame_balance(model, cfg, core_cfg, args, pg_collection, state, timing)   # vision=images
+    install_frame_balance(model, mm, spec, core_cfg, args, pg_collection, state, timing)   # vision=images
     tb = getattr(state, "tensorboard_logger", None) if state is not None else None
     wandb = getattr(state, "wandb_logger", None) if state is not None else None
-    cost_fn = pack_cost_for(mm, cfg.model, cost_fn_for(core_cfg, cfg.model))    # vision=images: heaviest frame
+    cost_fn = pack_cost_for(mm, spec, cost_fn_for(core_cfg, spec))    # vision=images: heaviest frame
     coordinator = BridgeCoordinator(core_cfg, cost_fn=cost_fn,
                                     tb_writer=tb, wandb_writer=wandb, timing=timing,
-                                    auto_features=auto_features_for(cfg.model))
+                                    auto_features=auto_features_for(spec))
     reporter = StopReporter(live_iteration(args))       # one line per rank when training stops
     wrapped = [it if it is None or group is None
                else coordinator.wrap(_unwrap(it), group, chunk, node_ids=groups.node_ids, reporter=reporter)

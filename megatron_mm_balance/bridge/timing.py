@@ -21,8 +21,6 @@ the step pads every row to the sequence length under pipeline or expert parallel
 """
 from __future__ import annotations
 
-from typing import Optional
-
 from ..cost.pack import QWEN_VL_GRID_KEYS, _grid_rows
 
 
@@ -75,10 +73,3 @@ def _writers(state) -> tuple:
     if state is None:
         return None, None
     return getattr(state, "tensorboard_logger", None), getattr(state, "wandb_logger", None)
-
-
-def spatial_merge_size(model_cfg) -> int:
-    """Qwen-VL's patch merge (2 x 2 by default) from Bridge's model config."""
-    vision: Optional[object] = getattr(model_cfg, "vision_config", None)
-    return int(getattr(vision, "spatial_merge_size", None)
-               or getattr(model_cfg, "spatial_merge_size", 2) or 2)

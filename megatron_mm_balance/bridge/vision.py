@@ -92,9 +92,10 @@ DTYPES = ("float32", "bfloat16", "float16", "float64")
 
 # -- settings -----------------------------------------------------------------------------
 
-def checked_vision(mm, model_cfg) -> str:
-    """``mm_balance.vision`` and ``mm_balance.image_patch_cap`` checked against the run (the
-    same answer on every rank: settings only); one-line errors naming the setting."""
+def checked_vision(mm, spec) -> str:
+    """``mm_balance.vision`` and ``mm_balance.image_patch_cap`` checked against the run (``spec``:
+    the model's :class:`~.model_spec.ModelSpec`; the same answer on every rank: settings only);
+    one-line errors naming the setting."""
     from ..megatron.checks import MMBalanceConfigError
     vision = getattr(mm, "vision", "packs")
     if vision not in CHOICES:
@@ -118,13 +119,13 @@ def checked_vision(mm, model_cfg) -> str:
             raise MMBalanceConfigError(f"mm_balance.{name} must be a positive number ({unit}), got {value!r}")
     if vision == "packs":
         return vision
-    refusal = _refusal(mm, model_cfg)
+    refusal = _refusal(mm, spec)
     if refusal:
         raise MMBalanceConfigError(f"mm_balance.vision=images {refusal}")
     return vision
 
 
-def pack_cost_for(mm, model_cfg, default_cost):
+def pack_cost_for(mm, spec, default_cost):
     """The pack placement's cost under ``mm_balance.vision=images`` with
     ``image_pack_cost=heaviest-frame``: each pack's heaviest frame by the frame planner's own
     per-frame cost (:func:`~.cp_split.frame_cost_for`,
@@ -135,12 +136,11 @@ def pack_cost_for(mm, model_cfg, default_cost):
         return default_cost
     from ..cost.pack import QwenVLHeaviestFrameCost
     from .cp_split import frame_alpha_for, frame_cost_for
-    from .timing import spatial_merge_size
-    return QwenVLHeaviestFrameCost(spatial_merge_size(model_cfg), frame_cost_for(model_cfg),
-                                   name=f"alpha={frame_alpha_for(model_cfg)}")
+    return QwenVLHeaviestFrameCost(spec.spatial_merge_size, frame_cost_for(spec),
+                                   name=f"alpha={frame_alpha_for(spec)}")
 
 
-def _refusal(mm, model_cfg) -> Optional[str]:
+def _refusal(mm, spec) -> Optional[str]:
     if not getattr(mm, "enabled", False):
         return "needs mm_balance.enabled=true (packs move first, frames then even out what packs cannot)"
     if getattr(mm, "mode", "auto") in MEASURING_MODES and mm.mode not in CROSSOVER_MODES:
@@ -149,16 +149,13 @@ def _refusal(mm, model_cfg) -> Optional[str]:
     if getattr(mm, "cost", None) == "auto":
         return ("cannot be combined with mm_balance.cost=auto: a pack's vision timing would be that of "
                 "other ranks' frames; use mm_balance.cost=image-tokens or model")
-    vision = getattr(model_cfg, "vision_config", None)
-    if vision is None or getattr(vision, "deepstack_visual_indexes", None) is None:
+    if not spec.qwen3_tower:
         return ("needs a Qwen3-VL vision tower (model.vision_config with deepstack_visual_indexes); "
-                f"{type(model_cfg).__name__} has none")
-    graphs = getattr(model_cfg, "vision_cuda_graph_impl", "none") or "none"
-    if graphs != "none":
-        return (f"cannot run with vision CUDA graphs (model.vision_cuda_graph_impl={graphs}: every "
-                "micro-batch padded to one length); set it to none")
-    dist_train = getattr(model_cfg, "dist_train", None)
-    if getattr(dist_train, "use_dist_train", False):
+                f"{spec.provider} has none")
+    if spec.vision_cuda_graph_impl != "none":
+        return (f"cannot run with vision CUDA graphs (model.vision_cuda_graph_impl={spec.vision_cuda_graph_impl}: "
+                "every micro-batch padded to one length); set it to none")
+    if spec.dist_train:
         return ("cannot be combined with model.dist_train.use_dist_train (the vision tower on ranks of "
                 "its own); turn one off")
     return None
@@ -172,7 +169,7 @@ def transfer_rates(mm, device_type: str) -> tuple:
             float(tflops if given_tflops is None else given_tflops))
 
 
-def tower_flops_per_unit(model_cfg) -> float:
+def tower_flops_per_unit(spec) -> float:
     """Forward FLOPs of one unit of the frame cost ``p * (p + alpha)``
     (:func:`~.cp_split.frame_alpha_for`): the tower multiplies and adds
     ``2*hidden*p*(p + alpha)`` times per full-attention layer (``alpha`` carries the
@@ -180,9 +177,7 @@ def tower_flops_per_unit(model_cfg) -> float:
     multiply-adds per squared patch
     (:meth:`~megatron_mm_balance.cost.flops.VisionTower.attention_macs_per_patch_sq`), two
     FLOPs each, over the full-attention layers."""
-    from ..cost.flops import VisionTower
-    tower = VisionTower.from_config(getattr(model_cfg, "vision_config", None) or {},
-                                    where="mm_balance.vision=images: model.vision_config")
+    tower = spec.required_tower()
     return 2.0 * tower.attention_macs_per_patch_sq() * tower.full_attention_layers
 
 
@@ -635,10 +630,12 @@ def _report_writers(state, tensorboard_dir, reporter: bool) -> tuple:
 
 # -- installation -----------------------------------------------------------------------------
 
-def install_frame_balance(model, cfg, core_cfg, args, pg_collection, state=None, timing=None) -> List[BalancedFrames]:
+def install_frame_balance(model, mm, spec, core_cfg, args, pg_collection, state=None,
+                          timing=None) -> List[BalancedFrames]:
     """``mm_balance.vision=images``: the vision groups (collective over the world: call on
     every rank at the same point) and the hooks on this rank's Qwen3-VL model chunks that
     have a vision tower. Returns the installed hooks (none off the first pipeline stage).
+    ``mm``: ``cfg.mm_balance``; ``spec``: the model's :class:`~.model_spec.ModelSpec`.
     ``timing``: this rank's timing recorder (``mm_balance.timing``), whose records then split
     the exchange's forward (:attr:`BalancedFrames.detail`)."""
     import torch.distributed as dist
@@ -649,7 +646,7 @@ def install_frame_balance(model, cfg, core_cfg, args, pg_collection, state=None,
     from ..megatron.vision import init_vision_groups
     from .cp_split import frame_cost_for
 
-    if checked_vision(cfg.mm_balance, cfg.model) != "images":
+    if checked_vision(mm, spec) != "images":
         return []
     if model is None:
         raise ValueError("mm_balance.vision=images needs the model: the setup.py patch passes model=model "
@@ -659,7 +656,7 @@ def install_frame_balance(model, cfg, core_cfg, args, pg_collection, state=None,
     group = init_vision_groups(core_cfg.timeout, layout=layout)
     if group is None:
         return []
-    if (getattr(cfg.model, "context_parallel_size", 1) or 1) > 1 and getattr(cfg.model, "vision_dp_when_cp", False):
+    if spec.splits_frames_across_cp:
         _install_cp_gather()
     reporter = dist.get_rank() == min(dist.get_process_group_ranks(group))
     report = FrameReport(interval=core_cfg.log_interval, iteration_fn=live_iteration(args), reporter=reporter,
@@ -673,14 +670,13 @@ def install_frame_balance(model, cfg, core_cfg, args, pg_collection, state=None,
             raise RuntimeError(f"mm_balance.vision=images needs Bridge's Qwen3-VL model; this rank's model "
                                f"is a {type(inner).__name__}")
         device = next(inner.vision_model.parameters()).device
-        installed.append(BalancedFrames(inner, group, frame_cost=frame_cost_for(cfg.model),
-                                        patch_cap=getattr(cfg.mm_balance, "image_patch_cap", None),
-                                        report=report, rates=transfer_rates(cfg.mm_balance, device.type),
-                                        flops_per_unit=tower_flops_per_unit(cfg.model),
-                                        measured_rates=getattr(cfg.mm_balance, "image_rates",
-                                                               "settings") == "measured",
-                                        overlap=bool(getattr(cfg.mm_balance, "image_overlap", True)),
+        installed.append(BalancedFrames(inner, group, frame_cost=frame_cost_for(spec),
+                                        patch_cap=getattr(mm, "image_patch_cap", None),
+                                        report=report, rates=transfer_rates(mm, device.type),
+                                        flops_per_unit=tower_flops_per_unit(spec),
+                                        measured_rates=getattr(mm, "image_rates", "settings") == "measured",
+                                        overlap=bool(getattr(mm, "image_overlap", True)),
                                         detail=None if timing is None else timing.add_detail,
-                                        balanced_now=balanced_iterations(getattr(cfg.mm_balance, "mode", "auto"),
+                                        balanced_now=balanced_iterations(getattr(mm, "mode", "auto"),
                                                                          live_iteration(args))))
     return installed

@@ -62,6 +62,7 @@ def main() -> None:
     from megatron.bridge.models.qwen_vl.modelling_qwen3_vl import utils as qutils
     from megatron_mm_balance.bridge.config import MMBalanceBridgeConfig
     from megatron_mm_balance.bridge.cp_split import frame_cost_for, install_cp_split
+    from megatron_mm_balance.bridge.model_spec import ModelSpec
 
     provider = _provider()
     tower = provider.provide(pre_process=True, post_process=True).vision_model
@@ -73,9 +74,9 @@ def main() -> None:
     count_split = qmodel.qwen3vl_cp_split
     cfg = types.SimpleNamespace(mm_balance=MMBalanceBridgeConfig(enabled=True), model=types.SimpleNamespace(
         context_parallel_size=2, vision_dp_when_cp=True, vision_config=provider.vision_config))
-    assert count_split is qutils.qwen3vl_cp_split and install_cp_split(cfg)
+    assert count_split is qutils.qwen3vl_cp_split and install_cp_split(cfg.mm_balance, ModelSpec.read(cfg.model))
     splits = {"count": count_split, "cost": qmodel.qwen3vl_cp_split}
-    frame_cost = frame_cost_for(provider)
+    frame_cost = frame_cost_for(ModelSpec.read(provider))
     merge = provider.vision_config.spatial_merge_size ** 2
     in_dim = 3 * provider.vision_config.temporal_patch_size * provider.vision_config.patch_size ** 2
 

@@ -21,9 +21,15 @@ import types
 import pytest
 
 from megatron_mm_balance.bridge.config import MMBalanceBridgeConfig, as_args
+from megatron_mm_balance.bridge.model_spec import ModelSpec
 from megatron_mm_balance.cost.calibration import AutoCost, CalibrationConfig, QwenVLFeatures, fit_phases
 from megatron_mm_balance.megatron.checks import MMBalanceConfigError, checked_config
 from megatron_mm_balance.testing.cpu_megatron import launch
+
+
+def _as_args(mm, cfg, **kw):
+    """``as_args`` as ``wrap_train_data_iterator`` calls it, the model read once first."""
+    return as_args(mm, cfg, ModelSpec.read(cfg.model), **kw)
 
 #: slow: multi-process runs of Megatron-LM's or Megatron-Bridge's own code (the fast subset,
 #: -m "not realpath", leaves them to the whole suite)
@@ -50,15 +56,15 @@ def bridge_cfg(mm, *, pp=1, ep=1, save="/ckpt", load="/ckpt"):
 def test_settings_reach_the_core_config():
     mm = MMBalanceBridgeConfig(enabled=True, cost="auto", calibration_iters=3, timing_dir="/t")
     ts = types.SimpleNamespace(step=4, consumed_train_samples=0)
-    cfg = checked_config(as_args(mm, bridge_cfg(mm, ep=2), train_state=ts))
+    cfg = checked_config(_as_args(mm, bridge_cfg(mm, ep=2), train_state=ts))
     assert (cfg.cost, cfg.calibration_iters, cfg.timing, cfg.timing_dir) == ("auto", 3, True, "/t")
     assert (cfg.megatron.save, cfg.megatron.load, cfg.megatron.start_iteration) == ("/ckpt", "/ckpt", 4)
     assert cfg.sync == "microstep"
     # timing alone (balancing off) and auto (on) resolve as the Megatron-LM flags do
     off = MMBalanceBridgeConfig(timing=True)
-    assert off.wraps_train_iterator and checked_config(as_args(off, bridge_cfg(off))).timing
+    assert off.wraps_train_iterator and checked_config(_as_args(off, bridge_cfg(off))).timing
     auto = MMBalanceBridgeConfig(enabled=True, cost="auto")
-    assert checked_config(as_args(auto, bridge_cfg(auto))).timing
+    assert checked_config(_as_args(auto, bridge_cfg(auto))).timing
     assert not MMBalanceBridgeConfig().wraps_train_iterator
     assert MMBalanceBridgeConfig().calibration_iters == 10 and not MMBalanceBridgeConfig().timing
 
@@ -70,7 +76,7 @@ def test_settings_reach_the_core_config():
 def test_cost_auto_refusals(mm, layout, match):
     cfg = MMBalanceBridgeConfig(enabled=True, **mm)
     with pytest.raises(MMBalanceConfigError, match=match):
-        checked_config(as_args(cfg, bridge_cfg(cfg, **layout)))
+        checked_config(_as_args(cfg, bridge_cfg(cfg, **layout)))
 
 
 # -- features and costs ------------------------------------------------------------------
@@ -273,7 +279,7 @@ def hooks_worker(rank, world, out_dir):
     cfg = MMBalanceConfig(enabled=True, cost="auto", calibration_iters=2, sync="microstep",
                           megatron=MegatronArgs(start_iteration=0))
     cost = auto_cost_fn(cfg, rec, dist.new_group([0, 1], backend="gloo"),
-                        features=auto_features_for(bridge_cfg(None).model))
+                        features=auto_features_for(ModelSpec.read(bridge_cfg(None).model)))
     cost.for_batch(3)
     probes = [cost(qwen_batch(g)[0]) for g in ([[1, 2, 2]], [[1, 8, 8]], [[1, 4, 4], [2, 4, 4]], [])]
     frames = per_frame_choice(rank, cfg)

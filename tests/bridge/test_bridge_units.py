@@ -18,9 +18,15 @@ import torch
 
 import bridge_util as bu
 from megatron_mm_balance.bridge.config import MMBalanceBridgeConfig, as_args
+from megatron_mm_balance.bridge.model_spec import ModelSpec
 from megatron_mm_balance.megatron.checks import MMBalanceConfigError, checked_config
 from megatron_mm_balance.cost.pack import QwenVLCost, QwenVLGridFeatures
 from megatron_mm_balance.runtime import wire
+
+
+def _as_args(mm, cfg, **kw):
+    """``as_args`` as ``wrap_train_data_iterator`` calls it, the model read once first."""
+    return as_args(mm, cfg, ModelSpec.read(cfg.model), **kw)
 
 
 # --------------------------------------------------------------------------- Qwen-VL cost
@@ -108,19 +114,19 @@ def test_config_defaults_are_the_flags_defaults():
 
 def test_config_resolves_like_the_megatron_lm_path():
     ts = types.SimpleNamespace(step=7, consumed_train_samples=56)
-    args = as_args(MMBalanceBridgeConfig(enabled=True), _bridge_cfg(ep=2), train_state=ts)
+    args = _as_args(MMBalanceBridgeConfig(enabled=True), _bridge_cfg(ep=2), train_state=ts)
     cfg = checked_config(args)
     assert cfg.enabled and cfg.sync == "microstep" and cfg.log_interval == 5
     assert args.curr_iteration == 7
     ts.step = 8
     assert args.curr_iteration == 8                     # follows Bridge's live counter
-    cfg1 = checked_config(as_args(MMBalanceBridgeConfig(enabled=True, mode="shadow", log_interval=2),
+    cfg1 = checked_config(_as_args(MMBalanceBridgeConfig(enabled=True, mode="shadow", log_interval=2),
                                   _bridge_cfg(ep=1)))
     assert cfg1.sync == "step" and cfg1.mode == "shadow" and cfg1.log_interval == 2
     assert cfg1.runtime().shadow
-    cfg2 = checked_config(as_args(MMBalanceBridgeConfig(enabled=True, mode="control"), _bridge_cfg(ep=2)))
+    cfg2 = checked_config(_as_args(MMBalanceBridgeConfig(enabled=True, mode="control"), _bridge_cfg(ep=2)))
     assert cfg2.mode == "control" and cfg2.runtime().control and not cfg2.runtime().shadow
-    cfg3 = checked_config(as_args(MMBalanceBridgeConfig(enabled=True, mode="crossover-even"), _bridge_cfg(ep=2)))
+    cfg3 = checked_config(_as_args(MMBalanceBridgeConfig(enabled=True, mode="crossover-even"), _bridge_cfg(ep=2)))
     assert cfg3.runtime().crossover == "even" and not cfg3.runtime().shadow
 
 
@@ -135,11 +141,11 @@ def test_config_resolves_like_the_megatron_lm_path():
 ])
 def test_config_refuses(mm, cfg, match):
     with pytest.raises(MMBalanceConfigError, match=match):
-        checked_config(as_args(MMBalanceBridgeConfig(enabled=True, **mm), _bridge_cfg(**cfg)))
+        checked_config(_as_args(MMBalanceBridgeConfig(enabled=True, **mm), _bridge_cfg(**cfg)))
 
 
 def test_config_accepts_per_token_loss_with_larger_micro_batches():
-    checked_config(as_args(MMBalanceBridgeConfig(enabled=True), _bridge_cfg(mbs=2, per_token=True)))
+    checked_config(_as_args(MMBalanceBridgeConfig(enabled=True), _bridge_cfg(mbs=2, per_token=True)))
 
 
 # --------------------------------------------------------------------------- wire
@@ -398,8 +404,34 @@ def test_wgrad_accumulation_stand_in_accumulates_in_fp32():
     print(f"\nmain_grad error vs fp64, relative to its largest entry: {err}")
 
 
+def test_the_model_is_read_once_into_a_frozen_spec_with_the_reasons_it_lacks():
+    """``ModelSpec.read``: the provider's settings and its tower's derived figures, read once;
+    what the config cannot give is a one-line reason, raised by whoever needs it."""
+    from megatron_mm_balance.cost.flops import VisionTower
+    cfg = _bridge_cfg(ep=2)
+    vision = dict(depth=2, hidden_size=64, intermediate_size=128, patch_size=16, temporal_patch_size=2,
+                  in_channels=3, spatial_merge_size=4, out_hidden_size=128, deepstack_visual_indexes=[0])
+    cfg.model.vision_config = types.SimpleNamespace(**vision)
+    spec = ModelSpec.read(cfg.model, flops_per_ms=1.0)
+    assert (spec.expert_model_parallel_size, spec.context_parallel_size, spec.spatial_merge_size) == (2, 1, 4)
+    assert spec.qwen3_tower and spec.provider == "SimpleNamespace" and not spec.splits_frames_across_cp
+    assert spec.required_tower() == VisionTower.from_config(vision)
+    assert spec.required_frame_alpha() == VisionTower.from_config(vision).frame_alpha()
+    assert spec.flops_model is None and "language config: the config has no 'hidden_size'" in spec.flops_problem
+    with pytest.raises(ValueError, match="language config"):
+        spec.required_flops_model()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        spec.spatial_merge_size = 2
+    bare = ModelSpec.read(types.SimpleNamespace())          # not Qwen-VL: the reasons, once
+    assert bare.spatial_merge_size == 2 and not bare.qwen3_tower and bare.tower is None
+    for need in (bare.required_tower, bare.required_frame_alpha):
+        with pytest.raises(ValueError, match="model.vision_config: the config has no 'depth'") as exc:
+            need()
+        assert "\n" not in str(exc.value)
+
+
 def test_cost_model_without_a_file_is_the_flop_count_of_the_provider(tmp_path):
-    from megatron_mm_balance.bridge.iterator import cost_fn_for, training_regime
+    from megatron_mm_balance.bridge.iterator import cost_fn_for
     from megatron_mm_balance.cost.flops import (CPU_FLOPS_PER_MS, DEFAULT_FLOPS_PER_MS, TrainingRegime,
                                                 vision_cost_model)
     vision = types.SimpleNamespace(depth=2, hidden_size=64, intermediate_size=128, patch_size=16,
@@ -410,9 +442,10 @@ def test_cost_model_without_a_file_is_the_flop_count_of_the_provider(tmp_path):
                               num_attention_heads=4, num_query_groups=2, kv_channels=32,
                               moe_ffn_hidden_size=128, moe_router_topk=2, freeze_vision_model=True,
                               recompute_granularity="full", recompute_method="uniform")
-    core = checked_config(as_args(MMBalanceBridgeConfig(enabled=True, cost="model"), cfg))
-    cost = cost_fn_for(core, cfg.model)
-    regime = training_regime(cfg.model)
+    core = checked_config(_as_args(MMBalanceBridgeConfig(enabled=True, cost="model"), cfg))
+    spec = ModelSpec.read(cfg.model)
+    cost = cost_fn_for(core, spec)
+    regime = spec.regime
     assert regime == TrainingRegime(freeze_vision_model=True, recompute_granularity="full",
                                     recompute_method="uniform", language_recompute_granularity="full")
     rate = DEFAULT_FLOPS_PER_MS if torch.cuda.is_available() else CPU_FLOPS_PER_MS
@@ -424,14 +457,15 @@ def test_cost_model_without_a_file_is_the_flop_count_of_the_provider(tmp_path):
     # cost=auto replays the same model as its flops candidate; a timing directory gets it too
     from megatron_mm_balance.bridge.iterator import auto_features_for, save_flops_model
     from megatron_mm_balance.cost.model import load_cost_file
-    assert auto_features_for(cfg.model).flops_model == cost.model
-    assert load_cost_file(save_flops_model(str(tmp_path / "timing"), cfg.model)) == cost.model
+    assert auto_features_for(spec).flops_model == cost.model
+    assert load_cost_file(save_flops_model(str(tmp_path / "timing"), spec)) == cost.model
     cfg.model.vision_cuda_graph_impl = "transformer_engine"
+    graphs = ModelSpec.read(cfg.model)
     with pytest.raises(MMBalanceConfigError, match="vision CUDA graphs"):
-        cost_fn_for(core, cfg.model)
-    features = auto_features_for(cfg.model)            # auto: the candidate refused, with the reason
+        cost_fn_for(core, graphs)
+    features = auto_features_for(graphs)               # auto: the candidate refused, with the reason
     assert features.flops_model is None and "vision CUDA graphs" in features.flops_note
-    assert save_flops_model(str(tmp_path / "graphs"), cfg.model) is None
+    assert save_flops_model(str(tmp_path / "graphs"), graphs) is None
 
 
 # --------------------------------------------------------------------------- context-parallel frame split
@@ -464,12 +498,17 @@ def _cp_cfg(cp_split="cost", cp=2, vision_dp=True):
         model=types.SimpleNamespace(context_parallel_size=cp, vision_dp_when_cp=vision_dp, vision_config=vision))
 
 
-def test_cp_split_replaces_bridge_count_by_cost(monkeypatch):
+def _install(cfg) -> bool:
+    """``install_cp_split`` as ``wrap_train_data_iterator`` calls it: the model read once."""
     from megatron_mm_balance.bridge.cp_split import install_cp_split
+    return install_cp_split(cfg.mm_balance, ModelSpec.read(cfg.model))
+
+
+def test_cp_split_replaces_bridge_count_by_cost(monkeypatch):
     module, calls = _fake_qwen3vl_module(monkeypatch)
     original = module.qwen3vl_cp_split
     assert MMBalanceBridgeConfig().cp_split == "cost"
-    assert install_cp_split(_cp_cfg()) and install_cp_split(_cp_cfg())       # idempotent
+    assert _install(_cp_cfg()) and _install(_cp_cfg())                     # idempotent
     assert module.qwen3vl_cp_split.mm_balance_wraps is original
     grid = torch.tensor([[1, 32, 32], [1, 32, 32], [1, 4, 4], [2, 4, 4], [1, 2, 2]])
     pixels = torch.arange(int(grid.prod(1).sum()), dtype=torch.float32)[:, None]
@@ -480,19 +519,17 @@ def test_cp_split_replaces_bridge_count_by_cost(monkeypatch):
 
 @pytest.mark.parametrize("cfg", [_cp_cfg(cp_split="count"), _cp_cfg(cp=1), _cp_cfg(vision_dp=False)])
 def test_cp_split_changes_nothing_when_off_or_without_context_parallel(monkeypatch, cfg):
-    from megatron_mm_balance.bridge.cp_split import install_cp_split
     module, _ = _fake_qwen3vl_module(monkeypatch)
     original = module.qwen3vl_cp_split
-    assert not install_cp_split(cfg) and module.qwen3vl_cp_split is original
+    assert not _install(cfg) and module.qwen3vl_cp_split is original
 
 
 def test_cp_split_refuses_bad_value_and_missing_bridge_function(monkeypatch):
-    from megatron_mm_balance.bridge.cp_split import install_cp_split
     with pytest.raises(MMBalanceConfigError, match="mm_balance.cp_split must be one of cost, count"):
-        as_args(MMBalanceBridgeConfig(enabled=True, cp_split="frames"), _bridge_cfg())
+        _as_args(MMBalanceBridgeConfig(enabled=True, cp_split="frames"), _bridge_cfg())
     _fake_qwen3vl_module(monkeypatch, with_split=False)
     with pytest.raises(RuntimeError, match="has no qwen3vl_cp_split.*cp_split=count"):
-        install_cp_split(_cp_cfg())
+        _install(_cp_cfg())
 
 
 def test_gloo_uneven_all_gather_stand_in():

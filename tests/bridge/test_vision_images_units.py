@@ -7,8 +7,14 @@ import pytest
 import torch
 
 from megatron_mm_balance.bridge.config import MMBalanceBridgeConfig, as_args
+from megatron_mm_balance.bridge.model_spec import ModelSpec
 from megatron_mm_balance.bridge.vision import checked_vision, frame_grid, frames_of
 from megatron_mm_balance.megatron.checks import MMBalanceConfigError
+
+
+def _as_args(mm, cfg, **kw):
+    """``as_args`` as ``wrap_train_data_iterator`` calls it, the model read once first."""
+    return as_args(mm, cfg, ModelSpec.read(cfg.model), **kw)
 
 
 def _cfg(**model):
@@ -30,8 +36,8 @@ def test_defaults_keep_todays_behaviour():
     mm = MMBalanceBridgeConfig()
     assert mm.vision == "packs" and mm.image_patch_cap is None
     cfg = _cfg()
-    assert checked_vision(mm, cfg.model) == "packs"
-    as_args(MMBalanceBridgeConfig(enabled=True, vision="images", image_patch_cap=4096), cfg)
+    assert checked_vision(mm, ModelSpec.read(cfg.model)) == "packs"
+    _as_args(MMBalanceBridgeConfig(enabled=True, vision="images", image_patch_cap=4096), cfg)
 
 
 @pytest.mark.parametrize("mm,model,match", [
@@ -61,7 +67,7 @@ def test_refusals_name_the_setting_in_one_line(mm, model, match):
     values = dict(enabled=True)
     values.update(mm)
     with pytest.raises(MMBalanceConfigError, match=match) as err:
-        as_args(MMBalanceBridgeConfig(**values), _cfg(**model))
+        _as_args(MMBalanceBridgeConfig(**values), _cfg(**model))
     assert "\n" not in str(err.value)
 
 
@@ -72,7 +78,7 @@ def test_crossover_balances_the_frames_at_the_packs_parity_only():
     from megatron_mm_balance.bridge.vision import balanced_iterations
     from megatron_mm_balance.runtime.config import BalancerConfig
     from megatron_mm_balance.runtime.engine import delivery_mode
-    as_args(MMBalanceBridgeConfig(enabled=True, vision="images", mode="crossover-odd"), _cfg())
+    _as_args(MMBalanceBridgeConfig(enabled=True, vision="images", mode="crossover-odd"), _cfg())
     for parity in ("even", "odd"):
         at = {"now": None}
         now = balanced_iterations(f"crossover-{parity}", lambda: at["now"])
@@ -90,7 +96,7 @@ def test_transfer_rates_are_the_settings_else_the_devices_nominal_ones():
     assert transfer_rates(MMBalanceBridgeConfig(), "cpu") == NOMINAL_RATES["cpu"]
     assert transfer_rates(MMBalanceBridgeConfig(image_link_gbps=450, vision_tflops=300.0), "cuda") == (450.0, 300.0)
     assert transfer_rates(MMBalanceBridgeConfig(image_link_gbps=float("inf")), "cuda")[0] == float("inf")
-    as_args(MMBalanceBridgeConfig(enabled=True, vision="images", image_link_gbps=float("inf")), _cfg())
+    _as_args(MMBalanceBridgeConfig(enabled=True, vision="images", image_link_gbps=float("inf")), _cfg())
 
 
 def test_a_unit_of_frame_cost_is_four_hidden_depth_flops():
@@ -101,10 +107,10 @@ def test_a_unit_of_frame_cost_is_four_hidden_depth_flops():
     macs = depth * (3 * p * h * h + p * h * h + 2 * p * p * h + 2 * p * h * ffn)
     vision = dict(hidden_size=h, intermediate_size=ffn, depth=depth, patch_size=16, out_hidden_size=2048)
     cfg = types.SimpleNamespace(vision_config=types.SimpleNamespace(**vision))
-    assert tower_flops_per_unit(cfg) * p * (p + 2 * h + ffn) == 2 * macs
+    assert tower_flops_per_unit(ModelSpec.read(cfg)) * p * (p + 2 * h + ffn) == 2 * macs
     vision.pop("depth")
     with pytest.raises(ValueError, match="model.vision_config: the config has no 'depth'"):
-        tower_flops_per_unit(types.SimpleNamespace(vision_config=types.SimpleNamespace(**vision)))
+        tower_flops_per_unit(ModelSpec.read(types.SimpleNamespace(vision_config=types.SimpleNamespace(**vision))))
 
 
 def test_frames_of_grids_and_back():
@@ -170,7 +176,7 @@ def test_images_mode_places_packs_on_their_heaviest_frame():
     keep ``mm_balance.cost``'s."""
     from megatron_mm_balance.bridge.vision import pack_cost_for
     from megatron_mm_balance.cost.pack import QwenVLCost
-    model = _cfg().model
+    model = ModelSpec.read(_cfg().model)
     default = QwenVLCost(2)
     assert pack_cost_for(MMBalanceBridgeConfig(enabled=True), model, default) is default
     assert pack_cost_for(MMBalanceBridgeConfig(enabled=True, vision="images", image_pack_cost="cost"),

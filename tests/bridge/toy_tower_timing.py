@@ -49,7 +49,7 @@ def main() -> None:
 
     import qwen3_vl_moe_tiny_cpu as toy
 
-    from megatron_mm_balance.bridge.iterator import training_regime
+    from megatron_mm_balance.bridge.model_spec import training_regime
     from megatron_mm_balance.cost.flops import VISION_PRESETS, VisionTower, vision_cost_model
     from megatron_mm_balance.cost.frames import grid_feature_arrays
     provider = toy.model_provider()

@@ -74,12 +74,13 @@ def main() -> None:
     model.train()
 
     from megatron_mm_balance.bridge.config import MMBalanceBridgeConfig
+    from megatron_mm_balance.bridge.model_spec import ModelSpec
     from megatron_mm_balance.bridge.vision import BalancedFrames, install_frame_balance
     cfg = types.SimpleNamespace(mm_balance=MMBalanceBridgeConfig(enabled=True, vision="images"), model=provider)
     core = types.SimpleNamespace(timeout=120.0, log_interval=1, tensorboard_dir=None)
     args = types.SimpleNamespace(curr_iteration=0)
     pg = ProcessGroupCollection.use_mpu_process_groups()
-    hooks = install_frame_balance(model, cfg, core, args, pg)
+    hooks = install_frame_balance(model, cfg.mm_balance, ModelSpec.read(provider), core, args, pg)
     assert len(hooks) == 1
     first = hooks[0]
     first.remove()                                       # on only for the balanced runs
@@ -365,14 +366,16 @@ def _context_parallel(model, provider, cfg, core, args):
 
     from megatron.bridge.models.qwen_vl.modelling_qwen3_vl import model as qmodel
     from megatron_mm_balance.bridge.cp_split import install_cp_split
+    from megatron_mm_balance.bridge.model_spec import ModelSpec
     from megatron_mm_balance.bridge.vision import install_frame_balance
 
     ps.destroy_model_parallel()
     ps.initialize_model_parallel(context_parallel_size=2)
     cp_group, pg = ps.get_context_parallel_group(), ProcessGroupCollection.use_mpu_process_groups()
     provider.context_parallel_size, provider.vision_dp_when_cp = 2, True
-    assert install_cp_split(cfg)
-    hooks = install_frame_balance(model, cfg, core, args, pg)
+    spec = ModelSpec.read(provider)
+    assert install_cp_split(cfg.mm_balance, spec)
+    hooks = install_frame_balance(model, cfg.mm_balance, spec, core, args, pg)
     assert len(hooks) == 1 and qmodel.AllGatherVisionEmbeddings.mm_balance_wraps is not None
     balanced = hooks[0]
     balanced.remove()

@@ -5,6 +5,10 @@ The exchange never issues collectives on the training's groups: a second thread
 doing so on a communicator the training also uses can deadlock (NCCL) or
 interleave messages. It gets its own gloo group over the same ranks.
 
+Each exchange group is a gloo full mesh: :mod:`.mesh` creates it with lazy connections
+where torch offers them and checks, on every rank at once, that the file descriptors it
+needs fit the limit (a one-line error naming the remedy otherwise).
+
 ``torch.distributed.new_group`` is collective over the WORLD: every world rank
 must call it, in the same order, even ranks not in the new group. So
 
@@ -34,6 +38,7 @@ import torch.distributed as dist
 
 from ..solver.topology import dense_node_ids
 from .config import DEFAULT_TIMEOUT_S
+from .mesh import check_descriptors, lazy_gloo
 
 EXCHANGE_BACKEND = "gloo"
 
@@ -95,21 +100,27 @@ def new_exchange_groups(rank_lists, timeout=DEFAULT_TIMEOUT_S, backend: str = EX
     me = dist.get_rank()
     mine = None
     seen: set[int] = set()
-    for ranks in rank_lists:
-        ranks = [int(r) for r in ranks]
+    lists = [[int(r) for r in ranks] for ranks in rank_lists]
+    for ranks in lists:
         dup = seen.intersection(ranks)
         if dup:
             raise ValueError(f"rank(s) {sorted(dup)} appear in more than one exchange group")
         seen.update(ranks)
-        g = dist.new_group(ranks, timeout=_timedelta(timeout), backend=backend)
-        if me in ranks:
-            mine = g
+    with lazy_gloo() as lazy:             # gloo pairs connect on first use, where torch can
+        check_descriptors(next((len(r) for r in lists if me in r), 1), lazy=lazy)
+        for ranks in lists:
+            g = dist.new_group(ranks, timeout=_timedelta(timeout), backend=backend)
+            if me in ranks:
+                mine = g
     return mine
 
 
 def exchange_group_for(ranks, timeout=DEFAULT_TIMEOUT_S, backend: str = EXCHANGE_BACKEND):
     """A new exchange group over ``ranks`` (collective over the world, see module doc)."""
-    return dist.new_group(list(ranks), timeout=_timedelta(timeout), backend=backend)
+    ranks = list(ranks)
+    with lazy_gloo() as lazy:
+        check_descriptors(len(ranks) if dist.get_rank() in ranks else 1, lazy=lazy)
+        return dist.new_group(ranks, timeout=_timedelta(timeout), backend=backend)
 
 
 class ProgressBoard:

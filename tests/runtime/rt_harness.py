@@ -786,7 +786,24 @@ def scenario_thread_device(rank, world, G=2, batches=3, overlap=True, delivery_b
            "pull_threads": sorted({t for t, _ in pulls}), "pull_devices": sorted({d for _, d in pulls}),
            "moved": moved}
     out.update(_cuda_delivery(rank, fake, G, delivery_batches))
+    out["mesh_error"] = _descriptor_shortage(rank, world)
     return out
+
+
+def _descriptor_shortage(rank, world):
+    """The last rank's descriptor limit is cut below what one more exchange group needs:
+    creating the group must fail on every rank with the same one-line error (none hangs)."""
+    import resource
+    from megatron_mm_balance.runtime.groups import new_exchange_groups
+    from megatron_mm_balance.runtime.mesh import DescriptorBudgetError
+    if rank == world - 1:
+        n = len(os.listdir("/proc/self/fd"))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (n + 64, n + 64))
+    try:
+        new_exchange_groups([list(range(world))], timeout=30)
+    except DescriptorBudgetError as e:
+        return str(e)
+    return None
 
 
 def _cuda_delivery(rank, fake, G, batches):

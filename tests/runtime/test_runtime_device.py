@@ -46,6 +46,11 @@ def test_exchange_thread_runs_on_its_ranks_device():
         assert mid["bytes"] == end["bytes"] and mid["buffers"] == end["buffers"], x["pools"]
         assert end["overflows"] == 0 and end["reused"] > end["takes"] // 2, end
     assert sum(x["cuda_moved"] for x in res) > 0
+    # the descriptor check: the last rank is short, every rank stops with its one-line error
+    for x in res:
+        err = x["mesh_error"]
+        assert err and "\n" not in err and f"rank {world - 1}: not enough file descriptors" in err, err
+        assert "ulimit -n" in err and f"(this one of {world} ranks) need" in err, err
 
 
 # -- the pinned pool on its own (a fake CUDA's "pinned" memory; events we complete by hand) --
@@ -118,3 +123,24 @@ def test_collectives_of_balanced_encode_stay_on_the_host_without_nccl():
     import torch
     from megatron_mm_balance.runtime.image_exchange import collective_device
     assert collective_device(None, torch.zeros(1)) == torch.device("cpu")
+
+
+def test_descriptor_budget_names_the_need_at_dp_1024():
+    from megatron_mm_balance.runtime.mesh import descriptor_budget
+    b = descriptor_budget(1024, 1, open_now=100, limits=(1024, 4096))
+    assert (b.sockets, b.needed, b.fits) == (1024, 1380, False)     # 1,023 peers + a listener
+    assert "`ulimit -n 1380`" in b.error(7) and b.error(7).startswith("mm-balance: rank 7: ")
+    assert descriptor_budget(1024, 2, open_now=100, limits=(4096, 4096)).needed == 2404   # two chunks
+    assert descriptor_budget(1, 1, open_now=10, limits=(64, 64)).sockets == 0            # no peers
+
+
+def test_lazy_gloo_sets_the_switch_only_around_the_groups(monkeypatch):
+    import os
+    from megatron_mm_balance.runtime import mesh
+    monkeypatch.delenv(mesh.LAZY_ENV, raising=False)
+    with mesh.lazy_gloo() as lazy:
+        assert lazy == mesh.gloo_lazy_init_supported() and os.environ.get(mesh.LAZY_ENV) == ("1" if lazy else None)
+    assert mesh.LAZY_ENV not in os.environ
+    monkeypatch.setenv(mesh.LAZY_ENV, "0")                        # the user's choice wins
+    with mesh.lazy_gloo() as lazy:
+        assert lazy is False and os.environ[mesh.LAZY_ENV] == "0"

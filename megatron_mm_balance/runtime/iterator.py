@@ -56,6 +56,7 @@ from .config import BalancerConfig
 from ..cost.pack import cost_fn_identity, default_cost_fn
 from .device import enter_thread, nvtx_range, resolve_device, thread_device
 from .engine import Engine, SourceExhausted
+from . import probe
 from .errors import BalancerError, ExchangeThreadError
 from .groups import ProgressBoard, exchange_group_for, gather_node_ids, group_ranks
 from .stats import BatchStats
@@ -250,6 +251,7 @@ class BalancedDataIterator:
         self._G = 0
         self._k = 0
         self._staged = None                 # without the thread: the batch's exchanged items
+        self._probe = None                  # MM_BALANCE_PROBE (runtime/probe.py): samples for a soak
         #: ``describe`` of the micro-batch delivered last (None without ``describe``)
         self.last_info = None
         self._wait_ms = self._wait_first_ms = 0.0
@@ -257,6 +259,7 @@ class BalancedDataIterator:
             return
 
         self.device = resolve_device(config.device)
+        self._probe = probe.configured(dist.get_rank() if dist.is_available() and dist.is_initialized() else 0)
         if state_fn is not None:            # before batch 0; no thread touches the source yet
             self._state = state_fn()
         cost_fn = default_cost_fn if cost_fn is None else cost_fn
@@ -389,6 +392,16 @@ class BalancedDataIterator:
                                            consumer_wait_first_ms=self._wait_first_ms))
         if self._state_fn is not None:
             self._state = item.batch.state_after    # the state before the next global batch
+        if self._probe is not None and self._probe.due(self._gb):
+            self._probe.sample(self._gb, self.queue_depths(), self.pinned_pool())
+
+    def queue_depths(self) -> dict:
+        """What the exchange holds between its thread and the consumer: micro-batches ready
+        (at most one), batch requests pending (callable ``num_microbatches``), batch records
+        kept (``stats_history``)."""
+        w = self._worker
+        return {"ready": w.items.qsize() if w is not None else len(self._staged or ()),
+                "requests": w.requests.qsize() if w is not None else 0, "stats": len(self.stats)}
 
     # -- checkpointing ------------------------------------------------------------
     @property

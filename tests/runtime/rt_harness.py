@@ -370,8 +370,13 @@ def scenario_soak(rank, world, batches, G=4, warmup=50):
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
+    import json
+    import tempfile
+    probe_dir = tempfile.mkdtemp(prefix="mm-balance-probe-")
+    os.environ["MM_BALANCE_PROBE"] = f"{probe_dir}:25"        # a sample every 25 global batches
     out = {}
     with BalancedDataIterator(source(), num_microbatches=G, timeout=60) as it:
+        del os.environ["MM_BALANCE_PROBE"]
         for b in range(batches):
             for _ in range(G):
                 next(it)
@@ -383,6 +388,8 @@ def scenario_soak(rank, world, batches, G=4, warmup=50):
                    moved=sum(s.packs_moved for s in it.stats))
     out["threads_closed"] = threading.active_count()
     out["exchange_threads_closed"] = sum(t.name == "mm-balance-exchange" for t in threading.enumerate())
+    with open(os.path.join(probe_dir, f"probe-rank{rank:05d}.jsonl")) as f:
+        out["probe"] = [json.loads(line) for line in f]
     return out
 
 

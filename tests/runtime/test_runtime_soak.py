@@ -18,6 +18,13 @@ def test_short_soak_no_thread_growth_bounded_rss():
         assert x["exchange_threads_closed"] == 0
         assert x["rss_end"] - x["rss_warm"] <= max(8.0, 0.05 * x["rss_warm"]), x
         assert x["moved"] > 0
+        # MM_BALANCE_PROBE's samples (what the Megatron soak records): after warm-up the
+        # threads, the open descriptors and the exchange's queues hold still
+        after = [p for p in x["probe"] if p["global_batch"] >= 50]
+        assert [p["global_batch"] for p in x["probe"]] == list(range(0, 300, 25))
+        for key in ("threads", "os_threads", "fds", "requests"):
+            assert len({p[key] for p in after}) == 1, (key, [p[key] for p in after])
+        assert all(p["ready"] <= 1 and p["stats"] <= 1024 for p in x["probe"])
 
 
 def test_disabled_issues_no_collectives():

@@ -1,33 +1,22 @@
-"""GPU validation: calibrate the cost model on real kernels and prove the overlap.
+"""GPU validation, part by part (``scripts/gpu_check.sh`` runs each part in its own process
+under its own timeout; docs/gpu.md). :data:`PARTS` is the list: what each checks, what it
+needs, how long it may take; ``--list`` prints it for the GPUs here (``--dry-run`` of the
+shell script), ``--part KEY`` runs one and writes ``OUT/parts/KEY.json`` (PASS / FAIL / SKIP
+and one line), ``--summary`` prints the one-screen table.
 
-Run through ``scripts/gpu_check.sh`` (which sets up paths). On a GPU it:
+One GPU: 1. cost-model calibration on real kernels (``cost_model.json``); 2. the runtime at
+2 ranks sharing the GPU over gloo with CUDA delivery (:mod:`megatron_mm_balance.testing.
+device_check`: checksums on the compute stream compared at the end, the sync debug mode,
+the pinned pool and host allocator flat); 3. the same under ``TORCH_CUDA_SANITIZER=1``;
+4. the overlap at world 1 with 64 MB packs; 5. the timing hooks and the online fit;
+6. Megatron-LM's own loop (``MEGATRON_LM_DIR``, transformer-engine). Two or more: 7.
+Megatron-LM off vs on (``mm-balance bench-realpath``); 8. Megatron-Bridge's Qwen3-VL toy
+through the user's launcher (``--bridge-only``; off vs on against a control band, images
+mode over NCCL, one process per GPU); 9. Bridge's CP=2 frame split (``--bridge-cp-split``).
 
-1. times a CLIP ViT-L/14-sized vision encoder forward and backward in bf16 against
-   image tokens per pack (0 to 8192, single and many images), CUDA events after
-   warm-up, medians of repeats; megatron-core's ``CLIPViTModel`` when it can be
-   built here, a plain PyTorch encoder of the same shape otherwise; fits the cost
-   model and writes ``cost_model.json`` (accepted by ``--mm-balance-cost model``);
-2. runs ``BalancedDataIterator``'s CUDA path with world size 1 (pinned host packs
-   copied on the dedicated stream) around a matmul-heavy stand-in for compute,
-   ``overlap=True`` vs ``overlap=False``: the consumer's wait per micro-step, and
-   a bit-identity check of every delivered tensor;
-3. the per-pack timing hooks of ``--mm-balance-timing`` (CUDA events) on a LLaVA-shaped
-   model (that encoder body, a projection and a language-model stand-in) over packs of
-   0 to 8 images, and the online fit of ``--mm-balance-cost auto`` from those records
-   (coefficients, R^2; ``timing.jsonl`` and ``online_fit.json``);
-4. installs nothing, and says what it skipped when a package is missing.
-
-``scripts/gpu_check.sh`` then, with two or more visible GPUs and a patched Megatron-LM
-in ``MEGATRON_LM_DIR``, runs ``mm-balance bench-realpath`` (NCCL, transformer-engine):
-Megatron's own iteration time off vs on, one round; and (part 5, ``--bridge-only``) with a
-patched Megatron-Bridge (``MEGATRON_BRIDGE_DIR``, or installed for ``PYTHON``) the Bridge
-Qwen3-VL toy through ``scripts/pretrain_bridge_vlm.sh``: on one GPU the balanced run with
-its per-iteration times, on two or more off vs on (NCCL, transformer-engine).
-
-Without a GPU the same code runs on CPU with a tiny encoder and small payloads
-(``--cpu``, also what the test suite runs), so every line is exercised in CI.
-Results: ``OUT/gpu_check.json``, ``OUT/cost_model.json``, ``OUT/calibration.json``
-and a short table printed last.
+Without a GPU (``--cpu``) parts 1, 2, 4 and 5 run small CPU configurations, part 2 with the
+fake CUDA of :mod:`megatron_mm_balance.testing.fake_cuda`; the test suite runs exactly that,
+so every part that can run on a CPU is exercised in CI. Installs nothing.
 """
 from __future__ import annotations
 
@@ -38,6 +27,7 @@ import json
 import os
 import sys
 import time
+from dataclasses import dataclass
 
 
 def environment() -> dict:
@@ -136,6 +126,22 @@ def digest(pack) -> str:
     return h.hexdigest()
 
 
+def _weights(n: int, device):
+    import torch
+    return torch.arange(1, n + 1, device=device, dtype=torch.int64) % 65521 + 1
+
+
+def checksum(pack, weights):
+    """Position-weighted int64 sum of ``imgs``' and ``tokens``' bytes, on their device."""
+    import torch
+    total = None
+    for key in ("imgs", "tokens"):
+        raw = pack[key].reshape(-1).view(torch.uint8).to(torch.int64)
+        part = (raw * weights[: raw.numel()]).sum()
+        total = part if total is None else total + part
+    return total
+
+
 def overlap_check(*, device, steps: int, ga: int, mbytes: float, compute_n: int, log) -> dict:
     import torch
 
@@ -150,10 +156,12 @@ def overlap_check(*, device, steps: int, ga: int, mbytes: float, compute_n: int,
         src = PackSource(steps * ga, mbytes)
         it = BalancedDataIterator(iter(src), num_microbatches=ga, overlap=overlap,
                                   device=device, timeout=120.0)
-        waits, delivered = [], []
+        waits = []
+        sums = torch.zeros(steps * ga, dtype=torch.int64, device=device)
+        weights = _weights(max(p["imgs"].numel() * 2 for p in src.packs) + 8 * 8192, device)
         t_start = time.perf_counter()
         with it:
-            for _ in range(steps * ga):
+            for n in range(steps * ga):
                 t0 = time.perf_counter()
                 batch = next(it)
                 waits.append((time.perf_counter() - t0) * 1e3)
@@ -161,14 +169,15 @@ def overlap_check(*, device, steps: int, ga: int, mbytes: float, compute_n: int,
                 for _ in range(4):            # the stand-in for a micro-step's compute
                     y = y @ a
                     y = y / y.abs().max()
-                # touch the delivered tensor on the compute stream, like a model would
-                s = batch["imgs"].float().sum()
-                if cuda:
-                    torch.cuda.synchronize()
-                delivered.append(digest(batch))
-                del s, y
+                # read the delivered tensors on the compute stream, like a model would; no
+                # synchronize: a copy not awaited would show in the sums compared at the end
+                sums[n] = checksum(batch, weights)
+                del y
+        if cuda:
+            torch.cuda.synchronize()
         total = time.perf_counter() - t_start
-        identical = delivered == src.digests
+        cpu_w = _weights(weights.numel(), "cpu")
+        identical = sums.cpu().tolist() == [int(checksum(p, cpu_w)) for p in src.packs]
         key = "overlap" if overlap else "sync"
         results[key] = {
             "wait_ms_mean": sum(waits) / len(waits),
@@ -178,6 +187,7 @@ def overlap_check(*, device, steps: int, ga: int, mbytes: float, compute_n: int,
             "bit_identical": identical,
             "on_device": bool(batch["imgs"].device.type == torch.device(device).type),
         }
+        del batch
         log(f"  overlap={overlap!s:5}: consumer wait {results[key]['wait_ms_mean']:.3f} ms/step, "
             f"total {total:.2f} s, bit-identical {identical}")
     sync_w = results["sync"]["wait_ms_total"]
@@ -287,25 +297,51 @@ BRIDGE_LAUNCHER = os.path.join(REPO, "scripts", "pretrain_bridge_vlm.sh")
 BRIDGE_CONFIG = os.path.join(REPO, "configs", "bridge", "qwen3_vl_moe_tiny_cpu.sh")
 
 
-def bridge_plan(ranks: int, *, out: str, iters: int = 6) -> list:
-    """Part 5's launcher runs for ``ranks`` GPUs: one GPU, the balanced job alone (its
-    per-iteration times; with DP=1 nothing moves, so what shows is the hook's own cost);
-    two or three, off then on at DP=2; four or more, off then on at the config's
-    DP=2 x EP=2 MoE layout. Each run: a name, its launcher environment, its command."""
+#: what the node runs of Bridge the way its recipes train: gradient reduce and parameter
+#: gather overlapped with compute, the loader's pinned memory
+BRIDGE_GPU_OVERRIDES = ("ddp.overlap_grad_reduce=true", "ddp.overlap_param_gather=true",
+                        "dataset.pin_memory=true")
+
+
+def bridge_plan(ranks: int, *, out: str, iters: int = 6, cuda: bool = False) -> list:
+    """Part 8's launcher runs for ``ranks`` ranks. On GPUs (``cuda``): one GPU, the balanced
+    job alone (its per-iteration times; with DP=1 nothing moves, so what shows is the hook's
+    own cost); two or three, DP=2 packs and images mode (``mm_balance.vision=images``, NCCL);
+    four or more, TP=2, PP=2 and CP=2 x DP=2, and images mode at DP=4; every multi-GPU layout
+    off, control (the arithmetic-order band) and on, with Bridge's overlapped gradient
+    reduce, parameter gather and pinned loader memory. Through the CPU harness (no CUDA):
+    off then on at DP=2 (two or three ranks) or DP=2 x EP=2 (four or more). Each run: a
+    name, its layout (the runs of one layout share it), its launcher environment, its
+    command."""
     if ranks < 1:
         return []
     if ranks == 1:
-        layouts = [("1gpu-on", 1, 1, "1")]
+        layouts = [("1gpu", {"NPROC_PER_NODE": "1", "EP": "1"}, ())]
+    elif not cuda:
+        layouts = [("dp2", {"NPROC_PER_NODE": "2", "EP": "1"}, ())] if ranks < 4 else \
+            [("dp2-ep2", {"NPROC_PER_NODE": "4", "EP": "2"}, ())]
     elif ranks < 4:
-        layouts = [("dp2-off", 2, 1, "0"), ("dp2-on", 2, 1, "1")]
+        layouts = [("dp2", {"NPROC_PER_NODE": "2", "EP": "1"}, BRIDGE_GPU_OVERRIDES),
+                   ("images-dp2", {"NPROC_PER_NODE": "2", "EP": "1"},
+                    BRIDGE_GPU_OVERRIDES + ("mm_balance.vision=images",))]
     else:
-        layouts = [("dp2-ep2-off", 4, 2, "0"), ("dp2-ep2-on", 4, 2, "1")]
-    return [{"name": name,
-             "env": {"NPROC_PER_NODE": str(nproc), "EP": str(ep), "MM_BALANCE": balance,
-                     "TRAIN_ITERS": str(iters), "LOG_INTERVAL": "1",
-                     "OUTPUT_DIR": os.path.join(out, "bridge", name)},
-             "argv": ["bash", BRIDGE_LAUNCHER, "--config", BRIDGE_CONFIG]}
-            for name, nproc, ep, balance in layouts]
+        four = {"NPROC_PER_NODE": "4", "EP": "1"}
+        layouts = [("tp2", {**four, "TP": "2"}, BRIDGE_GPU_OVERRIDES),
+                   ("pp2", {**four, "PP": "2"}, BRIDGE_GPU_OVERRIDES),
+                   ("cp2-dp2", {**four, "CP": "2"}, BRIDGE_GPU_OVERRIDES),
+                   ("images-dp4", four, BRIDGE_GPU_OVERRIDES + ("mm_balance.vision=images",))]
+    runs = []
+    for layout, env, overrides in layouts:
+        modes = ("on",) if ranks == 1 else ("off", "control", "on") if cuda else ("off", "on")
+        for mode in modes:
+            name = f"{layout}-{mode}"
+            extra = ("mm_balance.mode=control",) if mode == "control" else ()
+            runs.append({"name": name, "layout": layout,
+                         "env": {**env, "MM_BALANCE": "0" if mode == "off" else "1",
+                                 "TRAIN_ITERS": str(iters), "LOG_INTERVAL": "1",
+                                 "OUTPUT_DIR": os.path.join(out, "bridge", name)},
+                         "argv": ["bash", BRIDGE_LAUNCHER, "--config", BRIDGE_CONFIG, *overrides, *extra]})
+    return runs
 
 
 def parse_bridge_log(text: str) -> dict:
@@ -351,16 +387,18 @@ def bridge_prerequisites(python: str, env: dict, cuda: bool) -> str | None:
 
 
 def bridge_check(*, out: str, ranks: int, iters: int, timeout: float, log) -> dict:
-    """Part 5: the Bridge Qwen3-VL toy through scripts/pretrain_bridge_vlm.sh (bridge_plan),
-    each run's per-iteration times, and off vs on (lm loss equality, packs moved, median
-    iteration time). Skips, with the reason, what cannot run here."""
+    """Part 8: the Bridge Qwen3-VL toy through scripts/pretrain_bridge_vlm.sh (bridge_plan),
+    each run's per-iteration times, off vs on per layout against the control band
+    (:func:`judge_layouts`: lm loss, packs moved, median iteration time) and, on GPUs, one
+    process per GPU (:func:`watch_gpu_processes`). Skips, with the reason, what cannot run
+    here."""
     import subprocess
 
     import torch
 
     python = os.environ.get("PYTHON", "python3")
     cuda = torch.cuda.is_available()
-    plan = bridge_plan(ranks, out=out, iters=iters)
+    plan = bridge_plan(ranks, out=out, iters=iters, cuda=cuda)
     if not plan:
         return {"skipped": "no GPU visible (give --bridge-ranks to run the toy through the CPU harness)"}
     env = dict(os.environ, PYTHON=python, PYTHONPATH=os.pathsep.join(
@@ -383,21 +421,26 @@ def bridge_check(*, out: str, ranks: int, iters: int, timeout: float, log) -> di
         log_path = os.path.join(out, "bridge", f"{run['name']}.log")
         renv = dict(env, DATA_PATH=data, MASTER_PORT=str(free_port()), **run["env"])
         t0 = time.perf_counter()
+        nproc = int(run["env"]["NPROC_PER_NODE"])
         with open(log_path, "w") as f:
+            proc = subprocess.Popen(run["argv"], env=renv, stdout=f, stderr=subprocess.STDOUT, cwd=REPO,
+                                    start_new_session=True)
+            seen = watch_gpu_processes(proc, timeout) if cuda and nproc > 1 else None
             try:
-                rc = subprocess.run(run["argv"], env=renv, stdout=f, stderr=subprocess.STDOUT,
-                                    timeout=timeout, cwd=REPO, start_new_session=True).returncode
+                rc = proc.wait(timeout=max(1.0, timeout - (time.perf_counter() - t0)))
             except subprocess.TimeoutExpired:
-                rc = -9
+                os.killpg(proc.pid, 9)
+                rc = proc.wait()
         with open(log_path, errors="replace") as f:
             res = parse_bridge_log(f.read())
-        res.update(rc=rc, wall_s=time.perf_counter() - t0, log=log_path,
-                   median_ms=median_after_warmup(res["elapsed_ms"]))
+        res.update(rc=rc, wall_s=time.perf_counter() - t0, log=log_path, layout=run.get("layout"),
+                   median_ms=median_after_warmup(res["elapsed_ms"]), gpu_processes=seen)
         runs[run["name"]] = res
         med = f"{res['median_ms']:.1f} ms" if res["median_ms"] is not None else "n/a"
-        log(f"  {run['name']:<12} exit {rc}, {res['wall_s']:.0f} s wall, {len(res['losses'])} iterations, "
-            f"median iteration {med}, packs moved {sum(res['packs_moved'].values())}")
-    report = {"ranks": ranks, "cuda": cuda, "runs": runs}
+        log(f"  {run['name']:<16} exit {rc}, {res['wall_s']:.0f} s wall, {len(res['losses'])} iterations, "
+            f"median iteration {med}, packs moved {sum(res['packs_moved'].values())}"
+            + (f", our processes per GPU at most {seen['most_per_gpu']} on {seen['gpus']} GPU(s)" if seen else ""))
+    report = {"ranks": ranks, "cuda": cuda, "runs": runs, "layouts": judge_layouts(runs)}
     off = next((r for n, r in runs.items() if n.endswith("-off")), None)
     on = next((r for n, r in runs.items() if n.endswith("-on")), None)
     if off and on and off["losses"] and sorted(off["losses"]) == sorted(on["losses"]):
@@ -405,14 +448,89 @@ def bridge_check(*, out: str, ranks: int, iters: int, timeout: float, log) -> di
                                           for i in off["losses"])
         if off["median_ms"] and on["median_ms"]:
             report["median_on_over_off"] = on["median_ms"] / off["median_ms"]
+    per_gpu = [r["gpu_processes"] for r in runs.values() if r.get("gpu_processes")]
+    report["one_process_per_gpu"] = all(p["most_per_gpu"] <= 1 for p in per_gpu) if per_gpu else None
     report["ok"] = all(r["rc"] == 0 and len(r["losses"]) == iters for r in runs.values()) and \
-        (off is None or report.get("max_rel_loss_diff", 1.0) <= 1e-5)
+        all(j["ok"] for j in report["layouts"].values()) and report["one_process_per_gpu"] is not False
     return report
+
+
+def judge_layouts(runs: dict) -> dict:
+    """Off vs on per layout. With a control run (every rank its own packs, reordered as
+    balancing orders them: only the arithmetic order changes), the band is the largest
+    |control - off| lm loss over the iterations and on passes within 4 bands (or 1e-6 of the
+    loss, where the band is 0); without one (the CPU harness, fp32 and deterministic), within
+    1e-5 relative."""
+    out = {}
+    for layout in dict.fromkeys(r.get("layout") for r in runs.values()):
+        mine = {n.rsplit("-", 1)[1]: r for n, r in runs.items() if r.get("layout") == layout}
+        off, on, control = mine.get("off"), mine.get("on"), mine.get("control")
+        if off is None or on is None or not off["losses"] or sorted(off["losses"]) != sorted(on["losses"]):
+            out[layout] = {"ok": off is None and on is not None and on["rc"] == 0, "diff": None, "band": None}
+            continue
+        its = sorted(off["losses"])
+        diff = max(abs(on["losses"][i] - off["losses"][i]) for i in its)
+        scale = max(abs(off["losses"][i]) for i in its)
+        if control is not None and sorted(control["losses"]) == its:
+            band = max(abs(control["losses"][i] - off["losses"][i]) for i in its)
+            tol = max(4 * band, 1e-6 * scale)
+        else:
+            band, tol = None, 1e-5 * scale
+        out[layout] = {"ok": diff <= tol, "diff": diff, "band": band, "tolerance": tol,
+                       "moved": sum(on["packs_moved"].values())}
+    return out
+
+
+def watch_gpu_processes(proc, timeout: float, every: float = 2.0) -> dict:
+    """While ``proc`` (a launcher) runs: every ``every`` s, which GPU each of its processes
+    (itself and its descendants) has a context on, from ``nvidia-smi``. ``most_per_gpu``: the
+    most of them seen on one GPU at once (1 when each rank keeps to its own device; a rank
+    whose thread touched GPU 0 shows as a second process there); ``gpus``: GPUs seen in use."""
+    import subprocess
+    most, gpus, samples = 0, set(), 0
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(every)
+        try:
+            q = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,gpu_uuid", "--format=csv,noheader"],
+                               capture_output=True, text=True, timeout=20)
+        except (OSError, subprocess.TimeoutExpired):
+            return {"most_per_gpu": 0, "gpus": 0, "samples": 0, "note": "nvidia-smi not available"}
+        ours = _descendants(proc.pid)
+        per_gpu: dict = {}
+        for line in q.stdout.splitlines():
+            parts = [x.strip() for x in line.split(",")]
+            if len(parts) == 2 and parts[0].isdigit() and int(parts[0]) in ours:
+                per_gpu[parts[1]] = per_gpu.get(parts[1], 0) + 1
+        if per_gpu:
+            samples += 1
+            most = max(most, max(per_gpu.values()))
+            gpus |= set(per_gpu)
+    return {"most_per_gpu": most, "gpus": len(gpus), "samples": samples}
+
+
+def _descendants(root: int) -> set:
+    """``root`` and every process below it (from /proc)."""
+    children: dict = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(name))
+    out, todo = set(), [root]
+    while todo:
+        pid = todo.pop()
+        out.add(pid)
+        todo.extend(children.get(pid, []))
+    return out
 
 
 def print_bridge_table(rep: dict) -> None:
     if "skipped" in rep:
-        print(f"== 5. Megatron-Bridge Qwen3-VL toy: skipped ({rep['skipped']})")
+        print(f"== 8. Megatron-Bridge Qwen3-VL toy: skipped ({rep['skipped']})")
         return
     print(f"{'Bridge run':<14} {'exit':>5} {'iterations':>10} {'median ms':>10} {'packs moved':>12}")
     for name, r in rep["runs"].items():
@@ -422,19 +540,27 @@ def print_bridge_table(rep: dict) -> None:
         print(f"{'max relative lm-loss difference off/on':<44} {rep['max_rel_loss_diff']:>14.2e}")
     if "median_on_over_off" in rep:
         print(f"{'median iteration time on / off':<44} {rep['median_on_over_off']:>14.3f}")
+    for layout, j in rep.get("layouts", {}).items():
+        band = "no control run" if j.get("band") is None else f"band {j['band']:.2e}"
+        diff = "n/a" if j.get("diff") is None else f"{j['diff']:.2e}"
+        print(f"{layout:<14} on - off lm loss {diff} ({band}): {'ok' if j['ok'] else 'OUT OF BAND'}")
+    if rep.get("one_process_per_gpu") is not None:
+        print(f"{'one process per GPU (nvidia-smi)':<44} {str(rep['one_process_per_gpu']):>14}")
 
 
 def bridge_main(args) -> int:
-    """--bridge-plan: print part 5's runs for the GPUs here (or --bridge-ranks) and exit;
-    --bridge-only: run part 5, write OUT/bridge_check.json, print its table."""
+    """--bridge-plan: print part 8's runs for the GPUs here (or --bridge-ranks) and exit;
+    --bridge-only: run part 8, write OUT/bridge_check.json, print its table."""
+    import torch
+    cuda = torch.cuda.is_available()
     ranks = args.bridge_ranks
     if ranks is None:
-        import torch
-        ranks = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        ranks = torch.cuda.device_count() if cuda else 0
     if args.bridge_plan:
-        print(json.dumps(bridge_plan(ranks, out=args.out, iters=args.bridge_iters), indent=1))
+        gpu_plan = cuda or "GPU_COUNT" in os.environ
+        print(json.dumps(bridge_plan(ranks, out=args.out, iters=args.bridge_iters, cuda=gpu_plan), indent=1))
         return 0
-    print(f"== 5. Megatron-Bridge Qwen3-VL toy through scripts/pretrain_bridge_vlm.sh ({ranks} rank(s))", flush=True)
+    print(f"== 8. Megatron-Bridge Qwen3-VL toy through scripts/pretrain_bridge_vlm.sh ({ranks} rank(s))", flush=True)
     rep = bridge_check(out=args.out, ranks=ranks, iters=args.bridge_iters, timeout=args.bridge_timeout,
                        log=lambda m: print(m, flush=True))
     with open(os.path.join(args.out, "bridge_check.json"), "w") as f:
@@ -443,92 +569,292 @@ def bridge_main(args) -> int:
     return 0 if rep.get("ok", "skipped" in rep) else 1
 
 
+# --------------------------------------------------------------------------- the parts
+@dataclass(frozen=True)
+class Part:
+    """One part of the check: where it runs and what it checks (``--list`` prints these)."""
+
+    number: int
+    key: str
+    title: str
+    checks: str
+    min_gpus: int = 1          #: GPUs it needs (0: also on the CPU, in its small configuration)
+    timeout: int = 120         #: seconds the shell gives it
+    cpu: bool = True           #: has a CPU fallback (``--cpu``, what the tests run)
+    on_cpu: str = ""           #: what that fallback checks instead
+
+
+PARTS = (
+    Part(1, "calibration", "cost-model calibration",
+         "vision encoder (ViT-L/14 body, bf16) forward/backward vs image tokens with CUDA events; "
+         "fitted cost model in cost_model.json", min_gpus=0, timeout=90,
+         on_cpu="a 2-layer encoder on the CPU: the code path, not a measurement"),
+    Part(2, "runtime", "runtime, 2 ranks sharing the GPU",
+         "BalancedDataIterator at 2 ranks over gloo with CUDA delivery, 300 global batches, no per-step "
+         "synchronize: checksums of every delivered tensor taken on the compute stream equal the owner's "
+         "at the end; set_sync_debug_mode('warn') over the balanced iterations: none of ours; pinned pool "
+         "and the CUDA host allocator flat after warm-up", min_gpus=0, timeout=150,
+         on_cpu="16 global batches with the fake CUDA (testing/fake_cuda.py): checksums, the pool flat, "
+                "device reads of ours counted instead of the sync debug mode"),
+    Part(3, "sanitizer", "runtime under the stream sanitizer",
+         "part 2's ranks (24 global batches) under TORCH_CUDA_SANITIZER=1: no unsynchronised access "
+         "between the side stream's copies and the compute stream", timeout=150, cpu=False),
+    Part(4, "overlap", "overlap at world 1, 64 MB packs",
+         "consumer wait per micro-step overlap=False vs True around 4 bf16 8192^3 matmuls; delivered bytes "
+         "identical (checksums on the compute stream, compared at the end)", min_gpus=0, timeout=60,
+         on_cpu="0.5 MB packs on the CPU (device='cpu'): the bytes, not the overlap"),
+    Part(5, "timing", "timing hooks and the online fit",
+         "--mm-balance-timing's hooks (CUDA events) on a LLaVA-shaped model: every micro-batch recorded; "
+         "--mm-balance-cost auto's fit", min_gpus=0, timeout=90,
+         on_cpu="a tiny model with the CPU clock"),
+    Part(6, "megatron-1gpu", "Megatron-LM's own loop on one GPU",
+         "the launcher with --mm-balance on MEGATRON_LM_DIR (a patched tree), 6 iterations, packs "
+         "delivered on the GPU; needs transformer-engine (examples/multimodal's specs)", timeout=420,
+         cpu=False),
+    Part(7, "megatron-offon", "Megatron-LM off vs on, 2 GPUs",
+         "mm-balance bench-realpath with configs/megatron/vision_heavy_cpu.sh, NCCL, transformer-engine",
+         min_gpus=2, timeout=1500, cpu=False),
+    Part(8, "bridge", "Megatron-Bridge Qwen3-VL toy",
+         "the user's launcher; 2-3 GPUs: DP=2 packs and images mode (NCCL); 4+: TP=2, PP=2, CP=2 x DP=2 and "
+         "images mode; overlap_grad_reduce, overlap_param_gather, pin_memory on; off vs on within 4x the "
+         "control run's band; one process per GPU in nvidia-smi", timeout=3600, cpu=False),
+    Part(9, "cp-split", "Bridge CP=2 frame split, count vs cost",
+         "two launcher runs, mm_balance.cp_split=count vs cost, lm loss within 1e-5; needs "
+         "MEGATRON_BRIDGE_DIR and DATA_PATH", min_gpus=2, timeout=1900, cpu=False),
+)
+
+
+def why_not(part: Part, gpus: int, cpu: bool) -> str | None:
+    """Why ``part`` does not run here (None: it runs), from the visible GPUs and the settings."""
+    if cpu or gpus == 0:
+        if not part.cpu:
+            return "needs a GPU" + ("" if gpus else " (none visible)")
+        return None
+    if gpus < part.min_gpus:
+        return f"needs {part.min_gpus} GPUs ({gpus} visible)"
+    if part.key == "megatron-1gpu" and not os.environ.get("MEGATRON_LM_DIR"):
+        return "set MEGATRON_LM_DIR to a Megatron-LM checkout with scripts/apply_patches.sh applied"
+    if part.key == "megatron-offon" and not os.environ.get("MEGATRON_LM_DIR"):
+        return "set MEGATRON_LM_DIR to a Megatron-LM checkout with scripts/apply_patches.sh applied"
+    if part.key == "cp-split" and not (os.environ.get("MEGATRON_BRIDGE_DIR") and os.environ.get("DATA_PATH")):
+        return "needs MEGATRON_BRIDGE_DIR (patched) and DATA_PATH; PYTHON: Bridge's Python 3.12"
+    return None
+
+
+def part_command(part: Part, out: str, cpu: bool) -> str:
+    return f"timeout {part.timeout} python3 scripts/gpu_check.py --part {part.key} --out {out}" + (" --cpu" if cpu else "")
+
+
+def list_parts(gpus: int, out: str, cpu: bool) -> None:
+    """``--dry-run``: every part, what it checks, and whether it would run here."""
+    print(f"gpu_check parts ({gpus} GPU(s){', CPU configuration' if cpu or not gpus else ''}); results in {out}")
+    for p in PARTS:
+        why = why_not(p, gpus, cpu)
+        print(f"== {p.number}. {p.title}: " + (f"skipped ({why})" if why else part_command(p, out, cpu)))
+        print(f"   checks: {p.checks}")
+        if (cpu or not gpus) and p.on_cpu:
+            print(f"   here, in the CPU configuration: {p.on_cpu}")
+    if gpus >= 1:
+        print("   part 8's launcher runs here:")
+        print(json.dumps([{k: r[k] for k in ("name", "env", "argv")}
+                          for r in bridge_plan(gpus, out=out, cuda=True)], indent=1))
+
+
+def run_part(key: str, out: str, cpu: bool, repeats: int | None = None) -> dict:
+    """Run one part; ``{"status": PASS | FAIL | SKIP, "line": one line, ...}``, written to
+    ``OUT/parts/<key>.json``."""
+    import torch
+    part = next(p for p in PARTS if p.key == key)
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    why = why_not(part, gpus, cpu)
+    on_gpu = gpus > 0 and not cpu
+    device = "cuda" if on_gpu else "cpu"
+    log = lambda m: print(m, flush=True)  # noqa: E731
+    if why:
+        res = {"status": "SKIP", "line": why}
+    elif key == "calibration":
+        res = part_calibration(out, on_gpu, repeats, log)
+    elif key == "runtime":
+        rep = _device_check().run_ranks(device="cuda" if on_gpu else "fake",
+                                        **({} if on_gpu else CPU_RUNTIME), timeout=part.timeout - 10)
+        res = {"status": "PASS" if rep["ok"] else "FAIL", "line": rep["line"], "report": rep}
+    elif key == "sanitizer":
+        rep = _device_check().run_ranks(device="cuda", batches=24, warmup=4, sample_every=4, mbytes=0.5,
+                                        sanitizer=True, timeout=part.timeout - 10)
+        res = {"status": "PASS" if rep["ok"] else "FAIL", "line": rep["line"], "report": rep}
+    elif key == "overlap":
+        ov = overlap_check(device=device, steps=8 if on_gpu else 3, ga=4, mbytes=64.0 if on_gpu else 0.5,
+                           compute_n=8192 if on_gpu else 256, log=log)
+        ok = ov["sync"]["bit_identical"] and ov["overlap"]["bit_identical"]
+        res = {"status": "PASS" if ok else "FAIL", "report": ov,
+               "line": f"wait {ov['sync']['wait_ms_mean']:.2f} -> {ov['overlap']['wait_ms_mean']:.2f} ms/step "
+                       f"(exposed {ov['exposed_wait_ratio']:.2f}), bytes identical {ok}"}
+    elif key == "timing":
+        from megatron_mm_balance.cost import calibration
+        tc = timing_check(device=device, out=out,
+                          shape=calibration.EncoderShape() if on_gpu else calibration.EncoderShape.tiny(),
+                          tile_tokens=256 if on_gpu else 16, seq_len=8192 if on_gpu else 512,
+                          lm_hidden=2048 if on_gpu else 64, lm_layers=8 if on_gpu else 2,
+                          iterations=6 if on_gpu else 3, microbatches=8 if on_gpu else 6, log=log)
+        fit = tc["fit"]
+        res = {"status": "PASS" if tc["records"] == tc["expected"] else "FAIL", "report": tc,
+               "line": f"{tc['records']}/{tc['expected']} micro-batches timed; fit R^2 vision "
+                       f"{fit['r2_vision']:.3f}, language {fit['r2_language']:.3f}"}
+    elif key == "megatron-1gpu":
+        res = part_megatron_one_gpu(out, part.timeout - 30, log)
+    elif key == "megatron-offon":
+        res = _shell_part(["python3", "-m", "megatron_mm_balance.cli", "bench-realpath", "--megatron-lm",
+                           os.environ["MEGATRON_LM_DIR"], "--out", os.path.join(out, "bench-realpath"),
+                           "--rounds", os.environ.get("ROUNDS", "1"), "--iters", "6", "--json",
+                           os.path.join(out, "bench_realpath.json"), "--set", "GPUS_PER_NODE=2"], out, key)
+    elif key == "bridge":
+        rep = bridge_check(out=out, ranks=gpus, iters=6, timeout=600, log=log)
+        with open(os.path.join(out, "bridge_check.json"), "w") as f:
+            json.dump(rep, f, indent=1)
+        res = {"status": "SKIP" if "skipped" in rep else "PASS" if rep["ok"] else "FAIL", "report": rep,
+               "line": rep.get("skipped") or "; ".join(
+                   f"{k}: {'ok' if j['ok'] else 'OUT OF BAND'} (diff {j['diff']}, band {j['band']})"
+                   for k, j in rep["layouts"].items()) + f"; one process per GPU: {rep['one_process_per_gpu']}"}
+    elif key == "cp-split":
+        res = _shell_part(["python3", os.path.abspath(__file__), "--bridge-cp-split", "--out", out, "--gpus", "2"],
+                          out, key)
+    os.makedirs(os.path.join(out, "parts"), exist_ok=True)
+    with open(os.path.join(out, "parts", f"{key}.json"), "w") as f:
+        json.dump({"number": part.number, "title": part.title, **res}, f, indent=1, default=str)
+    print(f"== {part.number}. {part.title}: {res['status']} {res['line']}", flush=True)
+    return res
+
+
+#: part 2 on the CPU (the fake CUDA): small packs, little compute, fewer batches
+CPU_RUNTIME = dict(batches=16, warmup=4, sample_every=4, mbytes=0.125, compute_n=32, matmuls=1)
+
+
+def _device_check():
+    from megatron_mm_balance.testing import device_check
+    return device_check
+
+
+def _shell_part(argv, out: str, key: str) -> dict:
+    import subprocess
+    r = subprocess.run(argv, cwd=REPO, capture_output=True, text=True)
+    with open(os.path.join(out, f"{key}.log"), "w") as f:
+        f.write(r.stdout + r.stderr)
+    tail = (r.stdout + r.stderr).strip().splitlines()[-1:] or [""]
+    return {"status": "PASS" if r.returncode == 0 else "FAIL", "line": f"exit {r.returncode}: {tail[0][:200]}"}
+
+
+def part_calibration(out: str, on_gpu: bool, repeats, log) -> dict:
+    from megatron_mm_balance.cost import calibration
+    env = environment()
+    report = {}
+    if on_gpu and env["megatron_core"]:
+        report["mcore_clip"] = try_mcore_clip(log)
+    cal = calibration.calibrate(device="cuda" if on_gpu else "cpu", quick=not on_gpu,
+                                max_tokens=8192 if on_gpu else 1024, repeats=repeats or (10 if on_gpu else 5),
+                                warmup=3 if on_gpu else 1, log=log)
+    model = calibration.save_results(cal, os.path.join(out, "cost_model.json"), os.path.join(out, "calibration.json"))
+    biggest = max(cal["records"], key=lambda r: sum(r["images"]))
+    tokens = sum(biggest["images"])
+    ok = model.vision_ms_per_token > 0 or model.vision_ms_per_token_sq > 0
+    return {"status": "PASS" if ok or not on_gpu else "FAIL", "report": {**report, "cost_model": model.to_json()},
+            "line": f"fwd {biggest['forward_ms']:.2f} / bwd {biggest['backward_ms']:.2f} ms at {tokens} image tokens, "
+                    f"{model.vision_ms_per_token:.3e} ms per token"}
+
+
+def part_megatron_one_gpu(out: str, timeout: float, log) -> dict:
+    """Megatron-LM's own training loop on one GPU through the user's launcher, balancing on
+    (DP=1: nothing moves; what shows is that the loop runs with packs delivered on the GPU)."""
+    import importlib.util
+    import subprocess
+    if importlib.util.find_spec("transformer_engine") is None:
+        return {"status": "SKIP", "line": "transformer-engine is not importable: examples/multimodal's GPU "
+                                          "specs need it (the CPU harness runs this loop in the test suite)"}
+    run_dir = os.path.join(out, "megatron-1gpu")
+    os.makedirs(run_dir, exist_ok=True)
+    env = dict(os.environ, NPROC_PER_NODE="1", EP="1", GBS="2", TRAIN_ITERS="6", MM_BALANCE="1",
+               OUTPUT_DIR=run_dir)
+    if not env.get("DATA_PATH"):
+        from megatron_mm_balance.data.make_dataset import make_dataset
+        data = os.path.join(out, "megatron-data")
+        if not os.path.exists(os.path.join(data, "dataset.yaml")):
+            make_dataset(data, samples=64, seed=0)
+        env.update(DATA_PATH=os.path.join(data, "dataset.yaml"), TOKENIZER_MODEL=os.path.join(data, "tokenizer"))
+    argv = ["bash", os.path.join(REPO, "scripts", "pretrain_vlm_moe.sh"), "--config",
+            os.path.join(REPO, "configs", "megatron", "tiny_cpu.sh")]
+    with open(os.path.join(out, "megatron-1gpu.log"), "w") as f:
+        try:
+            rc = subprocess.run(argv, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout, cwd=REPO,
+                                start_new_session=True).returncode
+        except subprocess.TimeoutExpired:
+            rc = -9
+    from megatron_mm_balance.bench.realpath import ITER_RE
+    with open(os.path.join(out, "megatron-1gpu.log"), errors="replace") as f:
+        iters = len(ITER_RE.findall(f.read()))
+    ok = rc == 0 and iters >= 6
+    return {"status": "PASS" if ok else "FAIL", "line": f"exit {rc}, {iters} iterations logged (megatron-1gpu.log)"}
+
+
+def summary(out: str) -> int:
+    """The one-screen table of every part's result; exit status 1 if any failed."""
+    env = environment()
+    print(f"== gpu_check: torch {env['torch']}, {env['device_name']}, transformer-engine "
+          f"{'yes' if env['transformer_engine'] else 'missing'}, megatron-core "
+          f"{'yes' if env['megatron_core'] else 'missing'}")
+    failed = False
+    for p in PARTS:
+        path = os.path.join(out, "parts", f"{p.key}.json")
+        if not os.path.exists(path):
+            continue
+        with open(path) as f:
+            res = json.load(f)
+        failed |= res["status"] == "FAIL"
+        print(f"{res['status']:<5} {p.number}. {p.title:<38} {res['line'][:160]}")
+    print(f"results in {os.path.abspath(out)}")
+    return 1 if failed else 0
+
+
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description="GPU validation for megatron-mm-balance")
+    ap = argparse.ArgumentParser(description="GPU validation for megatron-mm-balance (docs/gpu.md)")
     ap.add_argument("--out", default=os.environ.get("OUT") or "./gpu_results")
-    ap.add_argument("--cpu", action="store_true", help="force the small CPU run")
+    ap.add_argument("--cpu", action="store_true", help="the small CPU configuration (what the tests run)")
     ap.add_argument("--repeats", type=int, default=None)
+    ap.add_argument("--part", default=None, choices=[p.key for p in PARTS], help="run this part")
+    ap.add_argument("--plan", action="store_true", help="print 'key timeout' of the parts that run here")
+    ap.add_argument("--list", action="store_true", help="print every part, what it checks, whether it runs here")
+    ap.add_argument("--summary", action="store_true", help="print the table of the parts' results in OUT")
+    ap.add_argument("--gpus", type=int, default=None, help="plan for this many GPUs (default: the visible ones)")
     ap.add_argument("--bridge-only", action="store_true",
-                    help="run only part 5 (Megatron-Bridge's Qwen3-VL toy through its launcher)")
-    ap.add_argument("--bridge-plan", action="store_true", help="print part 5's launcher runs and exit")
+                    help="run only part 8 (Megatron-Bridge's Qwen3-VL toy through its launcher)")
+    ap.add_argument("--bridge-plan", action="store_true", help="print part 8's launcher runs and exit")
     ap.add_argument("--bridge-ranks", type=int, default=None,
-                    help="ranks of part 5 (default: the visible GPUs; on a CPU the launcher's CPU harness runs them)")
+                    help="ranks of part 8 (default: the visible GPUs; on a CPU the launcher's CPU harness runs them)")
     ap.add_argument("--bridge-iters", type=int, default=6)
     ap.add_argument("--bridge-timeout", type=float, default=900.0, help="seconds per launcher run")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     if args.bridge_only or args.bridge_plan:
         return bridge_main(args)
-    lines = []
-
-    def log(msg):
-        print(msg, flush=True)
-        lines.append(msg)
-
-    import torch
-
-    from megatron_mm_balance.cost import calibration
-
-    env = environment()
-    on_gpu = env["cuda"] and not args.cpu
-    device = "cuda" if on_gpu else "cpu"
-    log(f"== environment: torch {env['torch']}, device {env['device_name']}, "
-        f"transformer-engine {'yes' if env['transformer_engine'] else 'MISSING (skipped)'}, "
-        f"megatron-core {'yes' if env['megatron_core'] else 'MISSING (skipped)'}")
-    if not env["cuda"]:
-        log("  no CUDA device: running the small CPU configuration (not a GPU measurement)")
-    report = {"environment": env, "device": device}
-
-    log("== 1. cost-model calibration (vision encoder forward/backward vs image tokens)")
-    if on_gpu and env["megatron_core"]:
-        report["mcore_clip"] = try_mcore_clip(log)
-    t0 = time.perf_counter()
-    cal = calibration.calibrate(
-        device=device, quick=not on_gpu, max_tokens=8192 if on_gpu else 1024,
-        repeats=args.repeats or (10 if on_gpu else 5), warmup=3 if on_gpu else 1,
-        log=lambda m: log(m))
-    model = calibration.save_results(cal, os.path.join(args.out, "cost_model.json"),
-                                     os.path.join(args.out, "calibration.json"))
-    report["calibration_s"] = time.perf_counter() - t0
-    report["cost_model"] = model.to_json()
-    log(f"  fitted: {model.vision_ms_per_token:.3e} ms/token + {model.vision_ms_per_token_sq:.3e} "
-        f"ms/token^2 + {model.const_ms:.3f} ms, backward/forward {model.vision_backward_ratio:.2f}")
-
-    log("== 2. BalancedDataIterator overlap on a dedicated stream (world size 1)")
-    ov = overlap_check(device=device, steps=8 if on_gpu else 3, ga=4,
-                       mbytes=64.0 if on_gpu else 0.5, compute_n=8192 if on_gpu else 256, log=log)
-    report["overlap"] = ov
-
-    log("== 3. per-pack timing hooks (--mm-balance-timing) and the online fit (--mm-balance-cost auto)")
-    tc = timing_check(device=device, out=args.out,
-                      shape=calibration.EncoderShape() if on_gpu else calibration.EncoderShape.tiny(),
-                      tile_tokens=256 if on_gpu else 16, seq_len=8192 if on_gpu else 512,
-                      lm_hidden=2048 if on_gpu else 64, lm_layers=8 if on_gpu else 2,
-                      iterations=6 if on_gpu else 3, microbatches=8 if on_gpu else 6, log=log)
-    report["timing"] = tc
-
-    with open(os.path.join(args.out, "gpu_check.json"), "w") as f:
-        json.dump(report, f, indent=1)
-    ok = (ov["sync"]["bit_identical"] and ov["overlap"]["bit_identical"]
-          and tc["records"] == tc["expected"])
-    print()
-    print(f"{'check':<44} {'value':>14}")
-    print(f"{'device':<44} {env['device_name'][:14]:>14}")
-    biggest = max(cal["records"], key=lambda r: sum(r["images"]))
-    print(f"{'vision fwd ms @ ' + str(sum(biggest['images'])) + ' image tokens':<44} {biggest['forward_ms']:>14.3f}")
-    print(f"{'vision bwd ms @ ' + str(sum(biggest['images'])) + ' image tokens':<44} {biggest['backward_ms']:>14.3f}")
-    print(f"{'fitted ms per image token':<44} {model.vision_ms_per_token:>14.3e}")
-    print(f"{'consumer wait ms/step, overlap=False':<44} {ov['sync']['wait_ms_mean']:>14.3f}")
-    print(f"{'consumer wait ms/step, overlap=True':<44} {ov['overlap']['wait_ms_mean']:>14.3f}")
-    print(f"{'exposed wait / synchronous wait':<44} {ov['exposed_wait_ratio']:>14.3f}")
-    print(f"{'delivered tensors bit-identical':<44} {str(ov['sync']['bit_identical'] and ov['overlap']['bit_identical']):>14}")
-    print(f"{'micro-batches timed by the hooks / run':<44} {tc['records']:>7} / {tc['expected']:<5}")
-    fit = tc["fit"]
-    print(f"{'online fit: R^2 vision / language':<44} {fit['r2_vision']:>6.3f} / {fit['r2_language']:<6.3f}")
-    if fit["model"]:
-        print(f"{'online fit: vision ms per image token':<44} {fit['model']['vision_ms_per_token']:>14.3e}")
-    print(f"results in {os.path.abspath(args.out)}")
-    return 0 if ok else 1
+    if args.summary:
+        return summary(args.out)
+    gpus = args.gpus
+    if gpus is None:
+        import torch
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if args.list:
+        list_parts(gpus, args.out, args.cpu)
+        return 0
+    if args.plan:
+        for p in PARTS:
+            if why_not(p, gpus, args.cpu) is None:
+                print(p.key, p.timeout)
+        return 0
+    if args.part:
+        return 0 if run_part(args.part, args.out, args.cpu, args.repeats)["status"] != "FAIL" else 1
+    failed = False                          # every part that runs here, in this process
+    for p in PARTS:
+        if why_not(p, gpus, args.cpu) is None:
+            failed |= run_part(p.key, args.out, args.cpu, args.repeats)["status"] == "FAIL"
+    return summary(args.out) or int(failed)
 
 
 # --------------------------------------------------------------------------- Bridge: CP frame split

@@ -145,7 +145,7 @@ def wrap_train_data_iterator(train_data_iterator, cfg, pg_collection, *, state=N
     from ..megatron.checks import checked_config
     from ..megatron.config import live_iteration
     from ..megatron.groups import init_exchange_groups
-    from ..megatron.iterator import _unwrap
+    from ..megatron.iterator import _unwrap, tap_timing
     from ..megatron.stops import StopReporter
     from .config import as_args
     from .cp_split import install_cp_split
@@ -160,7 +160,7 @@ def wrap_train_data_iterator(train_data_iterator, cfg, pg_collection, *, state=N
     if timing is not None and core_cfg.timing_dir:
         save_flops_model(core_cfg.timing_dir, spec)
     if not core_cfg.enabled:
-        return train_data_iterator
+        return tap_timing(train_data_iterator, timing)   # the hooks' features from the host copies
     install_cp_split(mm, spec)
     is_list = isinstance(train_data_iterator, list)
     iterators = train_data_iterator if is_list else [train_data_iterator]

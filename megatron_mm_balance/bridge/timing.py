@@ -9,8 +9,10 @@ called with ``decoder_input=`` the combined embeddings), inside Megatron's DDP a
 ``Float16Module`` wrappers. ``qwen3_vl_step.forward_step`` calls it with keyword
 arguments only: ``input_ids`` (``[B, S]``, after the step's padding), ``image_grid_thw``
 / ``video_grid_thw`` (``(t, h, w)`` per image/video), ``attention_mask`` and, with
-in-batch packing, ``packed_seq_params``. :func:`qwen_vl_features` reads a record's
-features from that call; the recorder, the hooks and the clock (CUDA events on GPU,
+in-batch packing, ``packed_seq_params``. :func:`qwen_vl_pack_features` reads a record's
+grids from the micro-batch's host copy as the train iterator hands it over, and
+:func:`call_lengths` its rows from the call's shapes, so no hook reads a device tensor;
+:func:`qwen_vl_features` reads them all from the call (a forward with nothing handed over); the recorder, the hooks and the clock (CUDA events on GPU,
 ``perf_counter`` on CPU) are the core package's, unchanged.
 
 A record's ``images`` are the encoder's tokens ``t*h*w`` per image/video, ``grids`` the
@@ -21,7 +23,32 @@ the step pads every row to the sequence length under pipeline or expert parallel
 """
 from __future__ import annotations
 
-from ..cost.pack import QWEN_VL_GRID_KEYS, _grid_rows
+from typing import Optional
+
+from ..cost.pack import QWEN_VL_GRID_KEYS, QwenVLBatchError, QwenVLGridFeatures, _grid_rows
+
+
+def qwen_vl_pack_features(pack) -> Optional[tuple]:
+    """``(images, None, grids)`` of a Bridge micro-batch read from its host copy, as the train
+    iterator hands it over (the grids of its ``visual_inputs``), so the hooks read no device
+    tensor; the lengths are left to the forward, which reads them from its call's shapes
+    (:func:`call_lengths`: the step pads the rows first). None when the grids cannot be read
+    (that forward reads its call instead)."""
+    try:
+        grids = QwenVLGridFeatures().grids(pack)
+    except QwenVLBatchError:
+        return None
+    return [t * h * w for t, h, w in grids], None, grids
+
+
+def call_lengths(args, kwargs) -> list:
+    """The language model's rows as Bridge 0.6's Qwen3-VL step calls it, from shapes only: the
+    step pads every row to one length and packs them with ``cu_seqlens`` of that length, so
+    each row is ``input_ids``' width (reading ``cu_seqlens_q`` itself would copy it from the
+    device and wait for the GPU)."""
+    ids = args[0] if args else kwargs.get("input_ids")
+    shape = getattr(ids, "shape", None)
+    return [int(shape[-1])] * int(shape[0]) if shape is not None and len(shape) == 2 else []
 
 
 def qwen_vl_features(model, args, kwargs) -> tuple:
@@ -65,6 +92,7 @@ def install_bridge_timing(model, core_cfg, args, state=None):
     from ..megatron.timing import install_timing
     return install_timing(model, out_dir=core_cfg.timing_dir, interval=core_cfg.log_interval,
                           iteration_fn=live_iteration(args), features=qwen_vl_features,
+                          host_features=qwen_vl_pack_features, call_lengths=call_lengths,
                           writers=_writers(state), files=core_cfg.timing_files, every=core_cfg.timing_every)
 
 

@@ -418,6 +418,19 @@ def _recorder(cfg: MMBalanceConfig, args, chunk: int):
                           job_start=cfg.megatron.start_iteration, chunk=chunk)
 
 
+def tap_timing(train_data_iterator, timing):
+    """Balancing off, timing on (Bridge's glue): each iterator's loader behind a
+    :class:`TimingTap` in a ``RerunDataIterator``; unchanged when ``timing`` is None."""
+    from megatron.core.rerun_state_machine import RerunDataIterator
+    if timing is None:
+        return train_data_iterator
+    is_list = isinstance(train_data_iterator, list)
+    iterators = train_data_iterator if is_list else [train_data_iterator]
+    wrapped = [None if it is None else RerunDataIterator(TimingTap(_unwrap(it), timing, chunk))
+               for chunk, it in enumerate(iterators)]
+    return wrapped if is_list else wrapped[0]
+
+
 def _passed_through(train_data_iterator, cfg: MMBalanceConfig, args, timing=None):
     """Balancing off, recording or timing on: each iterator's loader behind pass-throughs that
     record its micro-batches (``--mm-balance-record-samples``) and hand their host features to

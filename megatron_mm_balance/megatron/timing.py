@@ -155,6 +155,8 @@ class TimingRecorder:
         #: ``pack -> features`` on a micro-batch's host copy (:meth:`expect`); None: each
         #: forward reads its call
         self.host_features: Optional[Callable] = None
+        #: ``(args, kwargs) -> lengths`` from the call's shapes, where host features have None
+        self.call_lengths: Optional[Callable] = None
         self._current: Optional[_Open] = None
         self._backward: Optional[_Open] = None
         self._iteration = None
@@ -432,7 +434,10 @@ def install_hooks(model_chunks, recorder: TimingRecorder, features: Callable = N
             if not (torch.is_grad_enabled() and module.training):
                 recorder.skip()
                 return None
-            recorder.begin(*recorder.features_for(index, lambda: features(module, args, kwargs)))
+            feats = recorder.features_for(index, lambda: features(module, args, kwargs))
+            if feats[1] is None:                 # rows the host copy cannot know: the call's shapes
+                feats = (feats[0], recorder.call_lengths(args, kwargs), *feats[2:])
+            recorder.begin(*feats)
             return None
 
         handles.append(top.register_forward_pre_hook(top_pre, with_kwargs=True))
@@ -487,7 +492,8 @@ def install_timing(model_chunks, *, out_dir: Optional[str], interval: int,
                    iteration_fn: Optional[Callable[[], Optional[int]]] = None,
                    features: Optional[Callable] = None, writers: Optional[tuple] = None,
                    files: str = "rank", every: int = 1,
-                   host_features: Optional[Callable] = None) -> TimingRecorder:
+                   host_features: Optional[Callable] = None,
+                   call_lengths: Optional[Callable] = None) -> TimingRecorder:
     """``--mm-balance-timing``: a :class:`TimingRecorder` for this rank and its hooks on
     ``model_chunks`` (what ``setup_model_and_optimizer`` returned). Called on every rank
     by :func:`~.iterator.wrap_train_data_iterator` (and by Bridge's glue, with the Qwen-VL
@@ -495,7 +501,9 @@ def install_timing(model_chunks, *, out_dir: Optional[str], interval: int,
     ``files`` and ``every``: ``--mm-balance-timing-files`` and ``--mm-balance-timing-every``
     (the written lines name this rank's node either way). ``host_features``: ``pack ->
     features`` on a micro-batch's host copy (:meth:`TimingRecorder.expect`; default, with
-    the default ``features``, :func:`llava_pack_features` at the model's tokens per tile)."""
+    the default ``features``, :func:`llava_pack_features` at the model's tokens per tile);
+    ``call_lengths(args, kwargs)``: the rows, from the call's shapes, where the host features
+    leave them None (Bridge's step pads the rows after the hand-over)."""
     import torch
     import torch.distributed as dist
 
@@ -512,6 +520,7 @@ def install_timing(model_chunks, *, out_dir: Optional[str], interval: int,
     if host_features is None and features is None:      # Megatron-LM's examples/multimodal
         host_features = functools.partial(llava_pack_features, tokens_per_tile=_tokens_per_tile(model_chunks))
     recorder.host_features = host_features
+    recorder.call_lengths = call_lengths
     return recorder
 
 

@@ -227,14 +227,18 @@ def train(rank, mm):
     torch.manual_seed(rank)
     model = toy_qwen3_vl()
     state = types.SimpleNamespace(train_state=types.SimpleNamespace(step=0, consumed_train_samples=0))
-    sentinel = object()
-    assert wrap_train_data_iterator(sentinel, bridge_cfg(mm), None, state=state, model=[model]) is sentinel
+    calls = [qwen_batch(toy_grids(rank, it, m), text=6 + m) for it in range(ITERS) for m in range(G)]
+    loader = iter([batch for batch, _ in calls])
+    train_iterator = wrap_train_data_iterator(loader, bridge_cfg(mm), None, state=state, model=[model])
+    if not mm.timing_dir:
+        assert train_iterator is loader          # off, no timing: unchanged
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     losses, grads = [], []
     for it in range(ITERS):
         opt.zero_grad()
         for m in range(G):
-            _, call = qwen_batch(toy_grids(rank, it, m), text=6 + m)
+            next(train_iterator)                 # what the step reads (the hooks' features, host copy)
+            _, call = calls[it * G + m]
             loss = model(**call).mean() / G
             loss.backward()
             losses.append(loss.detach().clone())
@@ -349,3 +353,32 @@ def test_hooks_on_qwen3_vl_record_every_microbatch_and_change_nothing(tmp_path):
     assert results[0]["frames_probes"] == results[1]["frames_probes"]
     four_small, one_large = results[0]["frames_probes"][:2]
     assert one_large[0] > four_small[0], "a 256-patch frame costs more than four 64-patch frames"
+
+
+def test_hooks_read_no_device_tensor_with_the_host_features():
+    """The hooks as Bridge installs them, the grids handed over from the micro-batch's host
+    copy and the call on the (fake) device: no device read of ours; without the hand-over the
+    call's grids are read (counted as ours), the reads the host copy saves."""
+    import torch
+    from megatron_mm_balance.bridge.timing import call_lengths, qwen_vl_features, qwen_vl_pack_features
+    from megatron_mm_balance.megatron.timing import install_timing
+    from megatron_mm_balance.testing.fake_cuda import DeviceReads, FakeDeviceTensor
+
+    model = toy_qwen3_vl()
+    rec = install_timing([model], out_dir=None, interval=1, features=qwen_vl_features,
+                         host_features=qwen_vl_pack_features, call_lengths=call_lengths, writers=(None, None))
+    on_device = lambda call: {k: v.as_subclass(FakeDeviceTensor) if isinstance(v, torch.Tensor) else v  # noqa: E731
+                              for k, v in call.items()}
+    grids = [[1, 2, 4], [2, 2, 2]]
+    batch, call = qwen_batch(grids, text=5)
+    with DeviceReads() as reads:
+        rec.expect(rec.host_features(batch))
+        model(**on_device(call)).mean().backward()
+    assert reads.ours() == [], reads.ours()
+    with DeviceReads() as fallback:
+        model(**on_device(call)).mean().backward()
+    assert [r.what for r in fallback.ours()] == ["tolist()"]          # the call's image_grid_thw
+    rec.close()
+    first, second = rec.records(0, 10)
+    for r in (first, second):
+        assert r["grids"] == grids and r["images"] == [8, 8] and r["lengths"] == [5 + 2 + 2]

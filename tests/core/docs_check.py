@@ -40,9 +40,9 @@ def _lines_outside_fences(text: str):
         yield no, line, inside
 
 
-def code_snippets(text: str) -> list:
+def code_snippets(text: str, *, fenced_too: bool = False) -> list:
     """``[(line, snippet)]``: each line of a fenced block (backslash continuations joined) and
-    each inline code span outside them."""
+    each inline code span outside them; ``fenced_too``: ``[(line, snippet, fenced)]``."""
     out, pending, start = [], "", 0
     for no, line, fenced in _lines_outside_fences(text):
         if fenced:
@@ -51,11 +51,11 @@ def code_snippets(text: str) -> list:
             if line.rstrip().endswith("\\"):
                 pending += line.rstrip()[:-1] + " "
                 continue
-            out.append((start, pending + line))
+            out.append((start, pending + line, True))
             pending = ""
         else:
-            out.extend((no, m.group(2)) for m in INLINE.finditer(line))
-    return out
+            out.extend((no, m.group(2), False) for m in INLINE.finditer(line))
+    return out if fenced_too else [(no, s) for no, s, _ in out]
 
 
 def links(text: str) -> list:
@@ -93,6 +93,8 @@ def anchors(path: Path) -> frozenset:
 
 
 DATE = re.compile(r"\b20\d\d-\d\d-\d\d\b")
+#: a note's file name carries its date: naming the note is no dated section
+NOTE_PATH = re.compile(r"\S*notes/20\d\d-\d\d-\d\d[\w.-]*")
 
 
 def dated_lines(text: str) -> list:
@@ -100,7 +102,7 @@ def dated_lines(text: str) -> list:
     is no run's) and headings labelled with a run."""
     heads = {no for no, _, title in headings(text) if DATED.search(title)}
     return [(no, line.strip()[:100]) for no, line, fenced in _lines_outside_fences(text)
-            if not fenced and (DATE.search(line) or no in heads)]
+            if not fenced and (DATE.search(NOTE_PATH.sub("", line)) or no in heads)]
 
 
 # -- what commands and flags exist -------------------------------------------------------------
@@ -195,12 +197,13 @@ def _flags(words) -> list:
     return [w.split("=", 1)[0] for w in words if re.fullmatch(r"--[a-z][a-z0-9-]*(=.*)?", w)]
 
 
-def _mm_balance_problems(command: str, words: list) -> list:
+def _mm_balance_problems(command: str, words: list, fenced: bool = True) -> list:
     commands = cli_commands()
     if command.endswith("-") or "*" in command:                    # mm-balance bench-*: a family
         return []
     if command not in commands:
-        return [f"mm-balance {command}: no such command"]
+        # in prose, "mm-balance NAME" also names other things (NVTX ranges): a command has options
+        return [f"mm-balance {command}: no such command"] if fenced or _flags(words) else []
     known = set(commands[command])
     if command == "demo":          # the options it does not know go to the emulated training
         known |= source_options(REPO / "megatron_mm_balance" / "testing" / "train_demo.py")
@@ -216,11 +219,12 @@ def _script_options(path: Path) -> set:
     return known | {"--help"}
 
 
-def command_problems(words: list) -> list:
-    """What one command (:func:`commands_in`) names that does not exist."""
+def command_problems(words: list, fenced: bool = True) -> list:
+    """What one command (:func:`commands_in`) names that does not exist (``fenced``: quoted in
+    a code block, not in prose)."""
     first = words[0]
     if first == "mm-balance":
-        return _mm_balance_problems(words[1], words[2:]) if len(words) > 1 else []
+        return _mm_balance_problems(words[1], words[2:], fenced) if len(words) > 1 else []
     if first == "bash" and len(words) > 1:
         words = words[1:]
     elif re.fullmatch(r"(?:\S*/)?python3?(?:\.\d+)?", first) and len(words) > 1:
@@ -251,8 +255,9 @@ def command_problems(words: list) -> list:
     return []
 
 
-def snippet_problems(snippet: str) -> list:
-    """What a quoted command or flag names that does not exist (one line each)."""
+def snippet_problems(snippet: str, fenced: bool = True) -> list:
+    """What a quoted command or flag names that does not exist (one line each); ``fenced``: a
+    line of a code block, not an inline span."""
     problems = []
     for flag in MM_FLAG.findall(snippet):
         if flag not in mm_balance_flags() and not flag.endswith("-"):
@@ -264,7 +269,7 @@ def snippet_problems(snippet: str) -> list:
         if not (REPO / path).is_file():
             problems.append(f"{path}: no such file")
     for words in commands_in(snippet):
-        problems += command_problems(words)
+        problems += command_problems(words, fenced)
     m = REPO_PATH.match(snippet.strip())
     if m and not any(c in m.group(1) for c in "*<>{}") and not (REPO / m.group(1)).exists():
         problems.append(f"{m.group(1)}: no such path in the repository")

@@ -39,12 +39,14 @@ def test_the_checks_see_the_pages_and_catch_what_does_not_exist():
                  "bench-realpath --bridge D --modes off", "python -m megatron_mm_balance.sim simulate mixed --dp 8",
                  "BadPack: mm-balance refuses a pack", "mm_balance.timing_dir=DIR --mm-balance-timing-every 5"):
         assert dc.snippet_problems(fine) == [], fine
+    assert dc.snippet_problems("mm-balance pull", fenced=False) == []          # prose: an NVTX range's name
+    assert dc.snippet_problems("mm-balance pull") != []                        # a code block: a command
 
 
 def test_every_quoted_command_and_flag_exists():
     problems = [f"{_rel(page)}:{no}: {p}" for page in dc.all_pages()
-                for no, snippet in dc.code_snippets(page.read_text(encoding="utf-8"))
-                for p in dc.snippet_problems(snippet)]
+                for no, snippet, fenced in dc.code_snippets(page.read_text(encoding="utf-8"), fenced_too=True)
+                for p in dc.snippet_problems(snippet, fenced)]
     assert not problems, "\n".join(problems)
 
 
@@ -117,6 +119,7 @@ def test_no_user_page_has_a_dated_section():
     ("| `core_v0.16.1` (2026-03) | patches |", False),
     ("## Install", False),
     ("```\n# run 2026-12-03\n```", False),
+    ("the earlier figures are in docs/notes/2026-12-06-first-gpu-run.md.", False),
 ])
 def test_what_counts_as_dated(text, dated):
     assert bool(dc.dated_lines(text)) is dated

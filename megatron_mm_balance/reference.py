@@ -42,6 +42,14 @@ TELEMETRY: Dict[str, str] = {
     "nodes": "nodes the data-parallel group spans; this and the two `inter_node_*` fields appear only where "
              "the nodes are known",
     "inter_node_packs": "of the moved packs, those that changed node, whole group, per global batch",
+    "step_groups": "the job's per-micro-step meeting groups in the data-parallel group (its expert-parallel "
+                   "groups); this and the three fields below appear only where they split the group",
+    "group_cost_before": "the group objective per micro-step, as drawn: the slowest meeting group's sum of "
+                         "its per-micro-step maxima (what `auto` sync minimises under expert parallelism)",
+    "group_cost_after": "the same, as trained",
+    "inter_group_packs": "of the moved packs, those that changed meeting group, whole group, per global batch",
+    "inter_group_packs_would_move": "shadow mode: the packs the plan would move to another meeting group, "
+                                    "per global batch",
     "packs_sent": "this rank: packs it sent to peers, per global batch",
     "packs_received": "this rank: packs it received from peers, per global batch",
     "bytes_sent": "this rank: bytes it sent on the exchange group (records, headers, tensor data), per global "

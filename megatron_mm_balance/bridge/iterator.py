@@ -34,7 +34,10 @@ What Bridge relies on, and how it is kept:
   :func:`~.vision.pack_cost_for`).
 * every rank of a data-parallel group reads data in Bridge's VLM steps (each tensor-,
   pipeline- and context-parallel rank draws from its own loader): one exchange group
-  per data-parallel group (``pg_collection.dp``), created collectively over the world.
+  per data-parallel group (``pg_collection.dp``), created collectively over the world;
+  its meeting groups (who waits for whom every micro-step) are read from
+  ``pg_collection``'s expert-parallel and expert tensor-parallel groups
+  (:func:`~megatron_mm_balance.megatron.groups.process_group_layout`).
 """
 from __future__ import annotations
 
@@ -117,14 +120,6 @@ def auto_features_for(spec):
     return QwenVLFeatures(spec.spatial_merge_size, flops_model=spec.flops_model, flops_note=spec.flops_problem)
 
 
-def _layout(pg_collection):
-    """This rank's data layout: every rank reads data; its data-parallel ranks."""
-    import torch.distributed as dist
-
-    from ..megatron.groups import RankLayout
-    return RankLayout(True, tuple(int(r) for r in dist.get_process_group_ranks(pg_collection.dp)))
-
-
 def wrap_train_data_iterator(train_data_iterator, cfg, pg_collection, *, state=None, model=None):
     """Wrap Bridge's train iterator(s) for ``cfg.mm_balance.enabled``; a no-op otherwise.
 
@@ -144,8 +139,8 @@ def wrap_train_data_iterator(train_data_iterator, cfg, pg_collection, *, state=N
         return train_data_iterator
     from ..megatron.checks import checked_config
     from ..megatron.config import live_iteration
-    from ..megatron.groups import init_exchange_groups
-    from ..megatron.iterator import _unwrap, tap_timing
+    from ..megatron.groups import init_exchange_groups, process_group_layout
+    from ..megatron.iterator import _unwrap, tap_timing, with_job_meetings
     from ..megatron.stops import StopReporter
     from .config import as_args
     from .cp_split import install_cp_split
@@ -164,8 +159,9 @@ def wrap_train_data_iterator(train_data_iterator, cfg, pg_collection, *, state=N
     install_cp_split(mm, spec)
     is_list = isinstance(train_data_iterator, list)
     iterators = train_data_iterator if is_list else [train_data_iterator]
-    groups = init_exchange_groups(_layout(pg_collection), num_chunks=len(iterators),
+    groups = init_exchange_groups(process_group_layout(pg_collection), num_chunks=len(iterators),
                                   timeout=core_cfg.timeout)
+    core_cfg = with_job_meetings(core_cfg, groups)         # auto sync: the job's meeting groups
     install_frame_balance(model, mm, spec, core_cfg, args, pg_collection, state, timing)   # vision=images
     tb = getattr(state, "tensorboard_logger", None) if state is not None else None
     wandb = getattr(state, "wandb_logger", None) if state is not None else None

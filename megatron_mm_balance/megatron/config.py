@@ -11,7 +11,8 @@
   (tests, a custom harness) is fine, absent attributes take Megatron's defaults.
 * :meth:`MMBalanceConfig.from_args` builds the config from ``args`` and resolves
   everything derived at that moment: ``auto`` sync (``microstep`` under expert
-  parallel), the log interval (``--log-interval``), tokens per tile (the multimodal
+  parallel, until :meth:`MMBalanceConfig.with_meetings` gives the meeting groups read
+  from the job's process groups, which then decide), the log interval (``--log-interval``), tokens per tile (the multimodal
   flags), the runtime's
   :class:`~megatron_mm_balance.runtime.config.BalancerConfig`. Every value is
   checked once: the runtime's settings by ``BalancerConfig`` (its error is
@@ -31,6 +32,7 @@ from typing import Any, Callable, Optional, Tuple
 from ..cost.pack import DEFAULT_TOKENS_PER_TILE
 from ..cost.timing_files import TIMING_FILE_LAYOUTS
 from ..runtime.config import DEFAULT_TIMEOUT_S, TOLERANCE_BELOW, BalancerConfig, SettingError
+from ..runtime.meeting import MeetingGroups
 from ..solver.placement import DEFAULT_BALANCE_TOLERANCE
 
 SYNC_CHOICES = ("auto", "microstep", "step")
@@ -252,11 +254,14 @@ class MMBalanceConfig:
                          "(default).",
                          negation=("--no-mm-balance-overlap",
                                    "Balance synchronously when the global batch is first read."))
-    #: resolved: ``microstep`` under expert parallel, else ``step``
-    sync: str = flag("auto", "--mm-balance-sync", "Objective: 'microstep' balances every "
-                     "micro-step (needed when expert-parallel all-to-alls synchronise ranks each "
-                     "micro-step), 'step' balances per-rank totals (pure data parallel). 'auto' "
-                     "picks microstep when --expert-model-parallel-size > 1, else step.",
+    #: resolved: from the job's meeting groups (:meth:`with_meetings`), until they are read
+    #: ``microstep`` under expert parallel, else ``step``
+    sync: str = flag("auto", "--mm-balance-sync", "Objective: 'auto' follows the meeting groups "
+                     "read from the job's process groups: every micro-step balanced inside each "
+                     "expert-parallel group (whose all-to-alls make its ranks wait for each other) "
+                     "and rank totals across them, or only rank totals when no two data-parallel "
+                     "ranks share one; 'microstep' balances every micro-step as if all "
+                     "data-parallel ranks met in it; 'step' balances per-rank totals.",
                      type=str, choices=SYNC_CHOICES)
     cost: str = flag("image-tokens", "--mm-balance-cost", "Cost of a pack: its image tokens, a "
                      "calibrated cost model read from --mm-balance-cost-file, or 'auto': the cost that "
@@ -340,6 +345,11 @@ class MMBalanceConfig:
                               "--mm-balance.")
     #: what the config was resolved against (Megatron's defaults unless built from ``args``)
     megatron: MegatronArgs = field(default_factory=MegatronArgs)
+    #: who meets whom in this rank's exchange group, read from the job's process groups when
+    #: the exchange groups are made (:meth:`with_meetings`); None: not read (yet)
+    meetings: Optional[MeetingGroups] = field(default=None, repr=False)
+    #: ``--mm-balance-sync`` as given: ``auto`` lets the job's meeting groups decide
+    sync_requested: str = field(init=False, repr=False, default="auto")
     #: the runtime's settings, derived (device "auto": on a GPU, packs arrive on it, copied on
     #: the exchange's side stream; on a CPU they stay where the loader put them)
     balancer: BalancerConfig = field(init=False, repr=False)
@@ -348,8 +358,10 @@ class MMBalanceConfig:
         for f, spec in flag_fields():
             _check_flag(spec, getattr(self, f.name))
         m = self.megatron
+        object.__setattr__(self, "sync_requested", self.sync)
         resolve = {
             "sync": self.sync if self.sync != "auto" else
+            self.meetings.sync() if self.meetings is not None else
             ("microstep" if m.expert_model_parallel_size > 1 else "step"),
             "log_interval": int(self.log_interval if self.log_interval is not None else
                                 m.log_interval or DEFAULT_LOG_INTERVAL),
@@ -362,7 +374,9 @@ class MMBalanceConfig:
                                       device="auto", balance_tolerance=self.tolerance,
                                       shadow=self.mode == "shadow", control=self.mode == "control",
                                       crossover=crossover_parity(self.mode),
-                                      ranks_per_node=self.ranks_per_node)
+                                      ranks_per_node=self.ranks_per_node,
+                                      job_step_groups=None if self.meetings is None else self.meetings.labels(),
+                                      step_groups=self._placed_step_groups())
         except SettingError as e:
             raise MMBalanceConfigError(f"{_RUNTIME_FLAGS[e.field]} {e.requirement}, got {e.value!r}") from None
         object.__setattr__(self, "balancer", balancer)
@@ -397,6 +411,42 @@ class MMBalanceConfig:
             value = getattr(args, spec.dest, None)
             values[f.name] = f.default if value is None else value
         return cls(**values, megatron=MegatronArgs.read(args))
+
+    def _placed_step_groups(self) -> Optional[Tuple[int, ...]]:
+        """The meeting groups the planner places by: the job's, when ``auto`` sync lets them
+        decide and some ranks meet every micro-step; None otherwise (``microstep`` set by
+        hand: as if every rank met every micro-step; ``step``: rank totals only)."""
+        if self.meetings is None or self.sync_requested != "auto" or self.sync != "microstep":
+            return None
+        return self.meetings.labels()
+
+    def with_meetings(self, meetings: Optional[MeetingGroups]) -> "MMBalanceConfig":
+        """This config with the meeting groups read from the job (``auto`` sync re-resolved
+        from them; an explicit ``--mm-balance-sync`` stays)."""
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
+        values.update(sync=self.sync_requested, meetings=meetings)
+        return type(self)(**values)
+
+    def meeting_line(self) -> str:
+        """One log line saying who meets whom and what the placement balances, e.g.
+        ``[mm-balance] meeting groups: per iteration: data parallel of 4 [0, 1, 2, 3]; per
+        micro-step: 2 groups of 2 (expert parallel) [0, 1] [2, 3] | sync: microstep inside
+        each step group, from the job``."""
+        m = self.meetings
+        found = m.describe() if m is not None else "not read from the job"
+        if self.sync_requested == "auto":
+            if m is None:
+                how = (f"{self.sync}, from --expert-model-parallel-size "
+                       f"{self.megatron.expert_model_parallel_size}")
+            elif self.sync == "step":
+                how = "step (rank totals; nobody waits within an iteration), from the job"
+            elif m.all_meet_each_step:
+                how = "microstep (all ranks meet every micro-step), from the job"
+            else:
+                how = "microstep inside each step group, rank totals across them, from the job"
+        else:
+            how = f"{self.sync} across all data-parallel ranks, as set (the job: {m.sync() if m else 'unknown'})"
+        return f"[mm-balance] meeting groups: {found} | sync: {how}"
 
     # -- derived from Megatron's arguments ------------------------------------------------
     def runtime(self) -> BalancerConfig:

@@ -28,6 +28,14 @@ The same all-gather that collects the layouts collects what names each rank's no
 else ``SLURM_NODEID``, else the host name), so the node of every rank is found once,
 here, and is the same on every rank (:attr:`ExchangeGroups.node_ids`); nothing is
 assumed from the rank numbering.
+
+The same gather collects who waits for whom (:mod:`megatron_mm_balance.runtime.meeting`):
+each rank's data-parallel position and the groups it runs a collective with every
+micro-step (its expert-parallel group and its expert tensor-parallel group, which Megatron-core
+carves out of data x context x tensor parallel). An exchange group's ranks that these
+collectives link, through ranks of any stage, tensor- or context-parallel rank holding the
+same data-parallel position, meet every micro-step; the exchange group itself meets once per
+iteration (:attr:`ExchangeGroups.meetings`).
 """
 from __future__ import annotations
 
@@ -35,6 +43,10 @@ from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple, Union
 
 from ..runtime.config import DEFAULT_TIMEOUT_S
+from ..runtime.meeting import MeetingGroups, step_groups_from_collectives
+
+#: what makes a step group meet, in the telemetry
+VIA_EXPERT_PARALLEL = "expert parallel"
 
 
 @dataclass(frozen=True)
@@ -49,6 +61,9 @@ class ExchangeGroups:
     #: the node id of every global rank (index: global rank), found when the groups were
     #: created; None: not found (groups built by other means)
     node_ids: Optional[Tuple[int, ...]] = None
+    #: who meets whom in this rank's exchange group (None: this rank reads no data, or the
+    #: layouts did not say which collectives run every micro-step)
+    meetings: Optional[MeetingGroups] = None
 
     def __len__(self) -> int:
         return len(self.chunks)
@@ -63,17 +78,35 @@ class ExchangeGroups:
 
 @dataclass(frozen=True)
 class RankLayout:
-    """This rank's place in the data layout: does it read data, and its data-parallel ranks."""
+    """This rank's place in the data layout: does it read data, its data-parallel ranks, and
+    who it waits for every micro-step."""
 
     holds_data: bool
     dp_ranks: Tuple[int, ...]
+    #: this rank's position in its data-parallel group (Megatron's data-parallel rank);
+    #: None: its index among the sorted ``dp_ranks``
+    dp_position: Optional[int] = None
+    #: the rank groups this rank runs a collective with every micro-step (its expert-parallel
+    #: and expert tensor-parallel groups); None: not read, so the meeting groups are unknown
+    step_collectives: Optional[Tuple[Tuple[int, ...], ...]] = None
 
     @staticmethod
     def of(layout: Union["RankLayout", dict]) -> "RankLayout":
-        """A :class:`RankLayout`, or a ``{"holds_data", "dp_ranks"}`` dict (harnesses)."""
+        """A :class:`RankLayout`, or a dict of its fields (harnesses; ``dp_position`` and
+        ``step_collectives`` optional)."""
         if isinstance(layout, RankLayout):
             return layout
-        return RankLayout(bool(layout["holds_data"]), tuple(int(r) for r in layout["dp_ranks"]))
+        collectives = layout.get("step_collectives")
+        position = layout.get("dp_position")
+        return RankLayout(bool(layout["holds_data"]), tuple(int(r) for r in layout["dp_ranks"]),
+                          None if position is None else int(position),
+                          None if collectives is None else tuple(tuple(int(r) for r in g) for g in collectives))
+
+    def position(self, rank: int) -> int:
+        """This rank's data-parallel position (``rank`` is its global rank)."""
+        if self.dp_position is not None:
+            return self.dp_position
+        return sorted(self.dp_ranks).index(rank)
 
 
 def data_holding_rank_lists(layouts: Sequence[Union[RankLayout, dict]]) -> List[List[int]]:
@@ -112,7 +145,52 @@ def megatron_layout(tp_rank0_only: bool = True) -> RankLayout:
     tp_rank = mpu.get_tensor_model_parallel_rank()
     holds = pp_rank in (0, pp_size - 1) and (tp_rank == 0 or not tp_rank0_only)
     dp_ranks = dist.get_process_group_ranks(mpu.get_data_parallel_group())
-    return RankLayout(bool(holds), tuple(int(r) for r in dp_ranks))
+    return RankLayout(bool(holds), tuple(int(r) for r in dp_ranks), int(mpu.get_data_parallel_rank()),
+                      megatron_step_collectives())
+
+
+def megatron_step_collectives() -> Tuple[Tuple[int, ...], ...]:
+    """The rank groups this rank runs a collective with every micro-step, from Megatron's
+    ``parallel_state``: its expert-parallel group (the MoE layers' token dispatch) and its
+    expert tensor-parallel group (the experts' own tensor parallel)."""
+    from megatron.core import parallel_state as mpu
+    return _ranks_of(mpu.get_expert_model_parallel_group(), mpu.get_expert_tensor_parallel_group())
+
+
+def process_group_layout(pg_collection, holds_data: bool = True) -> RankLayout:
+    """This rank's layout from a megatron-core ``ProcessGroupCollection`` (Megatron-Bridge's
+    ``pg_collection``): its data-parallel group (``dp``), its position there, and its
+    expert-parallel (``ep``) and expert tensor-parallel (``expt_tp``) groups. A collection
+    without an expert-parallel group leaves the meeting groups unknown, not assumed."""
+    import torch.distributed as dist
+    dp = pg_collection.dp
+    ep = getattr(pg_collection, "ep", None)
+    collectives = None if ep is None else _ranks_of(ep, getattr(pg_collection, "expt_tp", None))
+    return RankLayout(bool(holds_data), tuple(int(r) for r in dist.get_process_group_ranks(dp)),
+                      int(dp.rank()), collectives)
+
+
+def _ranks_of(*groups) -> Tuple[Tuple[int, ...], ...]:
+    """The global ranks of each group that exists (a missing group runs no collective)."""
+    import torch.distributed as dist
+    return tuple(tuple(int(r) for r in dist.get_process_group_ranks(g)) for g in groups if g is not None)
+
+
+def meeting_groups_of(layouts: Sequence[Union[RankLayout, dict]], rank_lists: Sequence[Sequence[int]],
+                      rank: int) -> Optional[MeetingGroups]:
+    """Who meets whom in the exchange group holding ``rank``
+    (:class:`~megatron_mm_balance.runtime.meeting.MeetingGroups`), from every rank's layout
+    (``layouts[r]``, index: global rank) and the exchange groups' rank lists. None when
+    ``rank`` is in none, or some rank's layout does not say which collectives it runs every
+    micro-step. Pure function: the same answer on every rank."""
+    layouts = [RankLayout.of(lay) for lay in layouts]
+    mine = next((list(g) for g in rank_lists if rank in g), None)
+    if mine is None or any(lay.step_collectives is None for lay in layouts):
+        return None
+    position = {r: lay.position(r) for r, lay in enumerate(layouts)}
+    collectives = sorted({tuple(sorted(g)) for lay in layouts for g in lay.step_collectives})
+    steps = step_groups_from_collectives(sorted(mine), position, collectives)
+    return MeetingGroups.of(mine, steps, rank=rank, via=VIA_EXPERT_PARALLEL)
 
 
 def init_exchange_groups(layout: Union[RankLayout, dict, None] = None, *, num_chunks: int = 1,
@@ -132,7 +210,9 @@ def init_exchange_groups(layout: Union[RankLayout, dict, None] = None, *, num_ch
     layout = megatron_layout() if layout is None else RankLayout.of(layout)
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (layout, node_identity()))
-    lists = data_holding_rank_lists([lay for lay, _ in gathered])
+    layouts = [lay for lay, _ in gathered]
+    lists = data_holding_rank_lists(layouts)
     chunks = tuple(new_exchange_groups(lists, timeout) for _ in range(num_chunks))
     return ExchangeGroups(chunks, tuple(tuple(g) for g in lists),
-                          node_ids_from_identities([name for _, name in gathered]))
+                          node_ids_from_identities([name for _, name in gathered]),
+                          meeting_groups_of(layouts, lists, dist.get_rank()))

@@ -395,6 +395,7 @@ def wrap_train_data_iterator(train_data_iterator, args=None, *, exchange_groups=
     elif len(exchange_groups) != len(iterators):
         raise ValueError(f"exchange_groups has {len(exchange_groups)} model chunks, the train "
                          f"iterators {len(iterators)}")
+    cfg = with_job_meetings(cfg, exchange_groups)
     coordinator = coordinator_for(cfg, installed_train_samplers(args), cost_fn=cost_fn,
                                   num_microbatches=num_microbatches, timing=timing,
                                   check_fn=make_pack_check(cfg, model))
@@ -406,6 +407,24 @@ def wrap_train_data_iterator(train_data_iterator, args=None, *, exchange_groups=
                                      node_ids=getattr(exchange_groups, "node_ids", None), reporter=reporter)
                for chunk, (it, group) in enumerate(zip(iterators, exchange_groups))]
     return wrapped if is_list else wrapped[0]
+
+
+def with_job_meetings(cfg: MMBalanceConfig, exchange_groups) -> MMBalanceConfig:
+    """``cfg`` with the meeting groups read from the job when the exchange groups were made
+    (:attr:`~.groups.ExchangeGroups.meetings`: ``auto`` sync follows them), and their one log
+    line (:meth:`~.config.MMBalanceConfig.meeting_line`), written by the lowest rank of each
+    exchange group."""
+    cfg = cfg.with_meetings(getattr(exchange_groups, "meetings", None))
+    first = next((g for g in exchange_groups if g is not None), None)
+    if first is not None and _lowest_rank_of(first):
+        from ..runtime.log_line import emit_line
+        emit_line(cfg.meeting_line())
+    return cfg
+
+
+def _lowest_rank_of(group) -> bool:
+    import torch.distributed as dist
+    return dist.get_rank() == min(dist.get_process_group_ranks(group))
 
 
 def _recorder(cfg: MMBalanceConfig, args, chunk: int):

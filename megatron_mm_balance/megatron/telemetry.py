@@ -55,7 +55,11 @@ def summarize(entries: Iterable) -> Dict[str, float]:
     ``nodes`` (the group spans), ``inter_node_packs`` (whole group, delivered packs that
     changed node) and ``inter_node_bytes_sent`` (this rank, to other nodes). Over all the micro-steps of the interval: ``cost_step_max_before/after``
     (mean of the costliest micro-batch of each micro-step), ``cost_step_mean`` and the
-    ``imbalance`` and ``rank_imbalance`` ratios (see the module docstring).
+    ``imbalance`` and ``rank_imbalance`` ratios (see the module docstring). Where the job's
+    per-micro-step meeting groups split the data-parallel group (expert parallel smaller than
+    data parallel): ``step_groups`` (how many), ``group_cost_before/after`` (the group
+    objective, the slowest group's sum of its per-micro-step maxima, per micro-step) and
+    ``inter_group_packs`` (delivered packs that changed step group, whole group).
     ``prefetched``: the share of global batches pulled before the loop asked for them.
     """
     entries = list(entries)
@@ -93,6 +97,18 @@ def summarize(entries: Iterable) -> Dict[str, float]:
             "rank_imbalance_would_be": _ratio(rank_solved, mean_total),
             "gain_would_be": 1.0 - _ratio(solved, before) if before else 0.0,
         })
+    grouped = [e for e in entries if e.plan.step_groups > 1]
+    if grouped:                    # the job's step groups split the data-parallel group
+        g_steps = sum(e.num_microbatches for e in grouped)
+        out.update({
+            "step_groups": sum(e.plan.step_groups for e in grouped) / len(grouped),
+            "group_cost_before": sum(e.plan.group_cost_before for e in grouped) / g_steps,
+            "group_cost_after": sum(e.plan.group_cost_before if e.shadow else e.plan.group_cost_after
+                                    for e in grouped) / g_steps,
+            "inter_group_packs": sum(0 if e.shadow else e.plan.inter_group_moves for e in grouped) / len(grouped),
+        })
+        if any(e.shadow for e in grouped):
+            out["inter_group_packs_would_move"] = sum(e.plan.inter_group_moves for e in grouped) / len(grouped)
     control = [e for e in entries if e.mode == "control"]
     if control:
         out.update({"control": 1.0,

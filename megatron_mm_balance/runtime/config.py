@@ -15,9 +15,10 @@ group exists.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Tuple
 
 from ..solver.placement import DEFAULT_BALANCE_TOLERANCE, SYNC_MODES
+from ..solver.step_groups import check_step_groups
 
 #: seconds any wait on a peer may take before a clear error (the one default)
 DEFAULT_TIMEOUT_S = 300.0
@@ -86,6 +87,14 @@ class BalancerConfig:
     #: ``r`` on node ``r // ranks_per_node``; moves prefer node-mates. None: the found
     #: nodes, or flat (every rank its own node) when none were found.
     ranks_per_node: Optional[int] = None
+    #: the job's per-micro-step meeting groups in this iterator's data-parallel group: one
+    #: label per rank, in the group's rank order (``runtime.meeting.MeetingGroups.labels()``);
+    #: the statistics count the packs that change group against them. None: not read.
+    job_step_groups: Optional[Tuple[int, ...]] = None
+    #: the groups the planner places by (``microstep`` sync: each micro-step balanced inside
+    #: each group, rank totals across groups; :func:`~.planner.plan_batch`). None: every rank
+    #: meets every micro-step (one group of all)
+    step_groups: Optional[Tuple[int, ...]] = None
 
     def __post_init__(self):
         if self.sync not in SYNC_MODES:
@@ -118,3 +127,13 @@ class BalancerConfig:
         hist = self.stats_history
         if isinstance(hist, bool) or not isinstance(hist, int) or hist < 1:
             raise SettingError("stats_history", "must be an integer >= 1", hist)
+        for name in ("job_step_groups", "step_groups"):
+            labels = getattr(self, name)
+            if labels is None:
+                continue
+            try:
+                checked = check_step_groups(labels)
+            except ValueError:
+                raise SettingError(name, "must be None or one integer label >= 0 per data-parallel rank",
+                                   labels) from None
+            object.__setattr__(self, name, checked)

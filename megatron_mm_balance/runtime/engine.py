@@ -166,8 +166,13 @@ class Engine:
         if self.traffic_nodes is not None and len(self.traffic_nodes) != len(self.ranks):
             raise ValueError(f"found_nodes: {len(self.traffic_nodes)} node ids for "
                              f"{len(self.ranks)} ranks")
+        for name in ("job_step_groups", "step_groups"):
+            labels = getattr(config, name)
+            if labels is not None and len(labels) != len(self.ranks):
+                raise ValueError(f"{name}: {len(labels)} labels for {len(self.ranks)} ranks")
         self.settings = settings_string(config.sync, config.balance_tolerance, cost_identity,
-                                        config.ranks_per_node, self.nodes, delivery_mode(config))
+                                        config.ranks_per_node, self.nodes, delivery_mode(config),
+                                        config.step_groups)
         self.hash = settings_hash(self.settings)
         #: ints per pack cost: 2 for a two-phase cost_fn (``components = 2``), else 1
         self.components = int(getattr(cost_fn, "components", 1) or 1)
@@ -321,16 +326,19 @@ class Engine:
         self._beat("solving placement")
         t0 = time.perf_counter()
         with nvtx_range("mm-balance solve"):
-            solved, plan = plan_batch(costs, self.config, nodes=self.nodes)
+            solved, plan = plan_batch(costs, self.config, nodes=self.nodes, step_groups=self.config.step_groups)
         mode = delivery_mode(self.config, self.iteration_of(gb))
         scalar = costs.sum(axis=2) if costs.ndim == 3 else costs
+        judged_by = self.config.job_step_groups          # the job's groups judge every placement
         if mode == "shadow":
             delivered = Placement.identity(self.world, G)
         elif mode == "control":
             delivered = control_placement(solved)
-            plan = PlanStats.of(scalar, delivered)
+            plan = PlanStats.of(scalar, delivered, step_groups=judged_by, nodes=self.nodes)
         else:
             delivered = solved
+        if mode != "control" and judged_by is not None and judged_by != self.config.step_groups:
+            plan = PlanStats.of(scalar, solved, step_groups=judged_by, nodes=self.nodes)
         solve_ms = (time.perf_counter() - t0) * 1e3
         nodes = self.traffic_nodes
         return BatchPlan(

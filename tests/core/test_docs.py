@@ -91,8 +91,10 @@ def test_the_telemetry_reference_names_exactly_the_fields_the_code_writes():
     import numpy as np
     costs = np.array([[5, 1], [1, 1]])
     plan = PlanStats.of(costs, plan_placement(costs))
+    grouped = PlanStats.of(costs, plan_placement(costs), step_groups=(0, 1))
     entries = [BatchStats(0, 2, plan, nodes=2, inter_node_packs=1, inter_node_bytes_sent=10),
-               BatchStats(1, 2, plan, mode="shadow"), BatchStats(2, 2, plan, mode="control")]
+               BatchStats(1, 2, plan, mode="shadow"), BatchStats(2, 2, plan, mode="control"),
+               BatchStats(3, 2, grouped, mode="shadow")]
     written = set(summarize(entries))
     assert written == set(reference.TELEMETRY)
     timing = summarize_timings([dict(images=[4], vision_forward_ms=1.0, vision_backward_ms=2.0,

@@ -113,7 +113,7 @@ def test_every_flag_is_a_config_field_with_its_default_once():
     assert MMBalanceConfig.from_args(defaults) == MMBalanceConfig(megatron=MMBalanceConfig.from_args(
         defaults).megatron)
     assert {f.name for f in dataclasses.fields(MMBalanceConfig)} - {f.name for f, _ in flag_fields()} == {
-        "megatron", "balancer"}
+        "megatron", "balancer", "meetings", "sync_requested"}
 
 
 def test_validate_is_noop_when_off():

@@ -1,6 +1,6 @@
 """Balancing's gain measured inside the same jobs: the crossover runs of a real-path bench.
 
-    python benchmarks/crossover_gain.py OUT [--warmup 2] [--pair crossover|images-crossover]
+    python benchmarks/crossover_gain.py OUT [--warmup 2] [--pair crossover|images-crossover|groups-crossover]
 
 ``OUT`` is a ``mm-balance bench-realpath [--bridge] --modes crossover-even,crossover-odd --out OUT``
 directory. What it reads and computes: :mod:`megatron_mm_balance.bench.crossover`.
@@ -20,8 +20,9 @@ def main(argv=None) -> None:
     ap.add_argument("out")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--pair", choices=PAIRS, default=PAIRS[0],
-                    help="which crossover runs: pack placement (crossover-*) or packs and frames "
-                         "(images-crossover-*)")
+                    help="which crossover runs: pack placement (crossover-*), packs and frames "
+                         "(images-crossover-*), or the meeting groups' placement against today's "
+                         "(groups-crossover-*)")
     a = ap.parse_args(argv)
     try:
         rep = report(Path(a.out), a.warmup, a.pair)

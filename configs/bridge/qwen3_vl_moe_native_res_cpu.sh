@@ -6,7 +6,7 @@
 # share of the FLOPs matches Qwen3-VL-30B-A3B at 8K on the native-res mix). Data:
 # mm-balance make-dataset OUT --format bridge-qwen-vl --mix native-res.
 NNODES=1
-GPUS_PER_NODE=2
+GPUS_PER_NODE=${GPUS_PER_NODE:-2}
 TP=${TP:-1}
 PP=${PP:-1}
 EP=${EP:-2}

@@ -1,6 +1,7 @@
-# Toy Qwen3-VL MoE through Megatron-Bridge, DP=2 x EP=2 on 4 ranks: trains on CPU (CI, laptops),
-# smoke test on one GPU node. Sourced by scripts/pretrain_bridge_vlm.sh; the model, data and
-# optimizer settings are the recipe function RECIPE (configs/bridge/qwen3_vl_moe_tiny_cpu.py).
+# Toy Qwen3-VL MoE through Megatron-Bridge on 4 ranks, DP=4 x EP=2 (two expert-parallel groups of
+# 2): trains on CPU (CI, laptops), smoke test on one GPU node. Sourced by
+# scripts/pretrain_bridge_vlm.sh; the model, data and optimizer settings are the recipe function
+# RECIPE (configs/bridge/qwen3_vl_moe_tiny_cpu.py).
 # Layout and run length come from the environment when set (TP, PP, EP, CP, GBS, TRAIN_ITERS, ...).
 NNODES=1
 GPUS_PER_NODE=4

@@ -1,4 +1,5 @@
-# Tiny VLM + MoE, DP=2 x EP=2 on 4 ranks: trains on CPU (CI, laptops), smoke test on one GPU node.
+# Tiny VLM + MoE on 4 ranks, DP=4 x EP=2 (two expert-parallel groups of 2): trains on CPU (CI, laptops),
+# smoke test on one GPU node.
 # Sourced by scripts/pretrain_vlm_moe.sh. See configs/megatron/README.md.
 # Layout and run length come from the environment when set (TP, PP, EP, GBS, TRAIN_ITERS, ...).
 NNODES=1

@@ -14,7 +14,11 @@ balances the global batches of even training iterations and runs the odd ones as
 iteration is timed once balanced and once not, and each job runs half its iterations each way.
 ``--pair images-crossover`` reads the ``images-crossover-even`` / ``images-crossover-odd`` runs
 instead (``mm_balance.vision=images`` with the same parities: packs and frames balanced at one
-parity, the plain tower and the drawn packs at the other).
+parity, the plain tower and the drawn packs at the other). ``--pair groups-crossover`` reads the
+``groups-crossover-even`` / ``-odd`` runs: packs moved at every iteration, placed by the job's
+meeting groups (the expert-parallel groups) at one parity and as if all data-parallel ranks met
+every micro-step at the other, so "balanced" reads "the group objective" and "not" reads
+"today's objective", and the gain is the group objective's over today's.
 
 A job's own speed (the machine's state while it ran, which on a shared 2-core host drifts by
 5-10% between jobs of the same work) multiplies all its iterations alike. Per round, with
@@ -63,7 +67,7 @@ class CrossoverError(ValueError):
 
 PARITIES = ("even", "odd")
 #: the pairs of crossover modes a bench may have run: pack placement, or packs and frames
-PAIRS = ("crossover", "images-crossover")
+PAIRS = ("crossover", "images-crossover", "groups-crossover")
 
 
 def load(out: Path, rnd: int, mode: str) -> RunResult:

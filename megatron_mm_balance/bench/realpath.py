@@ -17,7 +17,13 @@ order, so that load drifting over the rounds falls on every mode alike):
   which measures what the hooks cost;
 * ``crossover-even``, ``crossover-odd`` (only when asked for in ``--modes``): ``sync`` at the
   iterations of that parity, the others as drawn (``--mm-balance-mode crossover-*``); the two
-  time every iteration balanced and not inside the same jobs (``benchmarks/crossover_gain.py``).
+  time every iteration balanced and not inside the same jobs (``benchmarks/crossover_gain.py``);
+* ``sync-all`` (only when asked for in ``--modes``): ``sync`` placed as if all data-parallel ranks
+  met every micro-step (``--mm-balance-sync microstep``) instead of by the job's meeting groups;
+* ``groups-crossover-even``, ``groups-crossover-odd`` (only when asked for in ``--modes``): ``sync``
+  placed by the meeting groups at the iterations of that parity and as ``sync-all`` at the
+  others; the two time both placements inside the same jobs (``crossover_gain.py --pair
+  groups-crossover``).
 
 ``--bridge`` runs the same bench on Megatron-Bridge (:class:`~megatron_mm_balance.bridge.bench.BridgeFramework`):
 ``scripts/pretrain_bridge_vlm.sh --config configs/bridge/qwen3_vl_moe_native_res_cpu.sh`` on a
@@ -68,7 +74,8 @@ CONFIG = REPO / "configs" / "megatron" / "vision_heavy_cpu.sh"
 MODES = ("off", "sync", "overlap", "auto")
 #: Not in the default rounds: pack and tile balancing together, ``off`` without the
 #: timing hooks (to measure what they cost), and the crossover pair.
-EXTRA_MODES = ("images", "untimed", "crossover-even", "crossover-odd")
+EXTRA_MODES = ("images", "untimed", "crossover-even", "crossover-odd", "sync-all", "groups-crossover-even",
+               "groups-crossover-odd")
 DEFAULTS = dict(rounds=3, iters=6, warmup=2, calibration_iters=3, samples=512, seed=0,
                 timeout=1800.0, loss_tolerance=1e-5)
 
@@ -153,8 +160,10 @@ def mode_flags(mode: str, calibration_iters: int) -> tuple:
         return "1", ["--mm-balance-vision", "images"]
     if mode == "auto":
         return "1", ["--mm-balance-cost", "auto", "--mm-balance-calibration-iters", str(calibration_iters)]
-    if mode in ("crossover-even", "crossover-odd"):
+    if mode in ("crossover-even", "crossover-odd", "groups-crossover-even", "groups-crossover-odd"):
         return "1", ["--no-mm-balance-overlap", "--mm-balance-mode", mode]
+    if mode == "sync-all":
+        return "1", ["--no-mm-balance-overlap", "--mm-balance-sync", "microstep"]
     raise BenchError(f"unknown mode {mode!r} (choose from {', '.join(MODES + EXTRA_MODES)})")
 
 

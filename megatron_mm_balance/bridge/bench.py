@@ -23,7 +23,11 @@ others as drawn: ``mm_balance.mode=crossover-*``; the two together time every it
 and not inside the same jobs, ``benchmarks/crossover_gain.py``), ``images-crossover-even`` and
 ``images-crossover-odd`` (the same with ``mm_balance.vision=images``: packs and frames balanced at
 that parity, the plain tower at the other; ``crossover_gain.py --pair images-crossover``),
-``untimed`` (``off`` without the timing hooks).
+``packs-sync-all`` (``packs-sync`` placed as if all data-parallel ranks met every micro-step,
+``mm_balance.sync=microstep``, instead of by the job's meeting groups), ``groups-crossover-even`` and
+``groups-crossover-odd`` (``packs-sync`` placed by the meeting groups at that parity and as
+``packs-sync-all`` at the other: ``crossover_gain.py --pair groups-crossover``), ``untimed`` (``off``
+without the timing hooks).
 
 ``--host`` (:data:`HOST_ENV`): ``gpu-node`` by default, the ranks' host side as on a GPU node
 (the batches drawn before the first iteration, the allocator keeping what it frees, its pool
@@ -49,13 +53,21 @@ MODES = ("off", "packs", "model")
 #: ``packs-sync``: pack placement with each global batch's gather, plan and exchanges run inside
 #: the training loop's ``next()`` (``mm_balance.overlap=false``) instead of on the exchange
 #: thread, which on this host's two cores shares the ranks' cores and their interpreter lock
-SYNC_MODES = {"packs-sync": ["mm_balance.overlap=false"]}
+SYNC_MODES = {"packs-sync": ["mm_balance.overlap=false"],
+              # ``packs-sync`` placed as if all data-parallel ranks met every micro-step (today's
+              # objective), not by the job's expert-parallel meeting groups
+              "packs-sync-all": ["mm_balance.overlap=false", "mm_balance.sync=microstep"]}
 #: a pair of runs that time every iteration both ways inside the same jobs: ``packs-sync`` at
 #: the iterations of one parity, the others as drawn (gathered and solved, nothing moved). The
 #: exchange runs inside ``next()`` so each iteration carries its own exchange: overlapped, an
 #: unbalanced iteration would carry the next (balanced) batch's
 CROSSOVER_MODES = {f"crossover-{parity}": ["mm_balance.overlap=false", f"mm_balance.mode=crossover-{parity}"]
                    for parity in ("even", "odd")}
+#: a pair of runs that time both placements inside the same jobs: ``packs-sync`` placed by the job's
+#: meeting groups at the iterations of one parity, as if all ranks met every micro-step at the others
+GROUPS_CROSSOVER_MODES = {f"groups-crossover-{parity}": ["mm_balance.overlap=false",
+                                                         f"mm_balance.mode=groups-crossover-{parity}"]
+                          for parity in ("even", "odd")}
 #: the image-level modes: their overrides beyond ``mm_balance.vision=images``
 IMAGE_MODES = {"images": [], "images-sync": ["mm_balance.image_overlap=false"],
                "images-measured": ["mm_balance.image_rates=measured"],
@@ -105,7 +117,8 @@ class BridgeFramework:
         return str(venv) if venv.is_file() else sys.executable
 
     def all_modes(self) -> tuple:
-        return MODES + tuple(SYNC_MODES) + tuple(CROSSOVER_MODES) + tuple(IMAGE_MODES) + ("untimed",)
+        return (MODES + tuple(SYNC_MODES) + tuple(CROSSOVER_MODES) + tuple(GROUPS_CROSSOVER_MODES)
+                + tuple(IMAGE_MODES) + ("untimed",))
 
     def default_modes(self) -> tuple:
         return MODES + (("images",) if bridge_images_available() else ())
@@ -137,8 +150,9 @@ class BridgeFramework:
             return "1", [f"mm_balance.cost={self.cost}"]
         if mode == "model":
             return "1", ["mm_balance.cost=model"]
-        if mode in SYNC_MODES or mode in CROSSOVER_MODES:
-            return "1", [f"mm_balance.cost={self.cost}", *{**SYNC_MODES, **CROSSOVER_MODES}[mode]]
+        fixed = {**SYNC_MODES, **CROSSOVER_MODES, **GROUPS_CROSSOVER_MODES}
+        if mode in fixed:
+            return "1", [f"mm_balance.cost={self.cost}", *fixed[mode]]
         if mode in IMAGE_MODES:
             if not bridge_images_available():
                 raise BenchError(f"mode {mode} needs mm_balance.vision (image-level balancing on Bridge), which "

@@ -37,7 +37,10 @@ class MMBalanceBridgeConfig:
     #: ``mm-balance compare-logs --control``; docs/bridge.md); ``crossover-even`` /
     #: ``crossover-odd``: exchange at iterations of that parity, shadow at the others (two
     #: jobs time every iteration balanced and not: ``bench-realpath --modes
-    #: crossover-even,crossover-odd``). Sampler mode needs Megatron-LM's sampler: refused
+    #: crossover-even,crossover-odd``); ``groups-crossover-even`` / ``groups-crossover-odd``: move
+    #: packs every iteration, placed by the job's meeting groups at that parity and as if all
+    #: data-parallel ranks met every micro-step at the others (two jobs time both placements).
+    #: Sampler mode needs Megatron-LM's sampler: refused
     mode: str = "auto"
     #: ``auto`` (microstep under expert parallel, else step), ``microstep``, ``step``
     sync: str = "auto"
@@ -130,7 +133,7 @@ def as_args(mm: MMBalanceBridgeConfig, cfg, spec, *, train_state=None) -> types.
         from ..megatron.checks import MMBalanceConfigError
         raise MMBalanceConfigError("mm_balance.mode=sampler needs Megatron-LM's pretraining sampler; "
                                    "on Megatron-Bridge use mm_balance.mode=exchange (or auto, shadow, control, "
-                                   "crossover-even, crossover-odd)")
+                                   "crossover-even, crossover-odd, groups-crossover-even, groups-crossover-odd)")
     from .cp_split import checked_choice
     from .vision import checked_vision
     checked_choice(getattr(mm, "cp_split", "cost"))

@@ -40,7 +40,10 @@ COST_CHOICES = ("image-tokens", "model", "auto")
 DEFAULT_CALIBRATION_ITERS = 10
 #: the modes that exchange at the training iterations of one parity and move nothing at the others
 CROSSOVER_MODES = ("crossover-even", "crossover-odd")
-MODE_CHOICES = ("auto", "exchange", "sampler", "shadow", "control") + CROSSOVER_MODES
+#: the modes that move packs every iteration, placed by the job's meeting groups at the training
+#: iterations of one parity and as if every data-parallel rank met every micro-step at the others
+GROUPS_CROSSOVER_MODES = ("groups-crossover-even", "groups-crossover-odd")
+MODE_CHOICES = ("auto", "exchange", "sampler", "shadow", "control") + CROSSOVER_MODES + GROUPS_CROSSOVER_MODES
 #: the modes that gather costs and solve on every rank but move nothing at some or all batches
 MEASURING_MODES = ("shadow", "control") + CROSSOVER_MODES
 
@@ -49,6 +52,12 @@ def crossover_parity(mode: str) -> Optional[str]:
     """The runtime's ``BalancerConfig.crossover`` of a mode: ``"even"`` / ``"odd"`` for the
     crossover modes, None for the others."""
     return mode.split("-", 1)[1] if mode in CROSSOVER_MODES else None
+
+
+def groups_crossover_parity(mode: str) -> Optional[str]:
+    """The runtime's ``BalancerConfig.step_groups_parity`` of a mode: ``"even"`` / ``"odd"``
+    for the groups-crossover modes, None for the others."""
+    return mode.rsplit("-", 1)[1] if mode in GROUPS_CROSSOVER_MODES else None
 VISION_CHOICES = ("packs", "images")
 #: the statistics interval when neither --mm-balance-log-interval nor --log-interval is set
 DEFAULT_LOG_INTERVAL = 100
@@ -304,7 +313,11 @@ class MMBalanceConfig:
                      "'crossover-even'/'crossover-odd' exchange at iterations of that parity and "
                      "run the others as shadow: two jobs, one of each, time every iteration "
                      "balanced and not in the same processes (mm-balance bench-realpath "
-                     "--bridge --modes crossover-even,crossover-odd).",
+                     "--bridge --modes crossover-even,crossover-odd); "
+                     "'groups-crossover-even'/'groups-crossover-odd' exchange at every iteration, "
+                     "placed by the job's meeting groups at iterations of that parity and as if "
+                     "all data-parallel ranks met every micro-step at the others: two jobs time "
+                     "both placements on the same data.",
                      type=str, choices=MODE_CHOICES)
     vision: str = flag("packs", "--mm-balance-vision", "'packs' (default): the vision encoder "
                        "computes the tiles of the packs its rank holds. 'images': every micro-step, "
@@ -376,7 +389,8 @@ class MMBalanceConfig:
                                       crossover=crossover_parity(self.mode),
                                       ranks_per_node=self.ranks_per_node,
                                       job_step_groups=None if self.meetings is None else self.meetings.labels(),
-                                      step_groups=self._placed_step_groups())
+                                      step_groups=self._placed_step_groups(),
+                                      step_groups_parity=groups_crossover_parity(self.mode))
         except SettingError as e:
             raise MMBalanceConfigError(f"{_RUNTIME_FLAGS[e.field]} {e.requirement}, got {e.value!r}") from None
         object.__setattr__(self, "balancer", balancer)
@@ -444,6 +458,10 @@ class MMBalanceConfig:
                 how = "microstep (all ranks meet every micro-step), from the job"
             else:
                 how = "microstep inside each step group, rank totals across them, from the job"
+            parity = groups_crossover_parity(self.mode)
+            if parity is not None:
+                how += (f"; --mm-balance-mode {self.mode}: by these groups at {parity} iterations only, "
+                        "as if all ranks met every micro-step at the others")
         else:
             how = f"{self.sync} across all data-parallel ranks, as set (the job: {m.sync() if m else 'unknown'})"
         return f"[mm-balance] meeting groups: {found} | sync: {how}"

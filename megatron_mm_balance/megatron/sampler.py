@@ -45,7 +45,7 @@ from typing import Callable, List, Optional, Union
 
 from ..runtime.config import BalancerConfig
 from .checks import checked_config
-from .config import MEASURING_MODES, MMBalanceConfig, MMBalanceConfigError
+from .config import GROUPS_CROSSOVER_MODES, MEASURING_MODES, MMBalanceConfig, MMBalanceConfigError
 from .schedule import MicrobatchSchedule
 
 
@@ -215,7 +215,8 @@ def maybe_balanced_sampler(batch_sampler, dataset, args=None):
         from megatron.training import get_args
         args = get_args()
     cfg = checked_config(args)
-    if not cfg.enabled or cfg.mode in ("exchange",) + MEASURING_MODES or cfg.cost != "image-tokens":
+    if not cfg.enabled or cfg.mode in ("exchange",) + MEASURING_MODES + GROUPS_CROSSOVER_MODES \
+            or cfg.cost != "image-tokens":
         return batch_sampler           # the sampler can only balance the dataset's image tokens
     split = getattr(dataset, "split", getattr(dataset, "index_split", None))
     if split is not None and getattr(split, "name", str(split)) != "train":

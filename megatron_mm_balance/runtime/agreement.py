@@ -44,17 +44,20 @@ STATUS_WHAT = {BatchStatus.SOURCE_ERROR: "data source raised", BatchStatus.COST_
 
 
 def settings_string(sync: str, tolerance, cost_identity: str, ranks_per_node=None,
-                    nodes=None, delivery: str = "exchange", step_groups=None) -> str:
+                    nodes=None, delivery: str = "exchange", step_groups=None,
+                    step_groups_parity=None) -> str:
     """The solver settings every rank must share, as text (shown when they differ).
     ``nodes``: the node of each rank the planner places by; ``delivery``: ``exchange``,
     ``shadow`` or ``control`` (ranks that deliver differently would wait on packs that never
     come: the agreement names the difference instead); ``step_groups``: the per-micro-step
-    meeting groups the planner places by."""
+    meeting groups the planner places by (``step_groups_parity``: at the iterations of that
+    parity only)."""
     return (f"protocol={PROTOCOL} sync={sync} balance_tolerance={tolerance!r} cost_fn={cost_identity}"
             + (f" ranks_per_node={ranks_per_node}" if ranks_per_node else "")
             + (f" nodes={','.join(map(str, nodes))}" if nodes is not None else "")
             + (f" delivery={delivery}" if delivery != "exchange" else "")
-            + (f" step_groups={','.join(map(str, step_groups))}" if step_groups is not None else ""))
+            + (f" step_groups={','.join(map(str, step_groups))}" if step_groups is not None else "")
+            + (f" step_groups_parity={step_groups_parity}" if step_groups_parity is not None else ""))
 
 
 def settings_hash(text: str) -> int:

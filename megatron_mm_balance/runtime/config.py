@@ -95,6 +95,11 @@ class BalancerConfig:
     #: each group, rank totals across groups; :func:`~.planner.plan_batch`). None: every rank
     #: meets every micro-step (one group of all)
     step_groups: Optional[Tuple[int, ...]] = None
+    #: ``"even"`` or ``"odd"``: place by ``step_groups`` only at training iterations of that
+    #: parity, as if every rank met every micro-step at the others (both delivered). Two jobs,
+    #: one of each parity, time both placements on the same data inside the same processes
+    #: (``--mm-balance-mode groups-crossover-even`` / ``-odd``). None: every batch by ``step_groups``.
+    step_groups_parity: Optional[str] = None
 
     def __post_init__(self):
         if self.sync not in SYNC_MODES:
@@ -127,6 +132,8 @@ class BalancerConfig:
         hist = self.stats_history
         if isinstance(hist, bool) or not isinstance(hist, int) or hist < 1:
             raise SettingError("stats_history", "must be an integer >= 1", hist)
+        if self.step_groups_parity is not None and self.step_groups_parity not in CROSSOVER_PARITIES:
+            raise SettingError("step_groups_parity", "must be 'even', 'odd' or None", self.step_groups_parity)
         for name in ("job_step_groups", "step_groups"):
             labels = getattr(self, name)
             if labels is None:

@@ -172,7 +172,7 @@ class Engine:
                 raise ValueError(f"{name}: {len(labels)} labels for {len(self.ranks)} ranks")
         self.settings = settings_string(config.sync, config.balance_tolerance, cost_identity,
                                         config.ranks_per_node, self.nodes, delivery_mode(config),
-                                        config.step_groups)
+                                        config.step_groups, config.step_groups_parity)
         self.hash = settings_hash(self.settings)
         #: ints per pack cost: 2 for a two-phase cost_fn (``components = 2``), else 1
         self.components = int(getattr(cost_fn, "components", 1) or 1)
@@ -326,7 +326,8 @@ class Engine:
         self._beat("solving placement")
         t0 = time.perf_counter()
         with nvtx_range("mm-balance solve"):
-            solved, plan = plan_batch(costs, self.config, nodes=self.nodes, step_groups=self.config.step_groups)
+            placed_by = self.step_groups_of(gb)
+            solved, plan = plan_batch(costs, self.config, nodes=self.nodes, step_groups=placed_by)
         mode = delivery_mode(self.config, self.iteration_of(gb))
         scalar = costs.sum(axis=2) if costs.ndim == 3 else costs
         judged_by = self.config.job_step_groups          # the job's groups judge every placement
@@ -337,7 +338,7 @@ class Engine:
             plan = PlanStats.of(scalar, delivered, step_groups=judged_by, nodes=self.nodes)
         else:
             delivered = solved
-        if mode != "control" and judged_by is not None and judged_by != self.config.step_groups:
+        if mode != "control" and judged_by is not None and judged_by != placed_by:
             plan = PlanStats.of(scalar, solved, step_groups=judged_by, nodes=self.nodes)
         solve_ms = (time.perf_counter() - t0) * 1e3
         nodes = self.traffic_nodes
@@ -347,6 +348,15 @@ class Engine:
             nodes=None if nodes is None else len(set(nodes)),
             inter_node_packs=None if nodes is None else traffic(delivered.src_rank, list(nodes))["inter_node_packs"],
             allgather_ms=gather_ms, solver_ms=solve_ms, state_after=state_after)
+
+    def step_groups_of(self, gb: int):
+        """The meeting groups global batch ``gb`` is placed by: ``config.step_groups``, at the
+        iterations of ``config.step_groups_parity`` only when it is set (None at the others:
+        every rank as if it met every micro-step)."""
+        parity = self.config.step_groups_parity
+        if parity is None or self.iteration_of(gb) % 2 == CROSSOVER_PARITIES.index(parity):
+            return self.config.step_groups
+        return None
 
     def _peer_message(self, rank: int) -> str:
         store = self.board.store if self.board else None

@@ -44,20 +44,20 @@ import numpy as np
 
 from megatron_mm_balance.cost.pack import DEFAULT_TOKENS_PER_TILE
 
-# Layouts: name -> (world, tp, pp, ep). "dp2_ep2" is 4 ranks with expert
+# Layouts: name -> (world, tp, pp, ep). "dp4_ep2" is 4 ranks with expert
 # parallel 2: dense data parallel 4, expert data parallel 2 (EP is carved out of DP).
 LAYOUTS = {
     "dp4": (4, 1, 1, 1),
-    "dp2_ep2": (4, 1, 1, 2),
+    "dp4_ep2": (4, 1, 1, 2),
     "pp2_dp2": (4, 1, 2, 1),
     "tp2_dp2": (4, 2, 1, 1),
     "ep4": (4, 1, 1, 4),
-    # Negative control: DP=2 x EP=2 with the MoE "global_aux_loss", whose expert-load
+    # Negative control: DP=4 x EP=2 with the MoE "global_aux_loss", whose expert-load
     # statistics span data-parallel ranks. The glue refuses it; this layout bypasses
     # that check to show the refusal is needed (off and on runs then differ).
-    "dp2_ep2_global_aux": (4, 1, 1, 2),
+    "dp4_ep2_global_aux": (4, 1, 1, 2),
 }
-_ROUTER_BALANCING = {"dp2_ep2_global_aux": "global_aux_loss"}
+_ROUTER_BALANCING = {"dp4_ep2_global_aux": "global_aux_loss"}
 
 
 @dataclass
@@ -575,7 +575,7 @@ def main(argv=None) -> int:
                                             "(4 gloo ranks, expert parallel 2), balancing off vs on.")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--microbatches", type=int, default=8, help="micro-batches per rank per step")
-    p.add_argument("--layout", choices=sorted(LAYOUTS), default="dp2_ep2")
+    p.add_argument("--layout", choices=sorted(LAYOUTS), default="dp4_ep2")
     p.add_argument("--mixture", default="mixed", choices=MIXTURES)
     p.add_argument("--vision-ms-per-tile", type=float, default=9.0,
                    help="emulated accelerator time of the vision encoder per image tile, forward "

@@ -2,7 +2,7 @@
 
 One launch of 4 real gloo processes trains the tiny CLIP-ViT + GPT model of
 :mod:`megatron_mm_balance.testing.train_demo` under five layouts (DP=4;
-DP=2 x EP=2 with MoE; PP=2 x DP=2; TP=2 x DP=2; EP=4 with MoE), each for 5 optimizer steps with
+DP=4 x EP=2 with MoE; PP=2 x DP=2; TP=2 x DP=2; EP=4 with MoE), each for 5 optimizer steps with
 ``--mm-balance`` off and then on (overlap on), through the Megatron glue
 (``wrap_train_data_iterator``) and megatron-core's own schedules, DDP and
 optimizer. Per layout we require, in fp32:
@@ -13,7 +13,7 @@ optimizer. Per layout we require, in fp32:
 * every data-holding rank of a data-parallel rank (first and last pipeline
   stage, tensor-parallel ranks) ran the same pack at every micro-step.
 
-A negative control (DP=2 x EP=2 with the MoE ``global_aux_loss``, which the glue
+A negative control (DP=4 x EP=2 with the MoE ``global_aux_loss``, which the glue
 refuses) must fail the same exactness check.
 
 Budget: ~50 s on 2 cores for all six runs (one process launch). The launch
@@ -31,8 +31,8 @@ from megatron_mm_balance.testing.train_demo import DemoConfig, report, run_layou
 #: -m "not realpath", leaves them to the whole suite)
 pytestmark = pytest.mark.realpath
 
-LAYOUTS = ["dp4", "dp2_ep2", "pp2_dp2", "tp2_dp2", "ep4"]
-CONTROL = "dp2_ep2_global_aux"
+LAYOUTS = ["dp4", "dp4_ep2", "pp2_dp2", "tp2_dp2", "ep4"]
+CONTROL = "dp4_ep2_global_aux"
 STEPS = 5
 RTOL = 1e-5
 
@@ -78,7 +78,7 @@ def test_balanced_training_is_exact(results, layout):
 @pytest.mark.timeout(600)
 def test_microstep_sync_reduces_microstep_imbalance(results):
     # EP > 1 selects sync=microstep: every micro-step's max/mean image tokens drops.
-    row = summarize(results, "dp2_ep2")
+    row = summarize(results, "dp4_ep2")
     assert row["imbalance_on"] < row["imbalance_off"]
 
 
@@ -91,12 +91,12 @@ def test_step_sync_reduces_rank_totals(results):
 
 @pytest.mark.timeout(600)
 def test_demo_report(results):
-    # What `mm-balance demo --train` prints, from the DP=2 x EP=2 runs above.
+    # What `mm-balance demo --train` prints, from the DP=4 x EP=2 runs above.
     import io
     buf = io.StringIO()
-    assert report(CFG, "dp2_ep2", results, out=buf)
+    assert report(CFG, "dp4_ep2", results, out=buf)
     text = buf.getvalue()
-    assert "dp2_ep2" in text and "img max/mean" in text
+    assert "dp4_ep2" in text and "img max/mean" in text
     assert "loss/parameters equal within 1e-5: yes" in text
     assert f"consumed samples {STEPS * 4 * 4} / {STEPS * 4 * 4}" in text
 

@@ -65,7 +65,7 @@ class Loader:
         return {"image_tokens": torch.tensor([heavy]), "id": torch.tensor([self.rank * 1000 + k])}
 
 
-def _exchange(sync):
+def _exchange(sync, mode="exchange"):
     """DP=4 x EP=2 through ``wrap_train_data_iterator``: what the planner placed by and what the
     statistics and the log say."""
     import contextlib
@@ -77,7 +77,7 @@ def _exchange(sync):
     from megatron_mm_balance.megatron.iterator import balancers, wrap_train_data_iterator
     args = add_mm_balance_args(argparse.ArgumentParser()).parse_args(
         ["--mm-balance", "--mm-balance-timeout", "60", "--mm-balance-log-interval", "1",
-         "--mm-balance-sync", sync, "--no-mm-balance-overlap"])
+         "--mm-balance-sync", sync, "--mm-balance-mode", mode, "--no-mm-balance-overlap"])
     args.__dict__.update(micro_batch_size=1, calculate_per_token_loss=False, expert_model_parallel_size=2,
                          num_experts=None, tensorboard_dir=None)
     log = io.StringIO()
@@ -101,6 +101,7 @@ def meeting_worker(rank, world):
     out = {name: _read(*sizes) for name, sizes in LAYOUTS.items()}
     _read(*LAYOUTS["dp4_ep2"])
     out["exchange"] = {sync: _exchange(sync) for sync in ("auto", "microstep")}
+    out["exchange"]["groups-crossover-odd"] = _exchange("auto", "groups-crossover-odd")
     return out
 
 
@@ -177,3 +178,12 @@ def test_the_planner_places_by_the_job_groups_and_the_log_names_them(ranks):
     assert "step_groups: 2" in auto[0]["log"] and "inter_group_packs:" in auto[0]["log"]
     assert "as set (the job: microstep)" in today[0]["log"]
     assert all("meeting groups" not in r["log"] for r in auto[1:])   # the group's lowest rank writes it
+
+
+def test_groups_crossover_places_by_the_groups_at_one_parity_and_as_today_at_the_other(ranks):
+    """``--mm-balance-mode groups-crossover-odd``: iteration 1 (global batch 0) placed by the
+    meeting groups, iteration 2 as if all ranks met every micro-step, on the same data."""
+    cross, auto, today = (ranks[0]["exchange"][k] for k in ("groups-crossover-odd", "auto", "microstep"))
+    assert cross["settings"].endswith(" step_groups=0,0,1,1 step_groups_parity=odd")
+    assert cross["plans"][0] == auto["plans"][0] and cross["plans"][1] == today["plans"][1]
+    assert "by these groups at odd iterations only" in cross["log"]

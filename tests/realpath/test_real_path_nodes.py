@@ -23,7 +23,12 @@ REL_TOL = 1e-5            # as tests/realpath/test_real_path.py
 ITERS = 4
 NNODES, NPROC_PER_NODE = 2, 2
 RUN_TIMEOUT_S = 600
-JOBS = {"off": (False, []), "on": (True, []), "flat": (True, ["--mm-balance-ranks-per-node", "1"])}
+#: on and flat place as if all four ranks met every micro-step (``--mm-balance-sync microstep``):
+#: here the two expert-parallel groups are the two nodes, so the placement by the job's meeting
+#: groups (``auto``) keeps packs inside them whether it knows the nodes or not
+#: (tests/megatron_glue/test_glue_meeting.py); node-aware placement is what this job compares
+TODAY = ["--mm-balance-sync", "microstep"]
+JOBS = {"off": (False, []), "on": (True, TODAY), "flat": (True, TODAY + ["--mm-balance-ranks-per-node", "1"])}
 
 
 @pytest.fixture(scope="module")

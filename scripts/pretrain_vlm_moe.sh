@@ -31,7 +31,7 @@
 # refuses packed sequences, so the launcher refuses to start without it. apex's fused kernels
 # are used when importable. A config with CPU_HARNESS=auto (configs/megatron/tiny_cpu.sh) runs
 # on a machine without CUDA through megatron_mm_balance.testing.cpu_pretrain (gloo, local
-# implementations, the CPU stand-ins documented in docs/cpu_e2e.md); with CUDA it runs as above.
+# implementations, the CPU stand-ins documented in docs/cpu.md); with CUDA it runs as above.
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")/.." && pwd)
 CONFIG=$HERE/configs/megatron/vlm_30b_moe.sh

@@ -1,5 +1,5 @@
 """The native-resolution benchmark's toy Qwen3-VL MoE for Megatron-Bridge on CPU (``mm-balance
-bench-realpath --bridge``, docs/real_speed.md).
+bench-realpath --bridge``, docs/notes/2026-12-02-bridge-native-resolution-bench.md).
 
 The tiny config (``qwen3_vl_moe_tiny_cpu.py``, loaded from beside this file: its recipe steps,
 2-layer MoE language model of hidden 128 with 4 experts top-2, not gated here, sequence length

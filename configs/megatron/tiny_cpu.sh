@@ -35,7 +35,7 @@ if [ "${NUM_EXPERTS:-4}" -gt 0 ]; then
     --moe-token-dispatcher-type alltoall)   # packs differ in length: allgather needs equal counts
 fi
 # Without CUDA the launcher runs the ranks through megatron_mm_balance.testing.cpu_pretrain
-# (gloo, CPU stand-ins for CUDA-only pieces, a 2-layer CLIP; docs/cpu_e2e.md) with these flags.
+# (gloo, CPU stand-ins for CUDA-only pieces, a 2-layer CLIP; docs/cpu.md) with these flags.
 CPU_HARNESS=auto
 CPU_ARGS=(--distributed-backend gloo --no-rope-fusion --no-persist-layer-norm
           --no-bias-swiglu-fusion --no-bias-dropout-fusion)

@@ -1,5 +1,5 @@
 # Vision-heavy VLM + MoE on 2 CPU ranks: the real-speed benchmark's job (mm-balance bench-realpath).
-# Sourced by scripts/pretrain_vlm_moe.sh; docs/real_speed.md. Data: mm-balance make-dataset OUT --mix
+# Sourced by scripts/pretrain_vlm_moe.sh; docs/results.md. Data: mm-balance make-dataset OUT --mix
 # vision-heavy (1-12 tiles per image, multi-image documents, ~30% text-only samples).
 #
 # World size 2, one rank per core (OMP_NUM_THREADS=1), DP=2 x EP=2 MoE with the alltoall dispatcher:
@@ -7,7 +7,7 @@
 # makes the other wait, as expert parallelism does on a cluster. GA = GBS / DP = 16 micro-batches.
 # The CLIP encoder is sized (MM_BALANCE_CPU_VIT, read by megatron_mm_balance.testing.cpu_pretrain)
 # so that at the mean pack the vision encoder is at least half of a micro-batch's compute (measured
-# with --mm-balance-timing, docs/real_speed.md). With CUDA the launcher runs the example's own
+# with --mm-balance-timing, docs/notes/2026-12-01-megatron-lm-speed-off-on.md). With CUDA the launcher runs the example's own
 # ViT-L/14 (the harness is CPU-only), so the sizes below are a CPU concern.
 NNODES=1
 GPUS_PER_NODE=${GPUS_PER_NODE:-2}

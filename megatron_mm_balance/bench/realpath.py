@@ -891,7 +891,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the ranks' host side; gpu-node (the --bridge default): the batches drawn before the "
                         "first iteration and the allocator keeping what it frees, as on a GPU node; shared "
                         "(the Megatron-LM default): data workers and ranks on the same cores, glibc's "
-                        "defaults (docs/real_speed.md)")
+                        "defaults (docs/notes/2026-12-04-host-side-as-gpu-node.md)")
     p.add_argument("--set", action="append", metavar="VAR=VALUE",
                    help="launcher/config environment override, e.g. GBS=8 (repeatable)")
     p.add_argument("--timeout", type=float, default=DEFAULTS["timeout"], help="seconds per run")
@@ -920,7 +920,7 @@ def cmd(a) -> int:
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("bench-realpath", help="Megatron-LM's (--bridge: Megatron-Bridge's) own iteration "
-                              "time, balancing off vs on, real CPU compute (docs/real_speed.md)",
+                              "time, balancing off vs on, real CPU compute (docs/results.md)",
                               description=__doc__.split("\n\n")[0])
     add_arguments(p)
     p.set_defaults(func=cmd)

@@ -12,7 +12,7 @@ from megatron_mm_balance import reference
 
 #: user pages that still carry dated sections: the restructure moves them to docs/notes/
 #: (this list only shrinks; a page on it that no longer has one fails, so that it is taken off)
-DATED_TODAY = {"bridge.md", "cpu_e2e.md", "placement.md", "real_speed.md", "results.md"}
+DATED_TODAY = {"bridge.md", "placement.md"}
 
 
 def _rel(page) -> str:
@@ -112,6 +112,15 @@ def test_no_user_page_has_a_dated_section():
     assert not new, f"dated sections in user pages (a dated finding goes to docs/notes/): {new}"
     cleared = DATED_TODAY - set(dated)
     assert not cleared, f"no dated section left in {sorted(cleared)}: take them off DATED_TODAY"
+
+
+def test_every_note_has_its_line_in_the_index_and_a_dated_name():
+    index = (dc.NOTES / "README.md").read_text(encoding="utf-8")
+    listed = {target for _, target in dc.links(index) if not target.startswith("..")}
+    notes = {p.name for p in dc.NOTES.glob("*.md")} - {"README.md"}
+    assert notes == listed, f"not in docs/notes/README.md: {sorted(notes - listed)}; listed but gone: {sorted(listed - notes)}"
+    undated = sorted(n for n in notes if not dc.NOTE_PATH.fullmatch("notes/" + n))
+    assert not undated, f"a note is named YYYY-MM-DD-topic.md: {undated}"
 
 
 @pytest.mark.parametrize("text, dated", [

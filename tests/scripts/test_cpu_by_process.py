@@ -1,5 +1,6 @@
 """``benchmarks/cpu_by_process.py``: a command's CPU by process, its kernel share and page
-faults, read from /proc while it runs (the bench's host-side accounting, docs/real_speed.md)."""
+faults, read from /proc while it runs (the bench's host-side accounting,
+docs/notes/2026-12-04-host-side-as-gpu-node.md)."""
 from __future__ import annotations
 
 import subprocess

@@ -19,7 +19,7 @@ training's own gloo groups are full meshes too, NCCL, the loader's workers). A c
   and the remedy (``ulimit -n``).
 
 The sockets go over the interface gloo picks: the one the host name resolves to, unless
-``GLOO_SOCKET_IFNAME`` names one (docs/runtime.md, "The exchange at scale").
+``GLOO_SOCKET_IFNAME`` names one (docs/how-it-works.md, "The exchange").
 
 ``python -m megatron_mm_balance.runtime.mesh 1024 [--groups N]`` prints the budget at that
 size against this shell's limits.

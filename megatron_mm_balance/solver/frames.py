@@ -82,7 +82,7 @@ greedy least-loaded assignment from scratch (every unit, heaviest first, to the 
 loaded rank, wherever it started; VeOmni's scheme) as a reference, computed on first
 access, as is ``min_cover_cost``. Cost: a few level plans of ``O(moves log D)`` Python
 steps (the search's, and two or three more at the level found); measured by
-``benchmarks/bench_frame_plan.py`` (docs/placement.md).
+``benchmarks/bench_frame_plan.py`` (docs/notes/2026-12-02-frame-planner.md).
 """
 from __future__ import annotations
 

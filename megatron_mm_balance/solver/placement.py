@@ -88,7 +88,8 @@ DEFAULT_BALANCE_TOLERANCE = 0.001
 # tolerances of the running mean, and never less than STAGE2_MIN_BAND of the mean
 # rank total; the final pass then evens totals to one tolerance with swaps that
 # mostly re-route packs already moving (see rank_balance). The floor keeps tight
-# tolerances from costing moves in stage 2 (the frontier in docs/placement.md).
+# tolerances from costing moves in stage 2 (the frontier:
+# docs/notes/2026-12-01-placement-performance-v3.md).
 STAGE2_BAND_FACTOR = 5.0
 STAGE2_MIN_BAND = 0.03
 # step mode: stage-3 swaps between packs at most this many micro-steps apart.

@@ -87,7 +87,7 @@ def test_node_aware_cuts_inter_node_traffic_at_the_same_objective_and_band(reque
         c = rng.choice(packs, size=D * G).reshape(D, G)
         # The node-aware target was set at tolerance 0.002; the tighter default (0.001)
         # evens ranks with more swaps, some across nodes, and these batches cut to
-        # 0.46-0.51 there (docs/placement.md, "Performance v3").
+        # 0.46-0.51 there (docs/notes/2026-12-01-placement-performance-v3.md).
         flat = plan_placement(c, sync=sync, balance_tolerance=0.002)
         aware = plan_placement(c, sync=sync, ranks_per_node=8, balance_tolerance=0.002)
         check_placement(aware, D, G)

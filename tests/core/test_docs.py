@@ -10,11 +10,6 @@ import pytest
 import docs_check as dc
 from megatron_mm_balance import reference
 
-#: user pages that still carry dated sections: the restructure moves them to docs/notes/
-#: (this list only shrinks; a page on it that no longer has one fails, so that it is taken off)
-DATED_TODAY = {"bridge.md"}
-
-
 def _rel(page) -> str:
     return str(page.relative_to(dc.REPO))
 
@@ -103,15 +98,9 @@ def test_the_telemetry_reference_names_exactly_the_fields_the_code_writes():
 
 
 def test_no_user_page_has_a_dated_section():
-    dated = {}
-    for page in dc.user_pages():
-        found = dc.dated_lines(page.read_text(encoding="utf-8"))
-        if found:
-            dated[page.name] = found
-    new = {name: lines[:3] for name, lines in dated.items() if name not in DATED_TODAY}
-    assert not new, f"dated sections in user pages (a dated finding goes to docs/notes/): {new}"
-    cleared = DATED_TODAY - set(dated)
-    assert not cleared, f"no dated section left in {sorted(cleared)}: take them off DATED_TODAY"
+    dated = {page.name: found[:3] for page in dc.user_pages()
+             if (found := dc.dated_lines(page.read_text(encoding="utf-8")))}
+    assert not dated, f"dated sections in user pages (a dated finding goes to docs/notes/): {dated}"
 
 
 def test_every_note_has_its_line_in_the_index_and_a_dated_name():

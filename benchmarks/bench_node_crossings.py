@@ -11,7 +11,7 @@ has a worse balance, and at an equal balance never more packs across
 (solver/node_choice.py): "more, no better" (more packs across at a balance no better
 than flat's) is 0.
 
-    python benchmarks/bench_node_crossings.py            # the docs/megatron.md table
+    python benchmarks/bench_node_crossings.py            # the table of docs/notes/2026-12-02-several-nodes-megatron.md
 """
 from __future__ import annotations
 

@@ -859,7 +859,7 @@ def main(argv=None) -> int:
 
 # --------------------------------------------------------------------------- Bridge: CP frame split
 # Self-contained: the context-parallel Qwen3-VL launcher run, mm_balance.cp_split=count vs cost
-# (docs/bridge.md section 7). Only its planning runs without GPUs (tests/bridge/test_gpu_check_cp_split.py).
+# (docs/notes/2026-12-02-bridge-cp-split.md). Only its planning runs without GPUs (tests/bridge/test_gpu_check_cp_split.py).
 
 #: Bridge's iteration line (each line is that iteration's loss: Bridge resets its accumulators).
 BRIDGE_ITER_RE = r"\biteration\s+(\d+)/\s*\d+ \|.*?\blm loss: ([0-9.Ee+-]+)"

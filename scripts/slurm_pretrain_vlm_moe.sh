@@ -46,5 +46,5 @@ if [ -n "${CONTAINER_IMAGE:-}" ]; then
 fi
 # NODE_RANK comes from each task's SLURM_NODEID; everything else is exported above. The
 # ranks find their node from torchrun's GROUP_RANK (= NODE_RANK) at start-up: no
-# --mm-balance-ranks-per-node needed (docs/megatron.md, "Several nodes").
+# --mm-balance-ranks-per-node needed (docs/notes/2026-12-02-several-nodes-megatron.md).
 srun "${SRUN_ARGS[@]}" bash -c 'NODE_RANK=$SLURM_NODEID exec bash "$0/scripts/pretrain_vlm_moe.sh" "${@:1}"' "$HERE" "$@"

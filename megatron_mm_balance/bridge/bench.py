@@ -98,7 +98,7 @@ class BridgeFramework:
     frames: ClassVar[bool] = True
     simulated: ClassVar[Dict[str, str]] = {"none": "off", "redistribute-overlap": "packs"}
     #: fp32: balancing's losses equal off's at Bridge's printed precision under expert
-    #: parallelism (bf16 is judged against a control run instead, docs/bridge.md 5.1)
+    #: parallelism (bf16 is judged against a control run instead, docs/notes/2026-12-02-bridge-control-band.md)
     defaults: ClassVar[dict] = {"PRECISION": "fp32"}
     #: the native-res job's iterations are shorter than the Megatron-LM job's: more of them
     bench_defaults: ClassVar[dict] = dict(DEFAULTS, iters=8, samples=256)

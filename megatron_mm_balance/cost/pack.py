@@ -350,7 +350,7 @@ class QwenVLHeaviestFrameCost:
     micro-step's vision phase cannot go below is its mean or its heaviest frame, and only the
     second depends on where the packs go. Placing packs on their heaviest frame puts the big
     frames of a global batch into the same micro-steps, where they balance one another, and
-    leaves the frame exchange the rest (docs/bridge.md section 9)."""
+    leaves the frame exchange the rest (docs/notes/2026-12-03-whole-packs-floor.md)."""
 
     components = 1
 

@@ -21,8 +21,8 @@ first-iteration averaging undone, Megatron-Bridge's lines as printed):
 * a span is ``EQUAL`` when on and off print identical values, ``WITHIN BAND`` when
   ``on_diff <= k * max(band, floor)``, else ``DIFFERENT``; the run's verdict is DIFFERENT
   if any span is, EQUAL if all are, else WITHIN BAND. ``k`` and ``floor`` are
-  :data:`DEFAULT_K` and :data:`DEFAULT_FLOOR` (measured and justified in docs/megatron.md
-  section 7.3).
+  :data:`DEFAULT_K` and :data:`DEFAULT_FLOOR` (measured and justified in
+  docs/notes/2026-12-02-control-band.md).
 
 The control log must be a control run: its telemetry lines say ``control: 1`` and
 ``packs_moved: 0``; anything else is refused with a one-line :class:`~.logs.LogError`.
@@ -37,7 +37,7 @@ from .logs import LogError, TrainingLog, is_loss_column, relative_difference
 
 EQUAL, WITHIN_BAND, DIFFERENT = "EQUAL", "WITHIN BAND", "DIFFERENT"
 #: on vs off may differ by this many times the control's band: the measured ratios reach
-#: about 5, and the ratio of two reorderings' distances is heavy-tailed (docs/megatron.md 7.3.1)
+#: about 5, and the ratio of two reorderings' distances is heavy-tailed (docs/notes/2026-12-02-control-band.md)
 DEFAULT_K = 8.0
 #: the band is never taken below this relative difference: a few units of the printed
 #: 7th digit (Megatron prints losses as ``%.6E``: one unit is 1e-7 to 1e-6 relative)

@@ -72,7 +72,8 @@ class BalancerConfig:
     #: True: gather costs and solve as usual, then deliver every rank exactly its own
     #: packs, permuted across micro-steps in the order balancing gives them
     #: (:func:`~megatron_mm_balance.solver.placement.control_placement`): nothing crosses
-    #: ranks. A run in this mode shows the job's arithmetic-order band (docs/megatron.md 7.3).
+    #: ranks. A run in this mode shows the job's arithmetic-order band
+    #: (docs/notes/2026-12-02-control-band.md).
     control: bool = False
     #: ``"even"`` or ``"odd"``: balance only the global batches of training iterations of
     #: that parity, and deliver the others as shadow mode does (solved, nothing moved). Two

@@ -199,7 +199,8 @@ def control_placement(solved: Placement) -> Placement:
     expert-parallel all-to-all, a gradient bucket) then meet other partners than in the
     unbalanced order at most micro-steps, as they do under balancing; the sort alone
     leaves a rank whose packs balancing keeps at home in its own order (measured on
-    Megatron-Bridge's DP=4, G=2 layout: 2 of 24 slots reordered, docs/megatron.md 7.3).
+    Megatron-Bridge's DP=4, G=2 layout: 2 of 24 slots reordered,
+    docs/notes/2026-12-02-control-band.md).
 
     Nothing crosses ranks, so a run in this order shows the arithmetic-order band of a job
     (the loss differences that only summation order makes) against which balancing's own

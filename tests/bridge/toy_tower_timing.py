@@ -8,7 +8,7 @@ the costs predicted by the FLOP-derived model and by the patch count, and whethe
     PYTHONPATH=REPO:BRIDGE/src:MEGATRON_LM python tests/bridge/toy_tower_timing.py [--reps N] [--all]
 
 ``test_toy_tower_ranking.py`` runs it on :data:`BATCHES`; ``--all`` adds :data:`MORE` (the
-table of docs/bridge.md section 3).
+table of docs/notes/2026-12-02-qwen-vl-costs.md).
 """
 from __future__ import annotations
 

@@ -114,7 +114,7 @@ def test_the_seventeen_batches_cross_no_more_than_flat_and_as_few_as_any_placeme
     perms = np.array(list(itertools.permutations(range(8))))
     rng = np.random.default_rng(0)
     drawn = [rng.integers(0, 8, size=(4, 2)) * 256 for _ in range(3000)]
-    for case in SEVENTEEN:   # they are the batches the comparison in docs/megatron.md draws
+    for case in SEVENTEEN:   # they are the batches the comparison in docs/notes/2026-12-02-several-nodes-megatron.md draws
         assert any(np.array_equal(np.array(case), d) for d in drawn)
     for case in SEVENTEEN:
         c = np.array(case, dtype=np.int64)

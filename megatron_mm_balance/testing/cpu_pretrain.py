@@ -66,7 +66,10 @@ rewriting, streams/events, the RNG tracker, ``te_general_gemm``):
   every parameter one shared ``step`` tensor, which AdamW's in-place increment
   would advance once per parameter: each parameter gets its own copy.
 * releases differ (checked by capability, not version): the fused-kernel
-  compile step exists only up to core_v0.18.2 (shimmed only where it exists).
+  compile step exists only up to core_v0.18.2 (shimmed only where it exists);
+  on main (0.20) the example's ``get_vision_model_config`` takes the config
+  alone and its MLP specs are partials of ``MLP.as_mlp_submodule`` (the local
+  stand-in takes that form where the example's own local spec has it).
 * Megatron compiles its dataset index helpers with ``make`` at start-up;
   the energon data path never calls them: skipped.
 
@@ -330,8 +333,8 @@ def _shrink_clip() -> None:
     orig_proj = mm_config.get_vision_projection_config
     vit = vit_size()
 
-    def get_vision_model_config(config, apply_query_key_layer_scaling):
-        config = orig(config, apply_query_key_layer_scaling)
+    def get_vision_model_config(config, *args, **kwargs):     # (config[, apply_query_key_layer_scaling])
+        config = orig(config, *args, **kwargs)
         if config.vision_model_type == "clip":
             for k, v in vit.items():
                 setattr(config, k, v)
@@ -359,6 +362,8 @@ def _shrink_clip() -> None:
 
 def _local_specs() -> None:
     """The three TE-only pieces of the example, in Megatron's local implementations."""
+    import functools
+
     import torch
     import model as mm_model
     from megatron.core.models.multimodal import llava_model
@@ -389,13 +394,18 @@ def _local_specs() -> None:
         def forward(self, input_, *a, **k):
             return super().forward(self.norm(input_), *a, **k)
 
+    import layer_specs as mm_specs  # examples/multimodal/layer_specs.py
+
     def get_norm_mlp_module_spec_local():
-        return ModuleSpec(module=MLP, submodules=MLPSubmodules(
-            linear_fc1=NormColumnParallelLinear, linear_fc2=RowParallelLinear))
+        # in the form the release's own local MLP spec has: a ModuleSpec, or (main, 0.20) a
+        # partial of MLP.as_mlp_submodule whose ``submodules`` keyword the example reads
+        subs = MLPSubmodules(linear_fc1=NormColumnParallelLinear, linear_fc2=RowParallelLinear)
+        shape = mm_specs.get_mlp_module_spec(use_te=False)
+        if isinstance(shape, functools.partial):
+            return functools.partial(shape.func, *shape.args, **{**shape.keywords, "submodules": subs})
+        return ModuleSpec(module=MLP, submodules=subs)
 
     mm_model.get_norm_mlp_module_spec_te = get_norm_mlp_module_spec_local
-
-    import layer_specs as mm_specs  # examples/multimodal/layer_specs.py
     try:
         import transformer_engine  # noqa: F401
     except ImportError:

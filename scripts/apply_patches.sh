@@ -11,6 +11,10 @@
 #   scripts/apply_patches.sh --installed [--python PYTHON] [--check|--revert] [--force]
 #                                           the Megatron-Bridge package PYTHON imports
 #                                           (default $PYTHON, else python3), patched in place
+#   scripts/apply_patches.sh DIR --check --overlay
+#                                           which hooks the import-time overlay would apply to
+#                                           DIR in memory (a read-only tree; nothing is written;
+#                                           megatron_mm_balance.patching, docs/megatron.md)
 #   scripts/apply_patches.sh --supported    print the supported Megatron-LM releases
 #
 # DIR is the root of a Megatron-LM checkout, the root of a Megatron-Bridge checkout
@@ -77,13 +81,14 @@ usage() {
 die() { echo "apply_patches: $*" >&2; exit 1; }
 
 if [ "${1:-}" = --supported ]; then echo "$SUPPORTED_LIST"; exit 0; fi    # for other scripts' messages
-DIR="" MODE=apply FORCE=0 INSTALLED=0 PY_ARG=""
+DIR="" MODE=apply FORCE=0 INSTALLED=0 PY_ARG="" OVERLAY=0
 HOW="" VERSION=""            # how the release was matched (exact, line, forced), and its version
 while [ $# -gt 0 ]; do
   case "$1" in
     --check|--revert) [ $MODE = apply ] || usage; MODE=$1 ;;
     --force) FORCE=1 ;;
     --installed) INSTALLED=1 ;;
+    --overlay) OVERLAY=1 ;;
     --python) [ $# -ge 2 ] || usage; PY_ARG=$2; shift ;;
     -*) usage ;;
     *) [ -z "$DIR" ] || usage; DIR=$1 ;;
@@ -116,6 +121,14 @@ if [ $INSTALLED = 1 ]; then
 fi
 [ -d "$DIR" ] || die "$DIR: no such directory (give the root of a Megatron-LM or Megatron-Bridge checkout, or --installed)"
 DIR=$(cd "$DIR" && pwd)
+# The overlay writes nothing: only its check is asked here (the same sets, the same detection,
+# in Python, which applies the hunks in memory as it will at import time).
+if [ $OVERLAY = 1 ]; then
+  [ "$MODE" = --check ] || die "--overlay goes with --check (the overlay writes nothing: MM_BALANCE_OVERLAY=1 with the launchers applies it at import)"
+  OPTS=(); [ $FORCE = 0 ] || OPTS=(--force)
+  PYTHONPATH="$HERE${PYTHONPATH:+:$PYTHONPATH}" MM_BALANCE_PATCH_DIR=$PATCH_ROOT \
+    exec "${PY:-${PYTHON:-python3}}" -m megatron_mm_balance.patching check "${OPTS[@]}" "$DIR"
+fi
 
 # --- Megatron-Bridge's two layouts ------------------------------------------------------------
 # checkout: DIR/src/megatron/bridge/ (patch paths as they are); package: DIR/megatron/bridge/

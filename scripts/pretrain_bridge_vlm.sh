@@ -15,6 +15,8 @@
 #                        MEGATRON_BRIDGE_DIR/3rdparty/Megatron-LM for a checkout that has it,
 #                        else the megatron.core that PYTHON imports
 #   FORCE_RELEASE=1      accept a Bridge of a newer line that apply_patches.sh --force patched
+#   MM_BALANCE_OVERLAY=1 leave Bridge unpatched (read-only): the same hooks are applied at import,
+#                        in each rank's memory (apply_patches.sh DIR --check --overlay)
 #   DATA_PATH            energon ChatML dataset directory (mm-balance make-dataset --format
 #                        bridge-qwen-vl writes one); required unless DRY_RUN=1
 #   PROCESSOR            Hugging Face Qwen-VL processor directory or name (default DATA_PATH/processor)
@@ -81,10 +83,12 @@ else
   [ -n "${MEGATRON_BRIDGE_DIR:-}" ] \
     || die "no Megatron-Bridge: $PY cannot import megatron.bridge; pip install megatron-bridge (0.6.x) into its environment, set PYTHON to the python that has it, or set MEGATRON_BRIDGE_DIR to a checkout"
   FORCE=(); [ "${FORCE_RELEASE:-0}" != 1 ] || FORCE=(--force)
-  state=$(bash "$HERE/scripts/apply_patches.sh" "$MEGATRON_BRIDGE_DIR" --check "${FORCE[@]}" 2>&1) || { echo "$state" >&2; exit 1; }
-  if grep -q ": pending" <<<"$state"; then
+  OVERLAY=(); [ "${MM_BALANCE_OVERLAY:-0}" != 1 ] || OVERLAY=(--overlay)
+  state=$(PYTHON=$PY bash "$HERE/scripts/apply_patches.sh" "$MEGATRON_BRIDGE_DIR" --check "${FORCE[@]}" "${OVERLAY[@]}" 2>&1) \
+    || { echo "$state" >&2; exit 1; }
+  if [ ${#OVERLAY[@]} = 0 ] && grep -q ": pending" <<<"$state"; then
     if [ -n "$BRIDGE_PATH" ]; then
-      die "patches are not applied to $MEGATRON_BRIDGE_DIR: run scripts/apply_patches.sh $MEGATRON_BRIDGE_DIR${FORCE:+ --force}"
+      die "patches are not applied to $MEGATRON_BRIDGE_DIR: run scripts/apply_patches.sh $MEGATRON_BRIDGE_DIR${FORCE:+ --force} (or MM_BALANCE_OVERLAY=1: the hooks at import, no file written)"
     fi
     die "patches are not applied to the installed Megatron-Bridge ($MEGATRON_BRIDGE_DIR): run scripts/apply_patches.sh --installed --python $PY${FORCE:+ --force}"
   fi

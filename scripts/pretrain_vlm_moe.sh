@@ -11,6 +11,9 @@
 #                    the 0.20 line; the 0.17 line and later need Python >= 3.12) with our patches applied
 #                    (scripts/apply_patches.sh MEGATRON_LM_DIR); required
 #   FORCE_RELEASE=1  accept a checkout of a newer line that apply_patches.sh --force patched
+#   MM_BALANCE_OVERLAY=1
+#                    leave MEGATRON_LM_DIR unpatched (read-only): the same hooks are applied
+#                    at import, in each rank's memory (apply_patches.sh DIR --check --overlay)
 #   DATA_PATH        energon dataset (directory or blend .yaml); required unless DRY_RUN=1
 #   TOKENIZER_MODEL  HuggingFace tokenizer (name or local directory); default from the config
 #   OUTPUT_DIR       checkpoints, dataloader state and TensorBoard (default
@@ -60,11 +63,13 @@ else
   # A patch release of a supported line is accepted as apply_patches.sh accepts it;
   # FORCE_RELEASE=1 accepts a newer line patched with apply_patches.sh --force.
   FORCE=(); [ "${FORCE_RELEASE:-0}" != 1 ] || FORCE=(--force)
-  state=$(bash "$HERE/scripts/apply_patches.sh" "$MEGATRON_LM_DIR" --check "${FORCE[@]}" 2>&1) || { echo "$state" >&2; exit 1; }
-  if grep -q ": pending" <<<"$state"; then
-    die "patches are not applied to $MEGATRON_LM_DIR: run scripts/apply_patches.sh $MEGATRON_LM_DIR${FORCE:+ --force}"
+  OVERLAY=(); [ "${MM_BALANCE_OVERLAY:-0}" != 1 ] || OVERLAY=(--overlay)
+  state=$(PYTHON=$PY bash "$HERE/scripts/apply_patches.sh" "$MEGATRON_LM_DIR" --check "${FORCE[@]}" "${OVERLAY[@]}" 2>&1) \
+    || { echo "$state" >&2; exit 1; }
+  if [ ${#OVERLAY[@]} = 0 ] && grep -q ": pending" <<<"$state"; then
+    die "patches are not applied to $MEGATRON_LM_DIR: run scripts/apply_patches.sh $MEGATRON_LM_DIR${FORCE:+ --force} (or MM_BALANCE_OVERLAY=1: the hooks at import, no file written)"
   fi
-  RELEASE=$(sed -n '1s/^Megatron-LM \(core_v[0-9A-Za-z.]*\) .*/\1/p' <<<"$state")
+  RELEASE=$(sed -n '1s/^\(overlay: \)\{0,1\}Megatron-LM \(core_v[0-9A-Za-z.]*\) .*/\2/p' <<<"$state")
   # The 0.17 line and later use typing.override (Python >= 3.12) in megatron/training.
   if [ "${RELEASE%.*}" != core_v0.16 ] && ! "$PY" -c "import typing; typing.override" 2>/dev/null; then
     die "Megatron-LM $RELEASE needs Python >= 3.12 (typing.override); $PY is $("$PY" -V 2>&1): set PYTHON (scripts/setup_env_py312.sh builds one)"
@@ -105,6 +110,9 @@ cuda_visible() {
 }
 # The CPU harness (configs that set CPU_HARNESS=auto, on a machine without CUDA).
 ENTRY=(examples/multimodal/train.py)
+# MM_BALANCE_OVERLAY=1: the script runs under the import-time overlay (the CPU harness installs
+# it itself, from the same variable).
+[ "${MM_BALANCE_OVERLAY:-0}" != 1 ] || ENTRY=(-m megatron_mm_balance.patching run examples/multimodal/train.py)
 CPU_RUN=0
 if [ "${CPU_HARNESS:-off}" = auto ] && [ "$DRY_RUN" != 1 ] && \
    ! cuda_visible; then

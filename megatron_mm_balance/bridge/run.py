@@ -59,6 +59,8 @@ def parse(argv=None):
 
 def main(argv=None) -> None:
     args = parse(argv)
+    from ..patching.overlay import install_if_requested
+    install_if_requested("megatron-bridge")       # MM_BALANCE_OVERLAY=1: before Bridge is imported
     from megatron.bridge.training.pretrain import pretrain
     from megatron.bridge.training.utils.omegaconf_utils import process_config_with_overrides
 

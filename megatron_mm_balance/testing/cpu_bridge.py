@@ -484,6 +484,8 @@ def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if len(argv) < 2 or argv[0] != "-m":
         sys.exit("usage: python -m megatron_mm_balance.testing.cpu_bridge -m MODULE [args...]")
+    from ..patching.overlay import install_if_requested
+    install_if_requested("megatron-bridge")  # MM_BALANCE_OVERLAY=1: before the stand-ins import Bridge
     install()
     _write_results_queue_by_fork()          # the launched job only: it saves checkpoints
     sys.argv = [argv[1], *argv[2:]]

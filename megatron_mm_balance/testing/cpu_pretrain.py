@@ -80,7 +80,6 @@ loader's micro-batches drawn before the first iteration and the heap grown.
 from __future__ import annotations
 
 import os
-import runpy
 import sys
 import types
 
@@ -528,9 +527,11 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit("usage: python -m megatron_mm_balance.testing.cpu_pretrain SCRIPT.py [flags...]")
     script = argv[0]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    from ..patching.overlay import install_if_requested, run_main
+    install_if_requested("megatron-lm")     # MM_BALANCE_OVERLAY=1: before the shims import Megatron
     install()
     sys.argv = argv
-    runpy.run_path(script, run_name="__main__")
+    run_main(script)                        # runpy.run_path, or the overlay's patched train.py
     from .rank_exit import finish
     finish()                                # the job returned: end without the interpreter's teardown
 

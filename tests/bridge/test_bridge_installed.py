@@ -318,3 +318,30 @@ def test_installed_bridge_trains_through_gpu_check_part5(bridge_python, bridge_t
     assert f"imports it: {site}/megatron/bridge" in Path(on["log"]).read_text()
     assert "median iteration time on / off" in r.stdout and "dp2-on" in r.stdout
     print(f"wall off {off['wall_s']:.0f}s on {on['wall_s']:.0f}s")
+
+
+# --------------------------------------------------------------------------- the import-time overlay
+@pytest.mark.parametrize("which", ["v0.6.0", "main", "main-installed"])
+def test_overlay_sources_are_what_apply_patches_writes(bridge_source, bridge_main_source, tmp_path, which):
+    """The overlay's in-memory Bridge sources equal what apply_patches.sh writes (the 0.6 set on
+    v0.6.0, main's on main, a checkout and an installed package), and ``--check --overlay`` says
+    which hooks would take."""
+    from megatron_mm_balance.patching import overlay as ov
+    src = bridge_source if which == "v0.6.0" else bridge_main_source
+    if which == "main-installed":
+        tree = tmp_path / "site-packages"
+        (tree / "megatron").mkdir(parents=True)
+        subprocess.run(["cp", "-a", str(src / "src/megatron/bridge"), str(tree / "megatron")], check=True)
+    else:
+        tree = tmp_path / "Megatron-Bridge"
+        subprocess.run(["cp", "-a", str(src), str(tree)], check=True)
+    plan = ov.plan("megatron-bridge", tree)
+    assert plan.set_name == ("megatron-bridge-v0.6.0" if which == "v0.6.0" else "megatron-bridge-v0.7.0")
+    assert {h.state for h in plan.hooks} == {"takes"}
+    r = bu.apply_patches(tree, "--check", "--overlay")
+    assert r.returncode == 0 and "hooks would take at import" in r.stdout, r.stdout + r.stderr
+    assert "src/megatron/bridge/training/setup.py: setup(): takes at line" in r.stdout
+    assert bu.apply_patches(tree).returncode == 0
+    for path, text in plan.set_fit.texts:
+        assert plan.tree.path_of(path).read_text() == text, path
+    assert {h.state for h in ov.plan("megatron-bridge", tree).hooks} == {"in the file"}

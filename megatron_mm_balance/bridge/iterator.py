@@ -140,7 +140,7 @@ def wrap_train_data_iterator(train_data_iterator, cfg, pg_collection, *, state=N
     from ..megatron.checks import checked_config
     from ..megatron.config import live_iteration
     from ..megatron.groups import init_exchange_groups, process_group_layout
-    from ..megatron.iterator import _unwrap, tap_timing, with_job_meetings
+    from ..megatron.iterator import _unwrap, agree_on_code, tap_timing, with_job_meetings
     from ..megatron.stops import StopReporter
     from .config import as_args
     from .cp_split import install_cp_split
@@ -156,6 +156,7 @@ def wrap_train_data_iterator(train_data_iterator, cfg, pg_collection, *, state=N
         save_flops_model(core_cfg.timing_dir, spec)
     if not core_cfg.enabled:
         return tap_timing(train_data_iterator, timing)   # the hooks' features from the host copies
+    agree_on_code("megatron-bridge", core_cfg.timeout)      # the same hooks and package on every rank
     install_cp_split(mm, spec)
     is_list = isinstance(train_data_iterator, list)
     iterators = train_data_iterator if is_list else [train_data_iterator]

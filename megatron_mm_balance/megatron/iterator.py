@@ -387,6 +387,7 @@ def wrap_train_data_iterator(train_data_iterator, args=None, *, exchange_groups=
         if cfg.record_samples or timing is not None:
             return _passed_through(train_data_iterator, cfg, args, timing)
         return train_data_iterator
+    agree_on_code("megatron-lm", cfg.timeout)
     is_list = isinstance(train_data_iterator, list)
     iterators = train_data_iterator if is_list else [train_data_iterator]
     if exchange_groups is None:
@@ -425,6 +426,17 @@ def with_job_meetings(cfg: MMBalanceConfig, exchange_groups) -> MMBalanceConfig:
 def _lowest_rank_of(group) -> bool:
     import torch.distributed as dist
     return dist.get_rank() == min(dist.get_process_group_ranks(group))
+
+
+def agree_on_code(product: str, timeout_s: float) -> None:
+    """Every rank of a balanced job runs the same hooks and package (:mod:`..patching.digest`):
+    compared once here, before anything is exchanged; a rank that differs stops the job with one
+    line. Skipped without a process group or with one rank."""
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return
+    from ..patching.digest import agree_on_code as agree
+    agree(product, timeout_s=timeout_s)
 
 
 def _recorder(cfg: MMBalanceConfig, args, chunk: int):

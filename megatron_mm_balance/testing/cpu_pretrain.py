@@ -69,7 +69,11 @@ rewriting, streams/events, the RNG tracker, ``te_general_gemm``):
   compile step exists only up to core_v0.18.2 (shimmed only where it exists);
   on main (0.20) the example's ``get_vision_model_config`` takes the config
   alone and its MLP specs are partials of ``MLP.as_mlp_submodule`` (the local
-  stand-in takes that form where the example's own local spec has it).
+  stand-in takes that form where the example's own local spec has it); and the
+  example builds its MoE language model only with transformer-engine (asking
+  ``get_layer_spec`` for a dense one without it): megatron-core's local MoE
+  spec there, the one patch 0004 adds for the earlier releases (on GPU main's
+  own MoE spec serves, so main's patch set needs no MoE hunk).
 * Megatron compiles its dataset index helpers with ``make`` at start-up;
   the energon data path never calls them: skipped.
 
@@ -405,6 +409,23 @@ def _local_specs() -> None:
         return ModuleSpec(module=MLP, submodules=subs)
 
     mm_model.get_norm_mlp_module_spec_te = get_norm_mlp_module_spec_local
+
+    if hasattr(mm_model, "get_gpt_decoder_block_spec"):
+        # main (0.20): the example builds an MoE language model itself, with transformer-engine
+        # only; without it it asks get_layer_spec for a dense one: the same local MoE spec the
+        # earlier releases' patch (0004) adds, here, since only a machine without TE needs it
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        from megatron.training import get_args
+        example_layer_spec = mm_model.get_layer_spec
+
+        def get_layer_spec(is_vit, normalization):
+            args = get_args()
+            if is_vit or not args.num_experts:
+                return example_layer_spec(is_vit, normalization)
+            return get_gpt_layer_local_spec(args.num_experts, args.moe_grouped_gemm, args.qk_layernorm,
+                                            normalization=normalization)
+
+        mm_model.get_layer_spec = get_layer_spec
     try:
         import transformer_engine  # noqa: F401
     except ImportError:

@@ -27,7 +27,7 @@ def test_digest_same_hooks_same_digest_from_files_or_overlay(mlm_trees, tmp_path
     from_files, covered = code_digest("megatron-lm", patched)
     from_overlay, covered_o = code_digest("megatron-lm", overlay=ov.plan("megatron-lm", pristine))
     assert from_files == from_overlay and covered["source"] == "files" and covered_o["source"] == "overlay"
-    assert all(p["runs"] for p in covered["points"]) and len(covered["points"]) == 12
+    assert all(p["runs"] for p in covered["points"]) and len(covered["points"]) == 11
     unpatched, covered_u = code_digest("megatron-lm", pristine)               # hooks only in the patch
     assert unpatched != from_files and not any(p["runs"] for p in covered_u["points"])
     stale = stale_tree(patched, tmp_path / "stale")

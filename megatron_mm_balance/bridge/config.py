@@ -158,6 +158,9 @@ def as_args(mm: MMBalanceBridgeConfig, cfg, spec, *, train_state=None) -> types.
         moe_aux_loss_coeff=spec.moe_aux_loss_coeff,
         calculate_per_token_loss=spec.calculate_per_token_loss,
         hybrid_context_parallel=spec.hybrid_context_parallel,
+        # upstream's own per-global-batch rebalancing, where the pinned megatron-core has it
+        dynamic_context_parallel=spec.dynamic_context_parallel,
+        sequence_packing_scheduler=spec.sequence_packing_scheduler,
         micro_batch_size=train.micro_batch_size, global_batch_size=train.global_batch_size,
         rampup_batch_size=getattr(train, "rampup_batch_size", None),
         decrease_batch_size_if_needed=getattr(train, "decrease_batch_size_if_needed", False),

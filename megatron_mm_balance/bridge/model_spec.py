@@ -67,6 +67,10 @@ class ModelSpec:
     moe_aux_loss_coeff: float
     calculate_per_token_loss: bool
     hybrid_context_parallel: bool
+    #: upstream's per-global-batch rebalancing where the pinned megatron-core has it (the
+    #: config's ``dynamic_context_parallel``, ``sequence_packing_scheduler``): refused with ours
+    dynamic_context_parallel: bool
+    sequence_packing_scheduler: Optional[str]
     # -- the vision tower
     #: Qwen-VL's patch merge per side
     spatial_merge_size: int
@@ -116,6 +120,8 @@ class ModelSpec:
             moe_aux_loss_coeff=get("moe_aux_loss_coeff", 0.0),
             calculate_per_token_loss=bool(get("calculate_per_token_loss", False)),
             hybrid_context_parallel=bool(get("hybrid_context_parallel", False)),
+            dynamic_context_parallel=bool(get("dynamic_context_parallel", False)),
+            sequence_packing_scheduler=get("sequence_packing_scheduler"),
             spatial_merge_size=spatial_merge_size(model_cfg),
             qwen3_tower=vision is not None and getattr(vision, "deepstack_visual_indexes", None) is not None,
             vision_cuda_graph_impl=str(get("vision_cuda_graph_impl", "none") or "none"),

@@ -144,6 +144,24 @@ def test_config_refuses(mm, cfg, match):
         checked_config(_as_args(MMBalanceBridgeConfig(enabled=True, **mm), _bridge_cfg(**cfg)))
 
 
+@pytest.mark.parametrize("setting,flag", [
+    (dict(hybrid_context_parallel=True), "--hybrid-context-parallel"),
+    (dict(sequence_packing_scheduler="dp_balanced"), "--sequence-packing-scheduler dp_balanced"),
+    (dict(dynamic_context_parallel=True), "--dynamic-context-parallel"),
+])
+def test_config_refuses_upstreams_rebalancing_in_one_line(setting, flag):
+    """The model config's own per-global-batch rebalancing (hybrid context parallel; the
+    sequence-packing scheduler and dynamic context parallel where the pinned megatron-core has
+    them) with balancing: one line naming it; either alone is accepted."""
+    cfg = _bridge_cfg()
+    for key, value in setting.items():
+        setattr(cfg.model, key, value)
+    with pytest.raises(MMBalanceConfigError, match=f"cannot be combined with {flag}: ") as e:
+        checked_config(_as_args(MMBalanceBridgeConfig(enabled=True), cfg))
+    assert "\n" not in str(e.value)
+    checked_config(_as_args(MMBalanceBridgeConfig(enabled=False), cfg))
+
+
 def test_config_accepts_per_token_loss_with_larger_micro_batches():
     checked_config(_as_args(MMBalanceBridgeConfig(enabled=True), _bridge_cfg(mbs=2, per_token=True)))
 
@@ -288,7 +306,7 @@ def test_apply_patches_bridge_refuses_other_release_and_conflicts(tmp_path):
     tree = _bridge_tree(tmp_path)
     info = tree / "src/megatron/bridge/package_info.py"
     orig = info.read_text()
-    info.write_text(orig.replace("MINOR = 6", "MINOR = 7"))
+    info.write_text(orig.replace("MINOR = 6", "MINOR = 8"))
     before = _files_digest(tree)
     r = _apply(tree)
     assert r.returncode == 1 and "not a supported Megatron-Bridge release" in r.stderr and "v0.6.0" in r.stderr

@@ -43,7 +43,17 @@ def pytest_collection_modifyitems(config, items):
     """Tests marked ``extended`` are skipped, with the way to run them, unless ``--extended``
     (or ``MM_BALANCE_EXTENDED=1``) is given: each repeats, in another layout, data set or
     release, a capability that another real-path test covers in CI, and together they would
-    take the suite past its time budget on 2 cores."""
+    take the suite past its time budget on 2 cores.
+
+    Tests marked ``matrix`` (the older supported lines' launcher paths where their patch is the
+    newer line's: run before each release) are skipped unless the ``-m`` expression names the
+    marker (``python -m pytest tests -m matrix``) or ``MM_BALANCE_MATRIX=1``."""
+    matrix = "matrix" in (config.getoption("-m") or "") or os.environ.get("MM_BALANCE_MATRIX") == "1"
+    if not matrix:
+        skip_matrix = pytest.mark.skip(reason="matrix tier (before each release): python -m pytest tests -m matrix")
+        for item in items:
+            if item.get_closest_marker("matrix"):
+                item.add_marker(skip_matrix)
     if config.getoption("--extended") or os.environ.get("MM_BALANCE_EXTENDED") == "1":
         return
     skip = pytest.mark.skip(reason="extended: bash scripts/test.sh --extended")

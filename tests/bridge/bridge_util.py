@@ -46,38 +46,47 @@ def archive_dir() -> Path:
     return next((c for c in cands if (c / BRIDGE_ARCHIVE).is_file()), cands[0])
 
 
-def _digest() -> str:
+def _digest(patches: Path = PATCHES) -> str:
     h = hashlib.sha256()
-    for p in sorted(PATCHES.glob("*.patch")):
+    for p in sorted(patches.glob("*.patch")):
         h.update(p.name.encode())
         h.update(p.read_bytes())
     return h.hexdigest()[:12]
 
 
-def bridge_trees() -> Optional[Dict[str, Path]]:
-    """``{"bridge": patched Megatron-Bridge v0.6.0, "mlm": the Megatron-LM it pins}``, or None.
+#: the Bridge lines the tests run: the archives of Bridge and of the Megatron-LM it pins, and its set
+LINES = {"v0.6.0": (BRIDGE_ARCHIVE, MLM_ARCHIVE, PATCHES),
+         "main": (BRIDGE_MAIN_ARCHIVE, MLM_MAIN_ARCHIVE, REPO / "patches" / "megatron-bridge-v0.7.0")}
 
-    ``MEGATRON_BRIDGE_DIR`` (and ``MEGATRON_LM_DIR``) when set, used as they are; otherwise
-    the archives, unpacked and patched once into ``.bridge-cache/v0.6.0-<digest of patches>``.
+
+def bridge_trees(line: str = "v0.6.0") -> Optional[Dict[str, Path]]:
+    """``{"bridge": patched Megatron-Bridge, "mlm": the Megatron-LM it pins}`` of ``line``
+    (``v0.6.0`` or ``main``), or None.
+
+    ``MEGATRON_BRIDGE_DIR`` (and ``MEGATRON_LM_DIR``) when set, for v0.6.0, used as they are;
+    otherwise the archives, unpacked and patched once into ``.bridge-cache/<line>-<digest of its
+    patches>``.
     """
     env = os.environ.get("MEGATRON_BRIDGE_DIR")
-    if env:
+    if env and line == "v0.6.0":
         mlm = os.environ.get("MEGATRON_LM_DIR") or str(Path(env) / "3rdparty" / "Megatron-LM")
         return {"bridge": Path(env), "mlm": Path(mlm)}
+    bridge_archive, mlm_archive, patches = LINES[line]
     src = archive_dir()
-    if not (src / BRIDGE_ARCHIVE).is_file() or not (src / MLM_ARCHIVE).is_file():
+    if not (src / bridge_archive).is_file() or not (src / mlm_archive).is_file():
         return None
-    dest = CACHE / f"v0.6.0-{_digest()}"
-    trees = {"bridge": dest / "Megatron-Bridge-v0.6.0", "mlm": dest / "Megatron-LM-cd4afffa"}
+    dest = CACHE / f"{line}-{_digest(patches)}"
+    strip = len(".tar.gz")
+    trees = {"bridge": dest / bridge_archive[:-strip], "mlm": dest / mlm_archive[:-strip]}
     if (dest / ".ready").is_file():
         return trees
     tmp = CACHE / f".unpack-{os.getpid()}"
     subprocess.run(["rm", "-rf", str(tmp)], check=True)
     tmp.mkdir(parents=True)
-    for name in (BRIDGE_ARCHIVE, MLM_ARCHIVE):
+    for name in (bridge_archive, mlm_archive):
         with tarfile.open(src / name) as tf:
             tf.extractall(tmp, filter="data")
-    subprocess.run(["bash", str(REPO / "scripts" / "apply_patches.sh"), str(tmp / "Megatron-Bridge-v0.6.0")],
+    subprocess.run(["bash", str(REPO / "scripts" / "apply_patches.sh"), str(tmp / bridge_archive[:-strip])],
                    check=True, timeout=120, stdout=subprocess.DEVNULL)
     (tmp / ".ready").write_text("patched\n")
     subprocess.run(["rm", "-rf", str(dest)], check=True)
@@ -149,11 +158,12 @@ def launcher_env(trees: Dict[str, Path], data: Dict[str, str], python: str, *, m
     return env
 
 
-def run(env: Dict[str, str], extra: List[str] = (), *, log_path: Path, timeout: float = 900.0) -> Run:
+def run(env: Dict[str, str], extra: List[str] = (), *, log_path: Path, timeout: float = 900.0,
+        config: Path = CONFIG) -> Run:
     """The launcher to completion in its own process group (all of it killed at ``timeout``)."""
     t0 = time.monotonic()
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(["bash", str(LAUNCHER), "--config", str(CONFIG), *extra], env=env,
+        proc = subprocess.Popen(["bash", str(LAUNCHER), "--config", str(config), *extra], env=env,
                                 stdout=log, stderr=subprocess.STDOUT, cwd=str(REPO), start_new_session=True)
         try:
             rc = proc.wait(timeout=timeout)

@@ -37,6 +37,15 @@ def bridge_trees() -> dict:
 
 
 @pytest.fixture(scope="session")
+def bridge_main_trees() -> dict:
+    """Bridge main (0.7.0 dev) patched with its set, and the Megatron-LM it pins (2a75ac12)."""
+    trees = bu.bridge_trees("main")
+    if trees is None:
+        pytest.skip(f"no {bu.archive_dir() / bu.BRIDGE_MAIN_ARCHIVE} or {bu.MLM_MAIN_ARCHIVE}")
+    return trees
+
+
+@pytest.fixture(scope="session")
 def bridge_source(tmp_path_factory) -> Path:
     """The unmodified Megatron-Bridge v0.6.0 archive, unpacked once per session (never written)."""
     src = bu.unpack_bridge_source(tmp_path_factory.mktemp("bridge-source"))

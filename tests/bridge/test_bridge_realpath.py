@@ -107,7 +107,9 @@ def test_fp32_off_on_checkpoints_within_the_control_band(runner):
     assert on_off.norm_relative_difference <= DEFAULT_K * band, (on_off.summary(), ctl_off.summary())
 
 
-@pytest.mark.parametrize("which", ["default", "heldout"])
+#: heldout in the matrix tier: CI has Bridge main's band (test_bridge_main.py, the same hooks), and
+#: default's off and control runs are the bf16 images test's too
+@pytest.mark.parametrize("which", ["default", pytest.param("heldout", marks=pytest.mark.matrix)])
 def test_bf16_expert_parallel_off_on_within_the_control_band(runner, request, which):
     """bf16 DP=2 x EP=2, 4 iterations: off, on and control (``mm_balance.mode=control``:
     every rank its own micro-batches, reordered across micro-steps in balancing's order).

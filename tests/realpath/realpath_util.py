@@ -191,6 +191,34 @@ def max_rel_diff(a: Dict[int, float], b: Dict[int, float], iters) -> float:
     return max(abs(a[i] - b[i]) / max(abs(b[i]), 1e-12) for i in iters)
 
 
+def tb_scalars(tensorboard_dir: Path, tag: str = "lm loss") -> Dict[int, float]:
+    """``{iteration: value}`` of one scalar in a run's TensorBoard events (the full-precision
+    values the logged line rounds; Megatron and Bridge write them on the last rank). Our own
+    ``*.mm_balance`` events files are skipped."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    out: Dict[int, float] = {}
+    for path in sorted(Path(tensorboard_dir).glob("events.out.tfevents.*")):
+        if path.name.endswith(".mm_balance"):
+            continue
+        acc = EventAccumulator(str(path), size_guidance={"scalars": 0})
+        acc.Reload()
+        if tag in acc.Tags().get("scalars", []):
+            out.update({e.step: e.value for e in acc.Scalars(tag)})
+    return out
+
+
+def tree_digest(root: Path) -> str:
+    """A hash of every path under ``root`` (directories too: a ``__pycache__`` written there shows)
+    and every file's mode and bytes."""
+    import hashlib
+    h = hashlib.sha256()
+    for p in sorted(Path(root).rglob("*")):
+        h.update(f"{p.relative_to(root)}\0{p.stat().st_mode:o}\0".encode())
+        if p.is_file():
+            h.update(p.read_bytes())
+    return h.hexdigest()
+
+
 def loss_table(runs: Dict[str, Run]) -> str:
     """Iterations as rows, runs as columns (for failure messages and the docs)."""
     names = list(runs)

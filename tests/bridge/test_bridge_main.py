@@ -1,7 +1,7 @@
 """The user's path on Megatron-Bridge main (0.7.0 dev, 067f987d) with the Megatron-LM it pins
 (2a75ac12, 0.20.0 dev), patched with ``patches/megatron-bridge-v0.7.0/``:
 ``scripts/pretrain_bridge_vlm.sh`` on CPU over gloo (the CPU harness), the toy Qwen3-VL MoE
-(DP=2 x EP=2, 4 ranks) and the native-resolution one:
+(DP=4 x EP=2, 4 ranks) and the native-resolution one:
 
 * fp32: off and on (the timing hooks writing their records) print the same digits; the largest
   full-precision difference (TensorBoard scalars) is reported;
@@ -94,7 +94,7 @@ def test_fp32_off_on_print_the_same_digits(runner, bridge_runs_dir):
     assert sorted(full[0]) == sorted(full[1]) == list(range(1, ITERS + 1)), full
     diff = bu.max_rel_diff(full[1], full[0], range(1, ITERS + 1))
     moved = on.stat("packs_moved")
-    print(f"\nBridge main fp32 DP=2 x EP=2: printed lm loss identical; full precision (TensorBoard) max "
+    print(f"\nBridge main fp32 DP=4 x EP=2: printed lm loss identical; full precision (TensorBoard) max "
           f"relative difference {diff:.2e}; packs moved {[int(moved[i]) for i in sorted(moved)]}\n{table}")
     assert sum(moved.values()) > 0, on.tail()
     records = _by_microbatch(bridge_runs_dir / "main-on-timing", range(1, ITERS + 1))
@@ -147,7 +147,7 @@ def test_bf16_cost_auto_within_the_control_band(runner, bridge_runs_dir):
     off = runner("bf16-off", BAND, False)
     auto = runner("bf16-auto", BAND, True, extra=AUTO)
     ctl = runner("bf16-control", BAND, True, extra=["mm_balance.mode=control"])
-    bu.check_band(off, auto, ctl, "Bridge main bf16 DP=2 x EP=2, cost=auto")
+    bu.check_band(off, auto, ctl, "Bridge main bf16 DP=4 x EP=2, cost=auto")
     fit = read_fit(str(bridge_runs_dir / "main-bf16-auto" / "checkpoints" / FIT_FILE))
     assert (fit.first_iteration, fit.last_iteration, fit.effective_iteration) == (2, 3, 5), fit.line()
 

@@ -1,7 +1,7 @@
 """The user's path on Megatron-LM main (0.20.0 dev, d98e8a64), under Python 3.12.
 
 ``scripts/pretrain_vlm_moe.sh --config configs/megatron/tiny_cpu.sh`` (4 CPU ranks over gloo
-through the CPU harness, DP=2 x EP=2, bf16: the example runs in bf16 or fp16 only), against
+through the CPU harness, DP=4 x EP=2, bf16: the example runs in bf16 or fp16 only), against
 ``Megatron-LM-main-d98e8a64`` from the archives patched with ``patches/core_v0.20.0/``, run by
 the interpreter of ``scripts/setup_env_py312.sh``:
 
@@ -82,7 +82,7 @@ def test_off_on_within_the_control_band_and_timing_hooks(runner, runs_dir):
     timing_dir = runs_dir / f"{TAG}-on-timing"
     on = runner("on", True, extra=["--mm-balance-timing-dir", str(timing_dir)])
     ctl = runner("control", True, extra=["--mm-balance-mode", "control"])
-    rp.check_band(off, on, ctl, f"{TAG} DP=2 x EP=2 bf16")
+    rp.check_band(off, on, ctl, f"{TAG} DP=4 x EP=2 bf16")
     assert sorted(on.losses) == list(range(1, ITERS + 1)), rp.loss_table({"off": off, "on": on})
     full = rp.tb_scalars(runs_dir / f"{TAG}-off" / "tensorboard"), rp.tb_scalars(runs_dir / f"{TAG}-on" / "tensorboard")
     assert sorted(full[0]) == sorted(full[1]) == list(range(1, ITERS + 1)), full
@@ -118,7 +118,7 @@ def test_cost_auto_within_the_control_band(runner, runs_dir):
     from megatron_mm_balance.cost.calibration import FIT_FILE, read_fit
     off, ctl = runner("off", False), runner("control", True, extra=["--mm-balance-mode", "control"])
     auto = runner("auto", True, extra=AUTO)
-    rp.check_band(off, auto, ctl, f"{TAG} DP=2 x EP=2 bf16, --mm-balance-cost auto")
+    rp.check_band(off, auto, ctl, f"{TAG} DP=4 x EP=2 bf16, --mm-balance-cost auto")
     fit = read_fit(str(runs_dir / f"{TAG}-auto" / "checkpoints" / FIT_FILE))
     assert (fit.first_iteration, fit.last_iteration, fit.effective_iteration) == (2, 3, 5), fit.line()
     assert [x for x in auto.log.splitlines() if x.startswith("[mm-balance] cost auto:")], auto.tail()

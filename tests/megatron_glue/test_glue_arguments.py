@@ -132,7 +132,7 @@ def test_config_built_once_from_args_resolves_auto_and_defaults():
     assert cfg.timeout == DEFAULT_TIMEOUT_S == _parse([]).mm_balance_timeout
     assert cfg.tolerance == DEFAULT_BALANCE_TOLERANCE == _parse([]).mm_balance_tolerance
     rt = cfg.runtime()
-    assert (rt.sync, rt.overlap, rt.timeout, rt.device, rt.shadow) == ("microstep", True, 300.0, None, False)
+    assert (rt.sync, rt.overlap, rt.timeout, rt.device, rt.shadow) == ("microstep", True, 300.0, "auto", False)
     assert rt.balance_tolerance == DEFAULT_BALANCE_TOLERANCE
     assert MMBalanceConfig.from_args(argparse.Namespace(mm_balance=True)).sync == "step"
     # None (a partial namespace) means the default, resolved once by the runtime's config.

@@ -90,9 +90,9 @@ def test_a_changed_target_is_refused_naming_the_function(mlm_trees, tmp_path):
     assert sys.meta_path == finders and "megatron-lm" not in ov.ACTIVE           # nothing installed
 
 
-#: Run in a fresh interpreter: install the overlay for the tree on PYTHONPATH, then the check of
-#: test_glue_patches.py (parse_args with our flags, validate_args runs our checks).
-OVERLAY_PARSE = "from megatron_mm_balance.patching.overlay import install\ninstall('megatron-lm')\n" + PARSE_CHECK + r"""
+#: appended to test_glue_patches.py's check (parse_args with our flags, validate_args runs our
+#: checks): which loader loaded the patched modules
+OVERLAY_LOADERS = r"""
 import megatron.training.training as T2
 print('loader', type(T2.__loader__).__name__, type(A.__loader__).__name__)
 """
@@ -107,11 +107,14 @@ def _env(tree: Path) -> dict:
 
 def test_overlay_on_a_read_only_tree_parses_and_validates_as_the_patched_one(mlm_trees, writable_tmp):
     """core_v0.16.1 unpatched and read-only: the overlay gives exactly the file patches' behaviour
-    (test_glue_patches.py's test_patched_megatron_imports_parses_and_validates), and writes nothing."""
+    (test_glue_patches.py's test_patched_megatron_imports_parses_and_validates), and writes nothing.
+    The script runs as a user's would, through ``python -m megatron_mm_balance.patching run``."""
     tree = read_only(mlm_trees.copy("core_v0.16.1", writable_tmp / "Megatron-LM"))
     before = tree_hash(tree)
-    r = subprocess.run([sys.executable, "-c", OVERLAY_PARSE, str(tree)], capture_output=True, text=True,
-                       env=_env(tree), timeout=300, cwd=str(writable_tmp))
+    script = writable_tmp / "train_check.py"
+    script.write_text(PARSE_CHECK + OVERLAY_LOADERS)
+    r = subprocess.run([sys.executable, "-m", "megatron_mm_balance.patching", "run", str(script), str(tree)],
+                       capture_output=True, text=True, env=_env(tree), timeout=300, cwd=str(writable_tmp))
     assert r.returncode == 0, r.stderr[-3000:]
     assert "parsed True False microstep 5" in r.stdout
     assert "validate: MMBalanceConfigError --mm-balance with --micro-batch-size 2" in r.stdout

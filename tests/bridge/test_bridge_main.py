@@ -3,8 +3,10 @@
 ``scripts/pretrain_bridge_vlm.sh`` on CPU over gloo (the CPU harness), the toy Qwen3-VL MoE
 (DP=4 x EP=2, 4 ranks) and the native-resolution one:
 
-* fp32: off and on (the timing hooks writing their records) print the same digits; the largest
-  full-precision difference (TensorBoard scalars) is reported;
+* fp32: off and on (the timing hooks writing their records) within 1e-5, the Megatron-LM path's
+  bound (under expert parallelism fp32's last bit follows which micro-batches meet and in which
+  order the ranks' losses are summed); the printed and the full-precision (TensorBoard)
+  differences are reported;
 * the overlay: the same on-run on an unpatched read-only copy of the trees
   (``MM_BALANCE_OVERLAY=1``, ``chmod -R a-w``): losses and the final checkpoint bit for bit the
   patched tree's, no file of the trees written, the same code digest;
@@ -13,7 +15,7 @@
   uninterrupted run's;
 * bf16 with ``mm_balance.cost=auto``: off, auto and control, within the control's band;
 * native resolution (``configs/bridge/qwen3_vl_moe_native_res_cpu.sh``, ``make-dataset --mix
-  native-res``: images, documents and videos at their own grids), fp32 off and on equal.
+  native-res``: images, documents and videos at their own grids), fp32 off and on within 1e-5.
 
 Slow: ``python -m pytest tests/bridge/test_bridge_main.py -m realpath``. Bridge v0.6.0's runs
 that repeat these on the 0.6 line are in the ``matrix`` tier.
@@ -37,6 +39,8 @@ BAND = dict(nproc_per_node=4, ep=2, iters=ITERS)                      # bf16
 AUTO = ["mm_balance.cost=auto", "mm_balance.calibration_iters=3"]     # fitted on 2-3, used from 5
 NATIVE_CONFIG = bu.REPO / "configs" / "bridge" / "qwen3_vl_moe_native_res_cpu.sh"
 NATIVE = dict(nproc_per_node=2, ep=2, iters=2, precision="fp32")
+#: fp32 under expert parallelism: the Megatron-LM path's off/on bound (tests/realpath/test_real_path.py)
+REL_TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
@@ -84,19 +88,27 @@ def _by_microbatch(directory: Path, iterations) -> dict:
             for r in read_timing_records(str(directory)) if r["iteration"] in iterations}
 
 
-def test_fp32_off_on_print_the_same_digits(runner, bridge_runs_dir):
+def test_fp32_off_on_within_bound(runner, bridge_runs_dir):
+    """fp32 DP=4 x EP=2: off and on (the timing hooks writing records). Under expert parallelism
+    moving micro-batches changes which tokens meet at an expert and the order the ranks' losses
+    are summed, so fp32's last printed digit may differ: bounded by REL_TOL, both differences
+    reported."""
     off = runner("off", FP32, False)
     on = runner("on", FP32, True, extra=_timing(bridge_runs_dir, "on"))
     table = bu.loss_table({"off": off, "on": on})
     assert off.rc == 0 and on.rc == 0, f"exit {off.rc}/{on.rc}\n{on.tail()}"
-    assert sorted(on.losses) == list(range(1, ITERS + 1)) and on.losses == off.losses, table
+    assert sorted(on.losses) == list(range(1, ITERS + 1)), table
     full = [tb_scalars(bridge_runs_dir / f"main-{n}" / "tensorboard") for n in ("off", "on")]
     assert sorted(full[0]) == sorted(full[1]) == list(range(1, ITERS + 1)), full
     diff = bu.max_rel_diff(full[1], full[0], range(1, ITERS + 1))
+    printed = bu.max_rel_diff(on.losses, off.losses, range(1, ITERS + 1))
     moved = on.stat("packs_moved")
-    print(f"\nBridge main fp32 DP=4 x EP=2: printed lm loss identical; full precision (TensorBoard) max "
-          f"relative difference {diff:.2e}; packs moved {[int(moved[i]) for i in sorted(moved)]}\n{table}")
+    same = sum(on.losses[i] == off.losses[i] for i in on.losses)
+    print(f"\nBridge main fp32 DP=4 x EP=2: printed lm loss equal at {same} of {ITERS} iterations, largest "
+          f"relative difference {printed:.2e}; full precision (TensorBoard) {diff:.2e}; packs moved "
+          f"{[int(moved[i]) for i in sorted(moved)]}\n{table}")
     assert sum(moved.values()) > 0, on.tail()
+    assert printed <= REL_TOL and diff <= REL_TOL, table
     records = _by_microbatch(bridge_runs_dir / "main-on-timing", range(1, ITERS + 1))
     assert sorted({k[0] for k in records}) == [0, 1, 2, 3] and len(records) == 4 * ITERS * 2, sorted(records)
 
@@ -166,13 +178,15 @@ def native_dataset(tmp_path_factory) -> dict:
     return dict(line.split("=", 1) for line in r.stdout.splitlines() if re.match(r"^[A-Z_]+=", line))
 
 
-def test_native_resolution_off_on_print_the_same_digits(runner, native_dataset):
+def test_native_resolution_off_on_within_bound(runner, native_dataset):
     off = runner("native-off", NATIVE, False, data=native_dataset, config=NATIVE_CONFIG)
     on = runner("native-on", NATIVE, True, data=native_dataset, config=NATIVE_CONFIG)
     table = bu.loss_table({"off": off, "on": on})
     assert off.rc == 0 and on.rc == 0, f"exit {off.rc}/{on.rc}\n{on.tail()}"
-    assert sorted(on.losses) == [1, 2] and on.losses == off.losses, table
+    assert sorted(on.losses) == [1, 2] == sorted(off.losses), table
+    diff = bu.max_rel_diff(on.losses, off.losses, [1, 2])
     moved = on.stat("packs_moved")
     assert sum(moved.values()) > 0, on.tail()
-    print(f"\nBridge main native resolution fp32 (2 ranks, 8 micro-batches each): printed lm loss identical, "
-          f"packs moved {[int(moved[i]) for i in sorted(moved)]}\n{table}")
+    print(f"\nBridge main native resolution fp32 (2 ranks, 8 micro-batches each): printed lm loss largest "
+          f"relative difference {diff:.2e}, packs moved {[int(moved[i]) for i in sorted(moved)]}\n{table}")
+    assert diff <= REL_TOL, table

@@ -35,8 +35,25 @@ def configured(rank: int, environ=None) -> Optional["Probe"]:
     return Probe(directory, rank, every_n)
 
 
+#: what an open descriptor is, by its /proc link: the exchange's gloo sockets (and the
+#: training's) stay; pipes are the loader workers' queues; ``shm``: shared-memory files a
+#: loader worker passed a batch in (as many as batches in flight)
+FD_KINDS = ("socket", "pipe", "shm", "file", "other")
+
+
+def _fd_kind(link: str) -> str:
+    if link.startswith("socket:"):
+        return "socket"
+    if link.startswith("pipe:"):
+        return "pipe"
+    if link.startswith("/dev/shm") or link.endswith("(deleted)"):
+        return "shm"
+    return "file" if link.startswith("/") else "other"
+
+
 def process_figures() -> dict:
-    """Resident memory (KiB), OS threads and open descriptors of this process (Linux /proc)."""
+    """Resident memory (KiB), OS and Python threads and open descriptors of this process,
+    in all and by kind (``fd_socket``, ``fd_pipe``, ``fd_shm``, ...; Linux /proc)."""
     out = {"threads": threading.active_count()}
     try:
         with open("/proc/self/status") as f:
@@ -45,7 +62,14 @@ def process_figures() -> dict:
                     out["rss_kib"] = int(line.split()[1])
                 elif line.startswith("Threads:"):
                     out["os_threads"] = int(line.split()[1])
-        out["fds"] = len(os.listdir("/proc/self/fd"))
+        kinds = dict.fromkeys(FD_KINDS, 0)
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                kinds[_fd_kind(os.readlink(f"/proc/self/fd/{fd}"))] += 1
+            except OSError:                  # closed meanwhile (the listing's own)
+                continue
+        out["fds"] = sum(kinds.values())
+        out.update({f"fd_{k}": v for k, v in kinds.items()})
     except OSError:
         pass
     return out

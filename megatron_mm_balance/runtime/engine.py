@@ -106,6 +106,8 @@ class BatchPlan:
     #: the source's ``save_state()`` right after this batch was pulled, i.e. the state
     #: before the next global batch (set only when the engine has a ``state_fn``)
     state_after: object = None
+    #: images mode: the batch's units (:meth:`~.frame_ahead.FrameAhead.start`; None without)
+    frames: object = None
 
     def stats(self, *, consumer_wait_ms: float = 0.0, consumer_wait_first_ms: float = 0.0) -> BatchStats:
         """The batch's record, completed with what the consumer measured."""
@@ -140,7 +142,7 @@ class Engine:
 
     def __init__(self, source, *, ranks, rank_index, exchange_group, cost_fn, cost_identity,
                  config: BalancerConfig, device=None, board=None, state_fn=None, found_nodes=None,
-                 check_fn=None, first_iteration: int | None = None, describe=None):
+                 check_fn=None, first_iteration: int | None = None, describe=None, frames=None):
         self.source = source
         #: ``pack -> None``, raising for a pack that must not be balanced (None: no check)
         self.check_fn = check_fn
@@ -185,6 +187,13 @@ class Engine:
                                        describe=describe)
         #: the test hook's fault for this rank (:mod:`.faults`; None whenever it is unset)
         self.fault = faults.configured(self.ranks[rank_index])
+        #: images mode's exchange-thread side (:class:`~.frame_ahead.FrameAhead`; None without):
+        #: the batch's units gathered at its meeting, each micro-step's planned and sent ahead
+        self.frames = frames
+        if frames is not None:
+            if self.world == 1:
+                raise ValueError("images mode needs an exchange group of more than one rank")
+            frames.bind(self.transport, self.ranks, rank_index, self.name_batch)
         self.heartbeat = time.monotonic()
         self.phase = "idle"
         #: where the last failed pull stopped (``micro-step K (samples ...)``), for the peers
@@ -234,7 +243,20 @@ class Engine:
         with nvtx_range("mm-balance all-gather"):
             all_costs = self._agree(gb, G, costs, pulled, status, err)
         gather_ms = (time.perf_counter() - t0) * 1e3
-        return self._plan(gb, G, packs, all_costs, gather_ms, state_after)
+        plan = self._plan(gb, G, packs, all_costs, gather_ms, state_after)
+        if self.frames is not None:
+            self._beat(f"all-gathering the frame table of {self.name_batch(gb)}")
+            self.frames.start(plan, balanced=plan.mode == "exchange", budget_steps=self._frame_steps_alive(G))
+        return plan
+
+    def _frame_steps_alive(self, G: int) -> int:
+        """How many micro-steps' rows sent ahead a rank may hold at once: with the thread, the
+        ones it runs ahead plus those between forward and backward (``pp`` under 1F1B);
+        without it, the batch's ``G`` (they all arrive at its first micro-step)."""
+        from .frame_ahead import THREAD_AHEAD_STEPS
+        if self.config.overlap:
+            return self.frames.pipeline_stages + THREAD_AHEAD_STEPS
+        return max(G, self.frames.pipeline_stages)
 
     def _pull(self, gb: int, G: int):
         """This rank's packs of batch ``gb``, their integer costs, how it went (a
@@ -374,10 +396,13 @@ class Engine:
         """Deliver micro-step ``k``: send the packs peers compute now, receive (or take)
         the one this rank computes, placed on the target device."""
         t0, cpu0 = time.perf_counter(), time.thread_time()
+        frames = self.frames.post(plan, k) if self.frames is not None else None
         with nvtx_range("mm-balance exchange"):
             sends = self._post_sends(plan, k)
             item = self._take(plan, k, place=True)
             self._finish_sends(plan, sends)
+        if frames is not None:
+            item.frames = self.frames.complete(frames)
         self._account(plan, t0, cpu0)
         return item
 
@@ -396,10 +421,13 @@ class Engine:
         in both directions, share the link instead of taking turns."""
         t0, cpu0 = time.perf_counter(), time.thread_time()
         G = plan.num_microbatches
+        frames = self.frames.post(plan, k) if self.frames is not None else None
         with nvtx_range("mm-balance exchange"):
-            sends = [s for k in range(G) for s in self._post_sends(plan, k)]
-            items = [self._take(plan, k, place=False) for k in range(G)]
+            sends = self._post_sends(plan, k)
+            item = self._take(plan, k, place=True)
             self._finish_sends(plan, sends)
+        if frames is not None:
+            item.frames = self.frames.complete(frames)
         self._account(plan, t0, cpu0)
         return items
 

@@ -101,6 +101,32 @@ def within_patch_cap(owner, encoder, cost, patches, cap: int, num_ranks: int) ->
     return encoder
 
 
+def within_receive_budget(owner, encoder, cost, rows, budget: int) -> np.ndarray:
+    """``encoder`` with the moves that would take a rank above ``budget`` rows received from
+    other ranks undone (those units stay with their owner).
+
+    The rows a rank encodes for others are sent to it ahead of their micro-step and held
+    until that micro-step's backward; ``budget`` bounds them per rank and micro-step. Moves
+    are accepted heaviest cost first (ties by unit index), each while its receiver's budget
+    allows; undoing a move never adds rows to another rank. Deterministic."""
+    owner = np.asarray(owner, dtype=np.int64)
+    encoder = np.asarray(encoder, dtype=np.int64).copy()
+    cost = np.asarray(cost, dtype=np.int64)
+    rows = np.asarray(rows, dtype=np.int64)
+    moved = np.flatnonzero(owner != encoder)
+    if moved.size == 0 or int(rows[moved].sum()) <= 0:
+        return encoder
+    room: Dict[int, int] = {}
+    for i in moved[np.lexsort((moved, -cost[moved]))].tolist():
+        r = int(encoder[i])
+        left = room.get(r, int(budget))
+        if rows[i] <= left:
+            room[r] = left - int(rows[i])
+        else:
+            encoder[i] = owner[i]
+    return encoder
+
+
 @dataclass(frozen=True)
 class FrameFigures:
     """One micro-step's frames and what the assignment did with them (identical on every

@@ -208,7 +208,7 @@ class BalancedDataIterator:
     def __init__(self, source, *, num_microbatches, group=None, cost_fn=None, exchange_group=None,
                  config: BalancerConfig | None = None, state_fn=None, predict_microbatches=None,
                  name: str = "", node_ids=None, check_fn=None, first_iteration: int | None = None,
-                 describe=None, **settings):
+                 describe=None, frames=None, **settings):
         if not (callable(num_microbatches) or _is_count(num_microbatches)):
             raise ValueError(f"num_microbatches must be a positive int or a callable, got {num_microbatches!r}")
         if predict_microbatches is not None and not (callable(predict_microbatches)
@@ -254,6 +254,8 @@ class BalancedDataIterator:
         self._probe = None                  # MM_BALANCE_PROBE (runtime/probe.py): samples for a soak
         #: ``describe`` of the micro-batch delivered last (None without ``describe``)
         self.last_info = None
+        #: images mode (:class:`~.frame_ahead.FrameAhead`): each item's frames go to its relay
+        self._frames = frames if config.enabled else None
         self._wait_ms = self._wait_first_ms = 0.0
         if not self.enabled:
             return
@@ -290,7 +292,7 @@ class BalancedDataIterator:
                               cost_identity=cost_fn_identity(cost_fn), config=config,
                               device=self.device, board=board, state_fn=state_fn,
                               found_nodes=_group_nodes(node_ids, ranks), check_fn=check_fn,
-                              first_iteration=first_iteration, describe=describe)
+                              first_iteration=first_iteration, describe=describe, frames=self._frames)
         if self.overlap:
             fixed = None if callable(self._num_mb) else int(self._num_mb)
             self._worker = _Worker(self._engine, fixed, predict_microbatches, thread_device(self.device))
@@ -327,6 +329,8 @@ class BalancedDataIterator:
                 f"disagrees with the training loop's schedule)", global_batch=self._gb))
         self._engine.transport.hand_over(item)
         self.last_info = item.info
+        if self._frames is not None:
+            self._frames.relay.put(item.frames)
         self._k += 1
         if item.last:
             self._finish_batch(item)

@@ -50,6 +50,9 @@ class Item:
     #: puts it on the target device when it is delivered
     placed: bool = True
     staged: tuple = ()
+    #: images mode: the micro-step's units on this rank (``frame_ahead.StepFrames``), made by
+    #: the exchange thread with the pack
+    frames: object = None
 
     @property
     def last(self) -> bool:
@@ -244,7 +247,7 @@ class PackTransport:
         if item.placed:
             return item
         out = self.place(*item.staged) if item.staged else self.local(item.pack)
-        out.batch, out.num_microbatches = item.batch, item.num_microbatches
+        out.batch, out.num_microbatches, out.frames = item.batch, item.num_microbatches, item.frames
         return out
 
     def place(self, header, data, info=None) -> Item:

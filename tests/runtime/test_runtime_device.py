@@ -119,11 +119,6 @@ def test_pool_never_grows_past_its_cap():
     del held
 
 
-def test_collectives_of_balanced_encode_stay_on_the_host_without_nccl():
-    import torch
-    from megatron_mm_balance.runtime.image_exchange import collective_device
-    assert collective_device(None, torch.zeros(1)) == torch.device("cpu")
-
 
 def test_descriptor_budget_names_the_need_at_dp_1024():
     from megatron_mm_balance.runtime.mesh import descriptor_budget

@@ -35,7 +35,9 @@ plus those that keep a mode from silently not doing what it was asked:
   groups would each fit their own costs);
 * ``--mm-balance-vision images`` without ``--mm-balance``, in shadow mode (which promises
   to move nothing), with ``--mm-balance-cost auto`` (the per-pack vision timings it fits
-  would time other ranks' tiles) or with context parallelism (CP ranks share tiles).
+  would time other ranks' tiles), with context or tensor parallelism (CP ranks share tiles;
+  TP ranks other than 0 read no data, so the tiles sent ahead would not reach them) or in
+  sampler mode (the exchange thread plans the tiles).
 
 The checks read the typed :class:`~.config.MegatronArgs` of a built
 :class:`~.config.MMBalanceConfig`, never ``args``: :func:`checked_config` is the
@@ -107,6 +109,15 @@ def refuse_vision_images(cfg: MMBalanceConfig) -> None:
                                    "use --mm-balance-cost image-tokens or model")
     if cfg.megatron.context_parallel_size > 1:
         raise MMBalanceConfigError("--mm-balance-vision images needs --context-parallel-size 1")
+    if cfg.megatron.tensor_model_parallel_size > 1:
+        raise MMBalanceConfigError("--mm-balance-vision images needs --tensor-model-parallel-size 1: the "
+                                   "tiles are planned and sent ahead on the rank that reads the data "
+                                   "(tensor-parallel rank 0), which its tensor-parallel peers' encoders "
+                                   "would also need")
+    if cfg.mode == "sampler":
+        raise MMBalanceConfigError("--mm-balance-vision images needs the exchange (--mm-balance-mode exchange "
+                                   "or auto): its thread plans the tiles and sends them ahead; the sampler "
+                                   "mode has none")
 
 
 def refuse_upstream_balancers(megatron: MegatronArgs) -> None:

@@ -166,6 +166,7 @@ class MegatronArgs:
     tokens_per_tile: Optional[int] = None
     pipeline_model_parallel_size: int = 1
     context_parallel_size: int = 1
+    tensor_model_parallel_size: int = 1
     #: ``--load`` and ``--save`` (``--mm-balance-cost auto`` keeps its fit beside the checkpoints)
     load: Optional[str] = None
     save: Optional[str] = None
@@ -203,6 +204,7 @@ class MegatronArgs:
             tokens_per_tile=_multimodal_tokens_per_tile(args),
             pipeline_model_parallel_size=int(get("pipeline_model_parallel_size", 1)),
             context_parallel_size=int(get("context_parallel_size", 1)),
+            tensor_model_parallel_size=int(get("tensor_model_parallel_size", 1)),
             load=get("load"),
             save=get("save"),
             start_iteration=int(get("iteration", 0)),

@@ -241,10 +241,11 @@ class Coordinator:
     def __init__(self, cfg: MMBalanceConfig):
         self.cfg = cfg
 
-    def wrap(self, source, group, chunk: int, recorder=None, node_ids=None, reporter=None):
+    def wrap(self, source, group, chunk: int, recorder=None, node_ids=None, reporter=None, frames=None):
         """``recorder``: the chunk's :class:`~.samples.SampleRecorder` (``--mm-balance-record-samples``);
         ``node_ids``: every global rank's node id (:attr:`~.groups.ExchangeGroups.node_ids`);
-        ``reporter``: the rank's :class:`~.stops.StopReporter`."""
+        ``reporter``: the rank's :class:`~.stops.StopReporter`; ``frames``: images mode's
+        exchange-thread side for this chunk (:class:`~megatron_mm_balance.runtime.frame_ahead.FrameAhead`)."""
         raise NotImplementedError
 
     def _telemetry(self, stats_source, group, chunk):
@@ -270,7 +271,7 @@ class ExchangeCoordinator(Coordinator):
         self.cost_fn = cost_fn          # None: auto, one per exchange group (it agrees on the group)
         self.num_microbatches = num_microbatches
 
-    def wrap(self, source, group, chunk: int, recorder=None, node_ids=None, reporter=None):
+    def wrap(self, source, group, chunk: int, recorder=None, node_ids=None, reporter=None, frames=None):
         from megatron.core.rerun_state_machine import RerunDataIterator
         from ..runtime import BalancedDataIterator
 
@@ -289,7 +290,7 @@ class ExchangeCoordinator(Coordinator):
                                         predict_microbatches=_predictor_for(self.cfg, self.num_microbatches),
                                         name=f"chunk{chunk}", node_ids=node_ids, check_fn=self.check_fn,
                                         first_iteration=self.cfg.megatron.start_iteration + 1,
-                                        describe=timing.host_features if timing is not None else None)
+                                        describe=timing.host_features if timing is not None else None, frames=frames)
         return RerunDataIterator(BalancedTrainIterable(
             balanced, source, global_batch_of=lambda: balanced.global_batch, stats=balanced,
             telemetry=self._telemetry(balanced, group, chunk), recorder=recorder, reporter=reporter,
@@ -311,8 +312,10 @@ class SamplerCoordinator(Coordinator):
             raise ValueError("sampler mode needs at least one installed balanced sampler")
         self.samplers = list(samplers)
 
-    def wrap(self, source, group, chunk: int, recorder=None, node_ids=None, reporter=None):
+    def wrap(self, source, group, chunk: int, recorder=None, node_ids=None, reporter=None, frames=None):
         from megatron.core.rerun_state_machine import RerunDataIterator
+        if frames is not None:
+            raise ValueError("images mode needs the exchange: sampler mode has no exchange thread")
         sampler = self.samplers[min(chunk, len(self.samplers) - 1)]
         position = sampler.consumer_position()
         return RerunDataIterator(BalancedTrainIterable(
@@ -344,18 +347,14 @@ def _install_timing(model, cfg: MMBalanceConfig, args):
                           every=cfg.timing_every)
 
 
-def _install_vision_balance(model, cfg: MMBalanceConfig):
-    """``--mm-balance-vision images``: its communicators (collective over the world: every
-    rank, here) and its hooks on this rank's vision encoder, if it has one."""
+def _install_vision_balance(model, cfg: MMBalanceConfig, exchange_groups):
+    """``--mm-balance-vision images`` (:func:`~.vision.vision_balance_for`): its communicators
+    (collective over the world: every rank, here) and, under expert parallelism, its hooks on
+    this rank's vision encoder; ``(frame_ahead, chunk, hooks)`` or None."""
     if cfg.vision != "images":
         return None
-    if model is None:
-        raise ValueError("--mm-balance-vision images needs the model chunks (model=...)")
-    from .vision import init_vision_groups, install_vision_balance
-    sched = cfg.schedule
-    per_step = max(1, (sched.global_batch_size or 0) // max(1, sched.micro_batch_size * sched.data_parallel_size))
-    return install_vision_balance(model, init_vision_groups(cfg.timeout),
-                                  log_every=cfg.log_interval * per_step)
+    from .vision import vision_balance_for
+    return vision_balance_for(model, cfg, exchange_groups)
 
 
 def wrap_train_data_iterator(train_data_iterator, args=None, *, exchange_groups=None,
@@ -400,13 +399,17 @@ def wrap_train_data_iterator(train_data_iterator, args=None, *, exchange_groups=
     coordinator = coordinator_for(cfg, installed_train_samplers(args), cost_fn=cost_fn,
                                   num_microbatches=num_microbatches, timing=timing,
                                   check_fn=make_pack_check(cfg, model))
-    _install_vision_balance(model, cfg)
+    vision = _install_vision_balance(model, cfg, exchange_groups)
     from .stops import StopReporter
     reporter = StopReporter(live_iteration(args))
     wrapped = [it if it is None or group is None
                else coordinator.wrap(_unwrap(it), group, chunk, _recorder(cfg, args, chunk),
-                                     node_ids=getattr(exchange_groups, "node_ids", None), reporter=reporter)
+                                     node_ids=getattr(exchange_groups, "node_ids", None), reporter=reporter,
+                                     frames=vision[0] if vision is not None and vision[1] == chunk else None)
                for chunk, (it, group) in enumerate(zip(iterators, exchange_groups))]
+    if vision is not None and (vision[1] >= len(iterators) or iterators[vision[1]] is None):
+        raise RuntimeError("--mm-balance-vision images: the model chunk with the vision encoder has no train "
+                           "iterator on this rank")
     return wrapped if is_list else wrapped[0]
 
 

@@ -1,38 +1,33 @@
-"""``--mm-balance-vision images``: the vision encoder of a LLaVA-style model balanced image
-by image across data-parallel ranks, every micro-step.
+"""``--mm-balance-vision images``: the vision encoder of a LLaVA-style model balanced tile by
+tile inside each micro-step's meeting group, planned ahead on the exchange thread.
 
-Moving whole packs cannot even out the encoder when one pack holds most of a micro-step's
-tiles. Per-tile encoders (the example's CLIP/SigLIP/InternViT) compute each tile on its
-own, so a rank may encode another rank's tiles and send the embeddings back
-(:mod:`megatron_mm_balance.runtime.image_exchange`): the embeddings, the loss and every
-gradient are the unbalanced run's; only which rank computes which tile changes.
+Per-tile encoders (the example's CLIP/SigLIP/InternViT) compute each tile on its own, so a
+rank may encode another rank's tiles and send the embeddings back: the embeddings, the loss
+and every gradient are the unbalanced run's. Ranks wait for each other within an iteration
+only inside their expert-parallel group (``ExchangeGroups.meetings``), so that is where each
+micro-step's tiles are balanced; without expert parallelism nothing is gained per micro-step,
+and one line says so.
 
-Wiring, on the first pipeline stage of every model chunk that has a ``vision_model``
-(Megatron's ``LLaVAModel``), with no change to Megatron's code:
+This module is glue over the runtime's images mode (``runtime/frame_ahead.py``: the exchange
+thread reads every pack's tiles, gathers the batch's table once at its meeting, plans each
+micro-step in its group and sends the tiles ahead; ``runtime/image_exchange.py``: the
+micro-step's point-to-point transfers of embeddings and their gradients), the same component
+Megatron-Bridge's frames use. What is Megatron-LM's:
 
-1. a forward pre-hook on the model, in training forwards only, reads the micro-step's
-   ``images`` ``[num_tiles, C, H, W]`` (possibly none), all-gathers the tile costs and
-   shapes over this rank's vision group, plans (:class:`ImagePlan`, the same on every
-   rank), sends tiles to their encoder ranks, encodes what arrived (through the vision
-   model's own ``__call__``, so hooks still fire), and sends the embeddings back;
-2. the vision model's ``forward`` returns those embeddings when the model calls it;
-3. a rank whose pack has no tiles is never asked for embeddings (the model skips its
-   encoder), yet it may have encoded others' tiles and must take part in their backward:
-   a forward hook on ``language_model.embedding`` adds ``0 * sum`` of its (empty) result
-   to the text embeddings, so backward reaches the exchange at the same point of the
-   graph as on the other ranks (after the decoder, before the embeddings), with no effect
-   on any value.
+* :class:`TileReader`: a pack's units are the tiles of its ``imgs`` ``[tiles, C, H, W]``
+  (``[1, 1]``: a text-only sample), each costing its pixels;
+* :class:`BalancedVision`: on the first pipeline stage's model chunk that has a
+  ``vision_model`` (Megatron's ``LLaVAModel``), with no change to Megatron's code, a forward
+  pre-hook takes the micro-step's plan in training forwards, the vision model's ``forward``
+  returns the balanced embeddings when the model calls it, and a rank whose pack has no tile
+  (the model skips its encoder) takes part from a forward hook on ``language_model.embedding``
+  (the empty result joined to the text embeddings as ``0 * sum``, so backward meets the
+  transfers where the other ranks do). Received tiles are cast to the encoder's parameter
+  dtype, as Megatron's ``Float16Module`` casts the model's inputs.
 
-Every rank of a vision group runs the pre-hook at the same micro-step (each runs the same
-schedule), so the collectives line up; backward's send/receive of the embedding gradients
-happens inside autograd. The groups are the data-parallel groups of the first pipeline
-stage, one per tensor-parallel rank (TP ranks hold the same tiles and so reach the same
-plan), on communicators of their own (created by :func:`init_vision_groups`), so the
-transfers never interleave with the gradient reductions of Megatron's DDP.
-
-Cost of a tile: its pixels (``H * W``), integers on every rank; the example's tiles are
-one size, so this evens out the tile count. Evaluation and no-grad forwards are not
-balanced (no collectives).
+The training thread's transfers run on groups of their own (:func:`init_vision_groups`: the
+data-parallel groups of the first pipeline stage), never the exchange thread's or DDP's.
+Evaluation and no-grad forwards are not balanced.
 """
 from __future__ import annotations
 
@@ -42,39 +37,44 @@ from typing import List, Optional
 import numpy as np
 
 from ..runtime.log_line import emit_line
-from ..runtime.image_exchange import ImageExchange, ImagePlan, gather_image_costs
-
-#: dtype codes of the shapes all-gather (the same table on every rank)
-_DTYPES = ("float32", "bfloat16", "float16", "float64", "uint8")
-_MAX_DIMS = 6
 
 
-def tile_costs(images) -> List[int]:
-    """Integer cost per tile: its pixels (every tile of the example is one size)."""
-    if images is None or images.shape[0] == 0:
-        return []
-    return [int(np.prod(images.shape[2:]))] * int(images.shape[0])
+class TileReader:
+    """A Megatron-LM pack's units: the tiles of its ``imgs`` (one row each, costing its pixels)."""
+
+    meta_width = 0
+
+    def __call__(self, pack):
+        from ..runtime.frame_ahead import Units
+        imgs = pack.get("imgs") if isinstance(pack, dict) else getattr(pack, "imgs", None)
+        if imgs is None or imgs.dim() < 2 or tuple(imgs.shape) == (1, 1) or imgs.shape[0] == 0:
+            return Units.none(0)
+        n = int(imgs.shape[0])
+        ones = np.ones(n, dtype=np.int64)
+        return Units(cost=ones * int(np.prod(imgs.shape[1:])), in_rows=ones, out_rows=ones,
+                     meta=np.zeros((n, 0), dtype=np.int64), rows=imgs)
+
+    def encode_args(self, meta) -> tuple:
+        return ()
 
 
 @dataclass
 class VisionBalanceStats:
-    """Counts since the hooks were installed (every rank of a group sees the same plans)."""
+    """Counts of one step group's micro-steps with tiles (every rank of a group sees the same)."""
 
     microsteps: int = 0
     tiles: int = 0
     tiles_moved: int = 0
-    #: micro-steps on which this rank's pack had no tiles but it encoded others'
-    encoded_for_others_only: int = 0
-    #: summed over the micro-steps: the largest per-rank tile count before and after
-    #: balancing (sums, not lists: the counts live as long as the job)
+    ranks: int = 1
+    #: summed over the micro-steps: the largest per-rank tile count before and after balancing
     max_before_sum: int = 0
     max_after_sum: int = 0
 
 
-def format_stats(s: VisionBalanceStats, upto: int, num_ranks: int) -> str:
-    """One log line of a window of micro-steps (the group's first rank prints it)."""
+def format_stats(s: VisionBalanceStats, upto: int) -> str:
+    """One log line of a window of micro-steps (the step group's first rank prints it)."""
     first = upto - s.microsteps + 1
-    ideal = s.tiles / max(1, s.microsteps) / max(1, num_ranks)
+    ideal = s.tiles / max(1, s.microsteps) / max(1, s.ranks)
     return (f"[mm-balance] vision images: micro-steps {first}-{upto}: tiles {s.tiles}, moved "
             f"{s.tiles_moved} ({100.0 * s.tiles_moved / max(1, s.tiles):.1f}%), most tiles on one "
             f"rank per micro-step {s.max_before_sum / max(1, s.microsteps):.2f} -> "
@@ -82,101 +82,106 @@ def format_stats(s: VisionBalanceStats, upto: int, num_ranks: int) -> str:
             f"split {ideal:.2f})")
 
 
+class TileReport:
+    """Counts each micro-step's figures; the step group's first rank writes a line every
+    ``log_every`` micro-steps with tiles (0: never)."""
+
+    def __init__(self, rank: int, log_every: int = 0):
+        self.rank, self.log_every = rank, int(log_every)
+        self.stats, self._window = VisionBalanceStats(), VisionBalanceStats()
+
+    def __call__(self, frames) -> None:
+        f = frames.figures
+        if f is None:
+            return
+        for s in (self.stats, self._window):
+            s.microsteps += 1
+            s.tiles += f.frames
+            s.tiles_moved += f.frames_moved
+            s.ranks = len(frames.group)
+            s.max_before_sum += f.patches_max_before
+            s.max_after_sum += f.patches_max_after
+        if self.log_every and frames.group[0] == self.rank and self._window.microsteps >= self.log_every:
+            emit_line(format_stats(self._window, self.stats.microsteps))
+            self._window = VisionBalanceStats()
+
+
 class BalancedVision:
-    """The hooks of one model chunk; :meth:`remove` takes them off again."""
+    """The hooks of one model chunk over :class:`~megatron_mm_balance.runtime.image_exchange.FrameSteps`;
+    :meth:`remove` takes them off again."""
 
-    def __init__(self, model, group, *, cost_fn=tile_costs, log_every: int = 0):
-        import torch.distributed as dist
-
-        self.model, self.group, self.cost_fn = model, group, cost_fn
-        self.log_every = int(log_every) if dist.get_rank(group) == 0 else 0
-        self._window = VisionBalanceStats()
+    def __init__(self, model, steps):
+        self.model, self.steps = model, steps
         self.vision = model.vision_model
-        self.stats = VisionBalanceStats()
-        self._pending = None            # this micro-step's embeddings of the local tiles
-        self._encoding = False          # inside the balanced encode: the real forward runs
+        self._encoding = False
+        self._out = None                    # (trailing shape, dtype) of the encoder's output rows
         self._original_forward = self.vision.forward
         self._own_forward = "forward" in vars(self.vision)    # already set on the instance
         self.vision.forward = self._vision_forward
-        self._handles = [model.register_forward_pre_hook(self._before_model, with_kwargs=True),
+        self._handles = [model.register_forward_pre_hook(self._before_model),
                          model.register_forward_hook(self._after_model)]
         embedding = getattr(getattr(model, "language_model", None), "embedding", None)
         if embedding is not None:
             self._handles.append(embedding.register_forward_hook(self._after_text_embedding))
 
     # -- hooks ---------------------------------------------------------------------------
-    def _before_model(self, module, args, kwargs):
+    def _before_model(self, module, args):
         import torch
-
-        if not (module.training and torch.is_grad_enabled()):
-            return None
-        images = kwargs["images"] if "images" in kwargs else (args[0] if args else None)
-        self._pending = self._balanced_encode(images)
-        return None
+        if module.training and torch.is_grad_enabled():
+            self.steps.begin()
 
     def _vision_forward(self, images, *args, **kwargs):
-        if self._encoding or self._pending is None:
+        if self._encoding or not self.steps.balanced():
             return self._original_forward(images, *args, **kwargs)
-        embeddings, self._pending = self._pending, None
-        if embeddings.shape[0] != images.shape[0]:
-            raise RuntimeError(f"--mm-balance-vision images: the model asked for {images.shape[0]} "
-                               f"tile embeddings, the balanced encode made {embeddings.shape[0]}")
-        return embeddings
+        if args or any(v is not None for v in kwargs.values()):
+            raise RuntimeError("--mm-balance-vision images: the vision model was called with arguments "
+                               "beyond the tiles (dynamic resolution is not balanced tile by tile)")
+        return self.steps.outputs(images)
 
     def _after_text_embedding(self, module, args, output):
-        if self._pending is None:
+        result = self.steps.take_part()     # no tiles here: the encoder was not called
+        if result is None:
             return None
-        unused, self._pending = self._pending, None     # no tiles here: joined to the graph
-        return output + unused.sum().to(output.dtype) * 0
+        return output + result.sum().to(output.dtype) * 0
 
     def _after_model(self, module, args, output):
-        if self._pending is not None:
-            raise RuntimeError("--mm-balance-vision images: the model neither used this "
-                               "micro-step's tile embeddings nor its text embeddings")
+        if self.steps.current is not None:
+            self.steps.end()
         return None
 
-    # -- the balanced encode -------------------------------------------------------------
-    def _balanced_encode(self, images):
+    # -- what the runtime calls ------------------------------------------------------------
+    def encode(self, rows, args):
+        """The vision model on tiles, through its own ``__call__`` (hooks still fire)."""
+        dtype = self._param_dtype()
+        if rows.is_floating_point() and rows.dtype != dtype:
+            rows = rows.to(dtype)
+        self._encoding = True
+        try:
+            out = self.vision(rows)
+        finally:
+            self._encoding = False
+        self._out = (tuple(out.shape[1:]), out.dtype)
+        return out
+
+    def empty(self):
+        """Embeddings of no tile (their shape from an encode, else from one zero tile through the
+        encoder's own forward, once), needing gradients when the encoder trains."""
         import torch
+        if self._out is None:
+            frames = self.steps.current
+            with torch.no_grad():
+                probe = self._original_forward(torch.zeros((1, *frames.row_shape), dtype=self._param_dtype(),
+                                                           device=self._device()))
+            self._out = (tuple(probe.shape[1:]), probe.dtype)
+        shape, dtype = self._out
+        trains = any(p.requires_grad for p in self.vision.parameters())
+        return torch.zeros((0, *shape), dtype=dtype, device=self._device(), requires_grad=trains)
 
-        device = images.device if images is not None else next(self.vision.parameters()).device
-        local = images if images is not None and images.shape[0] > 0 else None
-        costs = gather_image_costs(self.cost_fn(local), self.group, device=device)
-        plan = ImagePlan.from_costs(costs)
-        if plan.owner.size == 0:
-            return None                 # no tiles anywhere in the group: nothing to do
-        tile_shape, tile_dtype = _agreed_shape(local, self.group, device, "tiles")
-        if local is None:
-            local = torch.empty((0, *tile_shape), dtype=tile_dtype, device=device)
-        exchange = ImageExchange(plan, self.group)
-        to_encode = exchange.to_encoders(local)
-        encoded = None
-        if to_encode.shape[0] > 0:
-            self._encoding = True
-            try:
-                encoded = self.vision(to_encode)
-            finally:
-                self._encoding = False
-        emb_shape, emb_dtype = _agreed_shape(encoded, self.group, device, "tile embeddings")
-        if encoded is None:
-            encoded = torch.empty((0, *emb_shape), dtype=emb_dtype, device=device)
-        self._count(plan, exchange, local.shape[0])
-        return exchange.to_owners(encoded)
+    def _param_dtype(self):
+        return next(p for p in self.vision.parameters() if p.is_floating_point()).dtype
 
-    def _count(self, plan: ImagePlan, exchange: ImageExchange, num_local: int) -> None:
-        before = int(np.bincount(plan.owner, minlength=plan.num_ranks).max())
-        after = int(np.bincount(plan.encoder, minlength=plan.num_ranks).max())
-        for s in (self.stats, self._window):
-            s.microsteps += 1
-            s.tiles += int(plan.owner.size)
-            s.tiles_moved += plan.moved()
-            s.max_before_sum += before
-            s.max_after_sum += after
-            if num_local == 0 and exchange.num_encoded > 0:
-                s.encoded_for_others_only += 1
-        if self.log_every and self._window.microsteps >= self.log_every:
-            emit_line(format_stats(self._window, self.stats.microsteps, plan.num_ranks))
-            self._window = VisionBalanceStats()
+    def _device(self):
+        return next(self.vision.parameters()).device
 
     def remove(self) -> None:
         for h in self._handles:
@@ -185,32 +190,6 @@ class BalancedVision:
             self.vision.forward = self._original_forward
         else:
             del self.vision.forward
-
-
-def _agreed_shape(tensor, group, device, what: str):
-    """The trailing shape and dtype every rank holding rows of ``what`` has (all-gathered,
-    so a rank holding none can allocate matching buffers); ValueError when ranks differ."""
-    import torch
-    import torch.distributed as dist
-
-    row = torch.full((2 + _MAX_DIMS,), -1, dtype=torch.int64)
-    if tensor is not None and tensor.shape[0] > 0:
-        trailing = tuple(tensor.shape[1:])
-        if len(trailing) > _MAX_DIMS or str(tensor.dtype).split(".")[-1] not in _DTYPES:
-            raise ValueError(f"--mm-balance-vision images: {what} of shape {tuple(tensor.shape)} and "
-                             f"dtype {tensor.dtype} are not supported")
-        row[0] = _DTYPES.index(str(tensor.dtype).split(".")[-1])
-        row[1] = len(trailing)
-        row[2:2 + len(trailing)] = torch.tensor(trailing)
-    row = row.to(device)
-    rows = [torch.empty_like(row) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(rows, row, group=group)
-    known = {tuple(r.tolist()) for r in rows if int(r[0]) >= 0}
-    if len(known) != 1:
-        raise ValueError(f"--mm-balance-vision images: the ranks' {what} differ in shape or dtype "
-                         f"({sorted(known)}); every tile must have one shape")
-    code = known.pop()
-    return tuple(code[2:2 + code[1]]), getattr(torch, _DTYPES[code[0]])
 
 
 # -- groups and installation -------------------------------------------------------------
@@ -243,14 +222,79 @@ def init_vision_groups(timeout: float, layout=None) -> Optional[object]:
     return mine
 
 
-def install_vision_balance(model_chunks, group, *, log_every: int = 0) -> List[BalancedVision]:
-    """Hooks on every model chunk that has a vision encoder on this rank (none elsewhere);
-    the group's first rank logs every ``log_every`` micro-steps (0: never)."""
+#: the one line of a job whose ranks do not meet within an iteration
+NOTHING_TO_BALANCE = ("[mm-balance] vision images: no expert parallelism, so no rank waits for another within "
+                      "an iteration and no micro-step is balanced: tiles stay with their packs")
+
+
+def vision_chunk(model_chunks) -> Optional[int]:
+    """The index of this rank's model chunk that has a vision encoder (None: none here)."""
+    from .timing import unwrap
+    for i, chunk in enumerate(model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]):
+        if getattr(unwrap(chunk), "vision_model", None) is not None:
+            return i
+    return None
+
+
+def install_vision_balance(model_chunks, step_groups, group, *, timeout: float, pipeline_stages: int = 1,
+                           log_every: int = 0, rank: Optional[int] = None):
+    """The exchange-thread side (a :class:`~megatron_mm_balance.runtime.frame_ahead.FrameAhead`
+    over ``step_groups``, the exchange group's per-micro-step groups) and the hooks on this
+    rank's model chunk with a vision encoder, whose training-thread transfers run on ``group``.
+    Returns ``(frame_ahead, chunk index, hooks)``, or None where this rank has no encoder."""
+    import torch.distributed as dist
+
+    from ..runtime.frame_ahead import FrameAhead
+    from ..runtime.image_exchange import FrameSteps
     from .timing import unwrap
 
-    installed = []
-    for chunk in (model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]):
-        inner = unwrap(chunk)
-        if group is not None and getattr(inner, "vision_model", None) is not None:
-            installed.append(BalancedVision(inner, group, log_every=log_every))
-    return installed
+    chunk = vision_chunk(model_chunks)
+    if chunk is None or group is None:
+        return None
+    chunks = model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]
+    inner = unwrap(chunks[chunk])
+    device = next(inner.vision_model.parameters()).device
+    ahead = FrameAhead(TileReader(), step_groups, device=device, pipeline_stages=pipeline_stages)
+    rank = dist.get_rank() if rank is None else rank
+    report = TileReport(rank, log_every)
+    hooks = []
+    steps = FrameSteps(ahead.relay, group, encode=lambda rows, args: hooks[0].encode(rows, args),
+                       empty=lambda: hooks[0].empty(), timeout=timeout, report=report,
+                       device_type=device.type)
+    hooks.append(BalancedVision(inner, steps))
+    hooks[0].report = report
+    return ahead, chunk, hooks[0]
+
+
+def vision_balance_for(model, cfg, exchange_groups, *, rank: Optional[int] = None) -> Optional[tuple]:
+    """``--mm-balance-vision images`` for a Megatron-LM job: its communicators (collective over
+    the world: every rank, here), then, under expert parallelism, :func:`install_vision_balance`
+    on this rank's encoder chunk with its exchange group's step groups; without it, the one
+    line (:data:`NOTHING_TO_BALANCE`, global rank 0, or ``rank``) and nothing installed."""
+    import torch.distributed as dist
+
+    if cfg.vision != "images":
+        return None
+    if model is None:
+        raise ValueError("--mm-balance-vision images needs the model chunks (model=...)")
+    if cfg.megatron.expert_model_parallel_size <= 1:
+        if (dist.get_rank() if rank is None else rank) == 0:
+            emit_line(NOTHING_TO_BALANCE)
+        return None
+    group = init_vision_groups(cfg.timeout)
+    if group is None or vision_chunk(model) is None:
+        return None
+    meetings = getattr(exchange_groups, "meetings", None)
+    if meetings is None:
+        raise RuntimeError("--mm-balance-vision images: the job's meeting groups were not read with the exchange "
+                           "groups (megatron.groups.init_exchange_groups), so the tiles' groups are unknown")
+    sched = cfg.schedule
+    per_step = max(1, (sched.global_batch_size or 0) // max(1, sched.micro_batch_size * sched.data_parallel_size))
+    return install_vision_balance(model, meetings.steps, group, timeout=cfg.timeout,
+                                  pipeline_stages=cfg.megatron.pipeline_model_parallel_size,
+                                  log_every=cfg.log_interval * per_step)
+
+
+def installed_hooks(found) -> List[BalancedVision]:
+    """The hooks :func:`vision_balance_for` installed (none without)."""
+    return [] if found is None else [found[2]]

@@ -193,7 +193,7 @@ class Engine:
         if frames is not None:
             if self.world == 1:
                 raise ValueError("images mode needs an exchange group of more than one rank")
-            frames.bind(self.transport, self.ranks, rank_index, self.name_batch)
+            frames.bind(self.transport, self.ranks, rank_index, self.name_batch, board, self._peer_message)
         self.heartbeat = time.monotonic()
         self.phase = "idle"
         #: where the last failed pull stopped (``micro-step K (samples ...)``), for the peers

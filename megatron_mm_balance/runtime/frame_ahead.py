@@ -207,10 +207,18 @@ class StepPlan:
     encoder: np.ndarray
     unit: np.ndarray
     figures: Optional[FrameFigures]
+    #: each unit's transfer charge (None: moves are free)
+    transfer: Optional[np.ndarray] = None
 
     @property
     def moved(self) -> np.ndarray:
         return self.owner != self.encoder
+
+    def describe(self, table: "BatchUnits") -> dict:
+        """The plan as lists: owner, encoder, cost, patches (rows in), transfer."""
+        return dict(owner=self.owner.tolist(), encoder=self.encoder.tolist(), cost=table.cost[self.unit].tolist(),
+                    patches=table.in_rows[self.unit].tolist(),
+                    transfer=(np.zeros(self.unit.size, np.int64) if self.transfer is None else self.transfer).tolist())
 
 
 def plan_step(table: BatchUnits, src_rank: np.ndarray, src_index: np.ndarray, members: Sequence[int], *,
@@ -238,7 +246,7 @@ def plan_step(table: BatchUnits, src_rank: np.ndarray, src_index: np.ndarray, me
     if budget_rows is not None:
         encoder = within_receive_budget(owner, encoder, cost, rows, budget_rows)
     figures = frame_figures(owner, encoder, cost, rows, D, transfer, rates, table.measured)
-    return StepPlan(tuple(members), owner, encoder, unit, figures)
+    return StepPlan(tuple(members), owner, encoder, unit, figures, transfer)
 
 
 @dataclass
@@ -256,11 +264,23 @@ class StepFrames:
     global ranks. ``event`` / ``buffers``: the side stream's copy to the device (CUDA)."""
 
     where: str
+    #: this rank's step group's plan: every unit's owner and encoder (positions in ``group``),
+    #: cost, rows in and transfer charge, in group order (None: no unit in the group)
+    plan: Optional[dict] = None
     balanced: bool = False
+    #: the global batch's units are balanced (False: crossover's other parity, nothing planned)
+    planned: bool = False
     figures: Optional[FrameFigures] = None
     group: Tuple[int, ...] = ()
+    #: the encoder's input rows' trailing shape and dtype (the batch's; () / None: no unit in it)
+    row_shape: Tuple[int, ...] = ()
+    row_dtype: Optional[torch.dtype] = None
     local_rows: int = 0
     kept_units: int = 0
+    kept_out_rows: int = 0
+    #: the integer cost of the units this rank keeps and of those it encodes for others
+    kept_cost: int = 0
+    received_cost: int = 0
     kept_rows: Optional[torch.Tensor] = None
     kept_args: tuple = ()
     sends_away: bool = False
@@ -373,10 +393,13 @@ class FrameAhead:
         self.sent = dict(units=0, rows=0, bytes=0, units_of_others_packs=0)
 
     # -- binding to the engine ----------------------------------------------------------------
-    def bind(self, transport, ranks: Sequence[int], me: int, name_batch: Callable[[int], str]) -> None:
-        """Called by the engine: the exchange group's transport, its global ranks (group order)
-        and this rank's index in them."""
+    def bind(self, transport, ranks: Sequence[int], me: int, name_batch: Callable[[int], str], board=None,
+             peer_message: Optional[Callable[[int], str]] = None) -> None:
+        """Called by the engine: the exchange group's transport, its global ranks (group order),
+        this rank's index in them, and where a failing rank posts its error (the progress
+        board) and its peers read it (``peer_message(global rank)``)."""
         self.transport, self.ranks, self.me, self.name_batch = transport, list(ranks), int(me), name_batch
+        self.board, self.peer_message = board, peer_message
         covered = sorted(r for g in self.step_groups for r in g)
         if covered != sorted(self.ranks):
             raise ValueError(f"images mode: the per-micro-step groups {[list(g) for g in self.step_groups]} do not "
@@ -408,6 +431,8 @@ class FrameAhead:
             status = 0 if _rows_kind(local) is not None else 2
         except Exception as e:                      # every rank stops, this one with its own error
             status, error = 1, e
+            if self.board:
+                self.board.post_error(self.ranks[self.me], f"{type(e).__name__}: {e}")
         table = self._gather(local, status, error, gb)
         budget = None
         if table.row_bytes:
@@ -457,7 +482,9 @@ class FrameAhead:
             raise error
         bad = [(self.ranks[r], int(s)) for r, s in enumerate(statuses.tolist()) if s]
         if bad:
-            what = "; ".join(f"rank {r}: {_STATUS_WHAT.get(s, f'status {s}')}" for r, s in bad)
+            said = (lambda r: self.peer_message(r)) if self.peer_message else (lambda r: "")  # noqa: E731
+            what = "; ".join(f"rank {r}: {_STATUS_WHAT.get(s, f'status {s}')}{said(r) if s == 1 else ''}"
+                             for r, s in bad)
             raise PeerFailure(f"images mode: {what} at {self.where(gb)}", global_batch=gb,
                               peers=tuple(r for r, _ in bad))
 
@@ -479,6 +506,9 @@ class FrameAhead:
                 plans[g] = plan_step(table, src_rank, src_index, members, patch_cap=self.patch_cap,
                                      prices=self.prices, budget_rows=state.budget_rows)
         posted = _Posted(frames, plans[self.my_group], table, step=k, gb=gb)
+        frames.planned = True
+        frames.group = tuple(self.ranks[d] for d in self.members[self.my_group])
+        frames.row_shape, frames.row_dtype = table.row_shape, table.row_dtype
         outgoing: Dict[int, list] = {}
         for g in sorted(plans):
             p = plans[g]
@@ -536,7 +566,8 @@ class FrameAhead:
         frames = posted.frames
         if posted.plan is None:
             return frames
-        frames.figures, frames.group = posted.plan.figures, tuple(self.ranks[d] for d in posted.plan.members)
+        frames.figures = posted.plan.figures
+        frames.plan = posted.plan.describe(posted.table) if posted.plan.unit.size else None
         self._fill(frames, posted)
         return frames
 
@@ -554,7 +585,9 @@ class FrameAhead:
         frames.balanced = True
         frames.sends_away = bool(away.size)
         kept = local[plan.encoder[local] == me]
-        frames.kept_units = int(kept.size)
+        frames.kept_units, frames.kept_out_rows = int(kept.size), int(out_rows[kept].sum())
+        cost = table.cost[plan.unit]
+        frames.kept_cost, frames.received_cost = int(cost[kept].sum()), int(cost[into].sum())
         host = {}
         if kept.size:
             frames.kept_args = tuple(self.reader.encode_args(meta[kept]))

@@ -153,12 +153,15 @@ def _in_graph(out: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 
 
 def encode_step(frames: StepFrames, inputs: Optional[torch.Tensor], encode: Callable, empty: Callable[[], torch.Tensor],
-                group, *, timeout: float, on_land: Optional[Callable[[_Flight], None]] = None) -> torch.Tensor:
+                group, *, timeout: float, on_land: Optional[Callable[[_Flight], None]] = None,
+                overlap: bool = True) -> torch.Tensor:
     """This rank's outputs of micro-step ``frames`` in its unit order (see the module
     docstring). ``inputs``: its units' input rows (None: it holds none); ``encode(rows,
-    args)``: the encoder's output rows of those input rows (``args``: the units' encoder
-    arguments from the exchange thread); ``empty()``: an output tensor of no row (the right
-    width and dtype, needing gradients when the encoder trains)."""
+    args, cost)``: the encoder's output rows of those input rows (``args``: the units' encoder
+    arguments from the exchange thread, ``cost``: their integer cost); ``empty()``: an output tensor of no row (the right
+    width and dtype, needing gradients when the encoder trains). ``overlap`` False: one
+    encoder call on the received and the kept rows together, then the flight, landed at once
+    (fewer encoder calls, nothing in flight while it computes)."""
     rows = 0 if inputs is None else int(inputs.shape[0])
     if rows != frames.local_rows:
         raise BalancerError(f"images mode: the encoder got {rows} input rows at {frames.where}, the exchange "
@@ -166,14 +169,22 @@ def encode_step(frames: StepFrames, inputs: Optional[torch.Tensor], encode: Call
     if frames.sends_away and inputs.requires_grad:
         raise BalancerError(f"images mode: this rank's encoder inputs need gradients at {frames.where}, and rows "
                             "encoded on another rank return none; balance only inputs that are data")
-    theirs = encode(frames.received, frames.received_args) if frames.received is not None else empty()
+    mine = None
+    if frames.kept_units:
+        mine = inputs if frames.kept_rows is None else inputs.index_select(0, frames.kept_rows)
     flight = _Flight(frames.send_out, frames.recv_out, frames.arrived_rows, group, timeout=timeout,
                      where=frames.where)
-    token = _Launch.apply(theirs, flight)
-    kept = None
-    if frames.kept_units:
-        kept = encode(inputs if frames.kept_rows is None else inputs.index_select(0, frames.kept_rows),
-                      frames.kept_args)
+    if not overlap and mine is not None and frames.received is not None:
+        both = encode(torch.cat([frames.received.to(mine.dtype), mine]),
+                      tuple(torch.cat(pair) for pair in zip(frames.received_args, frames.kept_args)),
+                      frames.received_cost + frames.kept_cost)
+        theirs, kept = both.split([both.shape[0] - _rows_out(frames), _rows_out(frames)])
+        token = _Launch.apply(theirs, flight)
+    else:
+        theirs = encode(frames.received, frames.received_args, frames.received_cost) \
+            if frames.received is not None else empty()
+        token = _Launch.apply(theirs, flight)
+        kept = encode(mine, frames.kept_args, frames.kept_cost) if mine is not None else None
     arrived = _Land.apply(token, flight)
     if on_land is not None:
         on_land(flight)
@@ -185,6 +196,11 @@ def encode_step(frames: StepFrames, inputs: Optional[torch.Tensor], encode: Call
     return out
 
 
+def _rows_out(frames: StepFrames) -> int:
+    """Output rows of this rank's kept units."""
+    return int(frames.kept_out_rows)
+
+
 class FrameSteps:
     """One model chunk's encoder, balanced micro-step by micro-step (see the module docstring).
 
@@ -192,18 +208,22 @@ class FrameSteps:
     a process group over the step groups' ranks for the training thread's transfers (its own
     communicator: never the exchange thread's); ``encode(rows, args)``: the encoder on rows;
     ``empty()``: an output of no row; ``rates``: where the tower's and the link's measured
-    rates go (read by the exchange thread at the next meeting); ``flops(args)``: the forward
-    FLOPs of the units of ``args`` (None: the tower is not timed); ``detail(name, ms)``: the
-    timing records' sink; ``report(figures)``: the figures of each micro-step."""
+    rates go (read by the exchange thread at the next meeting); ``flops_per_unit``: the
+    forward FLOPs of one unit of cost (None: the tower is not timed); ``detail(name, ms)``: the
+    timing records' sink; ``overlap`` False: one encoder call per micro-step
+    (:func:`encode_step`); ``report(frames)``: each micro-step's :class:`StepFrames` (its
+    ``figures`` and ``group``), at its forward."""
 
     def __init__(self, relay: FrameRelay, group, *, encode: Callable, empty: Callable[[], torch.Tensor],
-                 timeout: float, rates: Optional[MeasuredRates] = None, flops: Optional[Callable] = None,
+                 timeout: float, rates: Optional[MeasuredRates] = None, flops_per_unit: Optional[float] = None,
                  detail: Optional[Callable[[str, float], None]] = None, report: Optional[Callable] = None,
-                 device_type: str = "cpu"):
+                 device_type: str = "cpu", overlap: bool = True):
         from .rates import RateMeter
         self.relay, self.group, self._encode, self.empty = relay, group, encode, empty
-        self.timeout, self.rates, self.flops, self.detail, self.report = timeout, rates, flops, detail, report
+        self.timeout, self.rates, self.detail, self.report = timeout, rates, detail, report
+        self.flops_per_unit = flops_per_unit
         self._meter = RateMeter(device_type)
+        self.overlap = overlap
         self.current: Optional[StepFrames] = None
         self.done = False
         self.last: Optional[StepFrames] = None      # the latest micro-step's frames (tests, telemetry)
@@ -214,8 +234,8 @@ class FrameSteps:
         self.current, self.done = self.relay.take(), False
         self.last = self.current
         self._meter.poll()
-        if self.report is not None:
-            self.report(self.current.figures)
+        if self.report is not None and self.current.planned:
+            self.report(self.current)
 
     def balanced(self) -> bool:
         """Whether this forward's units cross this rank (else its encoder runs as it is)."""
@@ -226,7 +246,7 @@ class FrameSteps:
         frames, self.done = self.current, True
         began = time.perf_counter()
         out = encode_step(frames, inputs, self._timed_encode, self.empty, self.group, timeout=self.timeout,
-                          on_land=self._landed)
+                          on_land=self._landed, overlap=self.overlap)
         self._note("vision_exchange_ms", (time.perf_counter() - began) * 1e3)
         return out
 
@@ -245,14 +265,14 @@ class FrameSteps:
             raise BalancerError(f"images mode: a training forward ended without reaching the encoder's exchange "
                                 f"at {frames.where} (the other ranks of its step group are waiting)")
 
-    def _timed_encode(self, rows, args):
+    def _timed_encode(self, rows, args, cost: int):
         started, wall = self._meter.start(), time.perf_counter()
         out = self._encode(rows, args)
         self._note("vision_tower_ms", (time.perf_counter() - wall) * 1e3)
         self._note("vision_tower_calls", 1)
         self.tower_calls += 1
-        if self.flops is not None and self.rates is not None:
-            self._meter.stop(started, self.flops(args), self.rates.tower)
+        if self.flops_per_unit is not None and self.rates is not None:
+            self._meter.stop(started, self.flops_per_unit * cost, self.rates.tower)
         return out
 
     def _landed(self, flight: _Flight) -> None:

@@ -4,16 +4,19 @@ Runs in the Bridge environment with Megatron-Bridge and its Megatron-LM on ``PYT
 the CPU harness installed. The toy Qwen3-VL model of ``configs/bridge/qwen3_vl_moe_tiny_cpu.py``
 (built by Bridge's own provider, experts local, the same weights on every rank) is called
 through Bridge's own ``Qwen3VLModel.forward`` (``reorganize_inputs``, the tower, the deepstack
-injection, the language model and its loss), as ``qwen3_vl_step`` calls it, on a data-parallel
-group of all the ranks. Per micro-step each rank holds its own sample (text, images, a video,
-or text only); the same micro-step runs twice: unbalanced (Bridge as it is) and with the
-glue's hooks (``install_frame_balance``, installed as ``wrap_train_data_iterator`` does),
-each with a fixed loss of the per-token losses, and the results are compared: the per-token
-losses, the vision outputs Bridge receives (main and deepstack), the pixel gradients and the
-model's parameter gradients summed over the ranks (the data-parallel reduction). Then again
-with the model cast to fp64. Also recorded: each micro-step's plan (the same on every rank),
-its figures, the collectives of a micro-step with no frame anywhere and of an evaluation
-forward. Each rank writes its JSON.
+injection, the language model and its loss), as ``qwen3_vl_step`` calls it, all four ranks one
+step group (expert parallel = data parallel). Each rank's samples (text, images, a video, or
+text only) come as Bridge's packs through the balanced iterator with images mode's exchange-
+thread side (``FrameAhead`` with the glue's ``FrameReader``: the frame table gathered at the
+batch's meeting, each micro-step planned and its pixel rows sent ahead); the packs stay home
+(every pack costs the same), so each rank computes its own samples. Each micro-step runs
+unbalanced (Bridge as it is) and with the glue's hooks on that micro-step's frames, each with a
+fixed loss of the per-token losses, and the results are compared: the per-token losses, the
+vision outputs Bridge receives (main and deepstack) and the model's parameter gradients summed
+over the ranks (the data-parallel reduction); then with the model cast to fp64. Also recorded:
+each micro-step's plan, its figures, every torch.distributed call of the balanced forward and
+backward by stack (``testing/dist_audit.py``), and of an evaluation forward. Each rank writes
+its JSON.
 """
 from __future__ import annotations
 
@@ -52,6 +55,51 @@ VIDEO_STEP = 1
 IN_DIM = 3 * 2 * 16 * 16          # channels x temporal patch x patch^2
 
 
+class Harness:
+    """The model, the glue's pieces as ``install_frame_balance`` made them, and a way to run
+    packs through the balanced iterator and micro-steps with the hooks on."""
+
+    def __init__(self, model, balance, exchange, step_groups):
+        self.model, self.exchange, self.step_groups = model, exchange, step_groups
+        self.reader, self.prices = balance.ahead.reader, balance.ahead.prices
+        self.group, self.flops = balance.hooks.steps.group, balance.hooks.steps.flops_per_unit
+        balance.hooks.remove()                           # on only for the balanced runs
+
+    def frames(self, packs, G, *, prices=None, rates=None, config=None, first_iteration=None):
+        """``(pack, StepFrames)`` of every micro-step of ``packs`` (``G`` per global batch), one
+        global batch at a time (a generator: the next batch's meeting comes after the caller's
+        work on this one), from the balanced iterator with images mode's exchange-thread side."""
+        from megatron_mm_balance.runtime.config import BalancerConfig
+        from megatron_mm_balance.runtime.frame_ahead import FrameAhead, MeasuredRates
+        from megatron_mm_balance.runtime.iterator import BalancedDataIterator
+        ahead = FrameAhead(self.reader, self.step_groups, prices=self.prices if prices is None else prices,
+                           rates=rates if rates is not None else MeasuredRates())
+        it = BalancedDataIterator(iter(packs), num_microbatches=G, exchange_group=self.exchange,
+                                  cost_fn=lambda pack: 0, config=config or BalancerConfig(overlap=False, timeout=60),
+                                  first_iteration=first_iteration, frames=ahead)
+        with it:
+            for _ in range(len(packs)):
+                pack = next(it)
+                yield pack, ahead.relay.take()
+
+    def hooked(self, frames, *, overlap=True, detail=None, rates=None, dtype=None):
+        """The glue's hooks on the model with ``frames`` (cast to ``dtype``) for its next
+        training forward."""
+        from megatron_mm_balance.bridge.vision import BalancedFrames
+        from megatron_mm_balance.runtime.frame_ahead import FrameRelay
+        from megatron_mm_balance.runtime.image_exchange import FrameSteps
+        if dtype is not None and frames.received is not None:
+            import dataclasses
+            frames = dataclasses.replace(frames, received=frames.received.to(dtype))
+        relay, hooks = FrameRelay(), []
+        relay.put(frames)
+        steps = FrameSteps(relay, self.group, encode=lambda rows, a: hooks[0].encode(rows, a),
+                           empty=lambda: hooks[0].empty(), timeout=60.0, rates=rates, flops_per_unit=self.flops,
+                           detail=detail, overlap=overlap)
+        hooks.append(BalancedFrames(self.model, steps))
+        return hooks[0]
+
+
 def main() -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=PORT)
     from megatron_mm_balance.testing import cpu_bridge
@@ -75,130 +123,163 @@ def main() -> None:
 
     from megatron_mm_balance.bridge.config import MMBalanceBridgeConfig
     from megatron_mm_balance.bridge.model_spec import ModelSpec
-    from megatron_mm_balance.bridge.vision import BalancedFrames, install_frame_balance
-    cfg = types.SimpleNamespace(mm_balance=MMBalanceBridgeConfig(enabled=True, vision="images"), model=provider)
+    from megatron_mm_balance.bridge.vision import install_frame_balance
+    from megatron_mm_balance.runtime.meeting import MeetingGroups
+    mm, spec = MMBalanceBridgeConfig(enabled=True, vision="images"), ModelSpec.read(provider)
+    spec = _with_expert_parallelism(spec)
     core = types.SimpleNamespace(timeout=120.0, log_interval=1, tensorboard_dir=None)
     args = types.SimpleNamespace(curr_iteration=0)
     pg = ProcessGroupCollection.use_mpu_process_groups()
-    hooks = install_frame_balance(model, cfg.mm_balance, ModelSpec.read(provider), core, args, pg)
-    assert len(hooks) == 1
-    first = hooks[0]
-    first.remove()                                       # on only for the balanced runs
-
-    def hooked(rates=first.rates, measured=False, overlap=True, detail=None, balanced_now=None):
-        return BalancedFrames(model, first.group, frame_cost=first.frame_cost, report=first.report,
-                              rates=rates, flops_per_unit=first.flops_per_unit, measured_rates=measured,
-                              overlap=overlap, detail=detail, balanced_now=balanced_now)
+    exchange = dist.new_group(list(range(WORLD)), backend="gloo")
+    meetings = MeetingGroups.everyone_meets(range(WORLD), rank=RANK)
+    balance = install_frame_balance(model, mm, spec, core, args, pg, types.SimpleNamespace(meetings=meetings))
+    assert balance is not None and balance.chunk == 0
+    h = Harness(model, balance, exchange, meetings.steps)
 
     ids = provider.image_token_id, provider.video_token_id, provider.vision_start_token_id, \
         provider.vision_end_token_id
-    result = dict(rank=RANK, steps=[])
-    for step, grids_by_rank in enumerate(STEPS):
-        batch = _batch(grids_by_rank[RANK], step, ids, video=(step == VIDEO_STEP))
-        args.curr_iteration = step
-        entry = dict(step=step)
+    result = dict(rank=RANK, steps=[], rates=list(h.prices.rates((0.0, 0.0))))
+    packs = [_pack(STEPS[step][RANK], step, ids, video=(step == VIDEO_STEP)) for step in range(len(STEPS))]
+    for step, (pack, frames) in enumerate(h.frames(packs, len(STEPS))):
+        entry = dict(step=step, plan=frames.plan, figures=None if frames.figures is None else frames.figures.__dict__)
         for dtype, key in ((torch.float32, "fp32"), (torch.float64, "fp64")):
             model.to(dtype)
-            ref = _run(model, batch, dtype, step)
+            ref = _run(model, pack, dtype, step)
             details = {}
-            balanced = hooked(detail=lambda name, value: details.__setitem__(name, details.get(name, 0.0) + value))
-            calls = _count_collectives()
-            got = _run(model, batch, dtype, step)
-            counts = calls.stop()
+            note = lambda name, value: details.__setitem__(name, details.get(name, 0.0) + value)  # noqa: E731
+            balanced = h.hooked(frames, detail=note, dtype=dtype)
+            audit = _audit()
+            got = _run(model, pack, dtype, step)
+            calls = audit.stop()
             balanced.remove()
             entry[key] = _diffs(ref, got)
-            if key == "fp32":                             # the same plan, each exchange completed first
+            if key == "fp32":                             # the same frames, one tower call
                 sync_details = {}
-                synchronous = hooked(overlap=False, detail=lambda name, value: sync_details.__setitem__(
+                synchronous = h.hooked(frames, overlap=False, detail=lambda name, value: sync_details.__setitem__(
                     name, sync_details.get(name, 0.0) + value))
-                entry["fp32_sync"] = _diffs(ref, _run(model, batch, dtype, step))
-                entry["details_sync"] = sync_details
+                entry["fp32_sync"] = _diffs(ref, _run(model, pack, dtype, step))
                 synchronous.remove()
-                assert str(synchronous.last_plan) == str(balanced.last_plan)
-                figures = balanced.last_figures
-                entry.update(
-                    collectives=counts, details=details,
-                    plan=None if figures is None else {k: [int(x) for x in v]
-                                                       for k, v in balanced.last_plan.items()},
-                    figures=None if figures is None else figures.__dict__,
-                    vision_calls=dict(ref=ref["vision_calls"], balanced=got["vision_calls"]))
+                entry.update(calls=calls, details=details, details_sync=sync_details, balanced=frames.balanced,
+                             vision_calls=dict(ref=ref["vision_calls"], balanced=got["vision_calls"]))
         result["steps"].append(entry)
     model.to(torch.float32)
-    result["rates"] = list(first.rates)
-    result["slow_link"] = _slow_link(model, hooked, first.rates, ids)
-    result["measured"] = _measured_rates(model, hooked, first.rates, ids)
-    result["eval"] = _evaluation(model, hooked, _batch(STEPS[0][RANK], 0, ids, video=False))
-    result["crossover"] = _crossover(model, hooked, ids, args)
-    result["report_lines"] = first.report.lines
+    result["slow_link"] = _slow_link(h, ids)
+    result["measured"] = _measured_rates(h, ids)
+    result["eval"] = _evaluation(h, _pack(STEPS[0][RANK], 0, ids, video=False))
+    result["crossover"] = _crossover(h, ids)
     result["per_frame"] = _per_frame_claim(model.vision_model)
-    result["cp"] = _context_parallel(model, provider, cfg, core, args)
+    result["cp"] = _context_parallel(model, provider, mm, core, args)
     json.dump(result, open(os.path.join(OUT, f"rank{RANK}.json"), "w"))
 
 
-def _slow_link(model, hooked, rates, ids):
+def _with_expert_parallelism(spec):
+    """The spec as a job with expert parallelism has it (the test's model keeps its experts
+    local; images mode balances only where ranks meet every micro-step)."""
+    import dataclasses
+    return dataclasses.replace(spec, expert_model_parallel_size=2)
+
+
+def _video(h, ids):
+    """The video step's pack."""
+    return _pack(STEPS[VIDEO_STEP][RANK], VIDEO_STEP, ids, video=True)
+
+
+def _slow_link(h, ids):
     """The video step over a link a millionth as fast: every move would cost more than it
     saves, so no frame moves, and the outputs are the unbalanced tower's."""
+    import dataclasses
+
     import torch
-    batch = _batch(STEPS[VIDEO_STEP][RANK], VIDEO_STEP, ids, video=True)
-    ref = _run(model, batch, torch.float32, VIDEO_STEP)
-    balanced = hooked(rates=(rates[0] * 1e-6, rates[1]))
-    got = _run(model, batch, torch.float32, VIDEO_STEP)
+    pack = _video(h, ids)
+    slow = dataclasses.replace(h.prices, link_gbps=h.prices.link_gbps * 1e-6)
+    (pack, frames), = h.frames([pack], 1, prices=slow)
+    ref = _run(h.model, pack, torch.float32, VIDEO_STEP)
+    balanced = h.hooked(frames)
+    got = _run(h.model, pack, torch.float32, VIDEO_STEP)
     balanced.remove()
-    return dict(figures=balanced.last_figures.__dict__, diffs=_diffs(ref, got),
-                plan={k: [int(x) for x in v] for k, v in balanced.last_plan.items()})
+    return dict(figures=frames.figures.__dict__, diffs=_diffs(ref, got), plan=frames.plan)
 
 
-def _measured_rates(model, hooked, rates, ids, runs=3):
+def _measured_rates(h, ids, runs=3):
     """``mm_balance.image_rates=measured`` from a tower rate a million times too fast (a
-    move's transfer then costs more than any frame: nothing moves): the video step, ``runs``
-    times with the same hooks. The first plan charges the wrong prior; from the second on,
-    the rates are the group's measured ones (the same on every rank) and frames move; the
-    outputs stay the unbalanced tower's."""
+    move's transfer then costs more than any frame: nothing moves): the video step as
+    ``runs`` global batches. The first batch's plan charges the wrong prior; every rank times
+    its tower on its frames, and the next batch's meeting agrees on the group's measured rate
+    (the same on every rank), which the plan then charges: frames move; the outputs stay the
+    unbalanced tower's."""
+    import dataclasses
+
     import torch
-    batch = _batch(STEPS[VIDEO_STEP][RANK], VIDEO_STEP, ids, video=True)
-    ref = _run(model, batch, torch.float32, VIDEO_STEP)
-    balanced = hooked(rates=(rates[0], rates[1] * 1e6), measured=True)
-    runs_out = []
-    try:
-        for _ in range(runs):
-            got = _run(model, batch, torch.float32, VIDEO_STEP)
-            runs_out.append(dict(used=list(balanced.last_rates["used"]),
-                                 measured=list(balanced.last_rates["measured"]),
-                                 frames_moved=balanced.last_figures.frames_moved,
-                                 link_samples=len(balanced._link.samples), diffs=_diffs(ref, got)))
-    finally:
+    from megatron_mm_balance.runtime.frame_ahead import MeasuredRates
+    prior = dataclasses.replace(h.prices, tower_tflops=h.prices.tower_tflops * 1e6, measured=True)
+    rates = MeasuredRates()
+    packs = [_video(h, ids) for _ in range(runs)]
+    out = []
+    for pack, frames in h.frames(packs, 1, prices=prior, rates=rates):
+        ref = _run(h.model, pack, torch.float32, VIDEO_STEP)
+        balanced = h.hooked(frames, rates=rates)
+        got = _run(h.model, pack, torch.float32, VIDEO_STEP)
         balanced.remove()
-    return dict(prior=[rates[0], rates[1] * 1e6], runs=runs_out)
+        f = frames.figures
+        out.append(dict(used=[f.link_gbps, f.tower_tflops], measured=[f.link_gbps_measured, f.tower_tflops_measured],
+                        frames_moved=f.frames_moved, diffs=_diffs(ref, got)))
+    return dict(prior=list(prior.rates((0.0, 0.0))), runs=out)
 
 
-def _crossover(model, hooked, ids, args):
-    """``mm_balance.mode=crossover-even`` with images: the video step at training iterations 3
-    and 4 (``args.curr_iteration`` 2 and 3, as the loop sets it). At 3 the plain tower runs
-    (no collective, the unbalanced run bit for bit); at 4 the frames are balanced as in every
-    iteration of ``exchange`` mode."""
+def _crossover(h, ids):
+    """``mm_balance.mode=crossover-even`` with images: the video step as the global batches of
+    training iterations 3 and 4. At 3 the exchange thread plans nothing and the plain tower
+    runs (no transfer at all, the unbalanced run bit for bit); at 4 the frames are balanced as
+    in every iteration of ``exchange`` mode."""
     import torch
-    from megatron_mm_balance.bridge.vision import balanced_iterations
-    from megatron_mm_balance.megatron.config import live_iteration
-    batch = _batch(STEPS[VIDEO_STEP][RANK], VIDEO_STEP, ids, video=True)
-    ref = _run(model, batch, torch.float32, VIDEO_STEP)
-    balanced = hooked(balanced_now=balanced_iterations("crossover-even", live_iteration(args)))
+    from megatron_mm_balance.runtime.config import BalancerConfig
+    config = BalancerConfig(overlap=False, timeout=60, crossover="even")
+    packs = [_video(h, ids) for _ in range(2)]
     out = {}
-    try:
-        for iteration in (3, 4):
-            args.curr_iteration = iteration - 1
-            balanced.last_figures = None
-            calls = _count_collectives()
-            got = _run(model, batch, torch.float32, VIDEO_STEP)
-            counts = calls.stop()
-            exact = all(a.equal(b) for a, b in zip(ref["vision"], got["vision"])) and \
-                len(ref["vision"]) == len(got["vision"]) and \
-                (ref["pixel_grad"] is None or ref["pixel_grad"].equal(got["pixel_grad"]))
-            figures = balanced.last_figures
-            out[str(iteration)] = dict(collectives=counts, diffs=_diffs(ref, got), vision_bit_equal=bool(exact),
-                                       frames_moved=None if figures is None else int(figures.frames_moved))
-    finally:
+    for iteration, (pack, frames) in zip((3, 4), h.frames(packs, 1, config=config, first_iteration=3)):
+        ref = _run(h.model, pack, torch.float32, VIDEO_STEP)
+        balanced = h.hooked(frames)
+        audit = _audit()
+        got = _run(h.model, pack, torch.float32, VIDEO_STEP)
+        calls = audit.stop()
         balanced.remove()
+        exact = all(a.equal(b) for a, b in zip(ref["vision"], got["vision"])) and len(ref["vision"]) == len(got["vision"])
+        out[str(iteration)] = dict(calls=calls, diffs=_diffs(ref, got), vision_bit_equal=bool(exact),
+                                   planned=frames.planned,
+                                   frames_moved=None if frames.figures is None else int(frames.figures.frames_moved))
     return out
+
+
+def _pack(grids, step, ids, *, video):
+    """A Bridge pack of one sample (``tokens`` and ``visual_inputs`` as Bridge's collate gives
+    them) with what the test's loss needs (labels, weights)."""
+    batch = _batch(grids, step, ids, video=video)
+    visual = {}
+    if batch["pixels"] is not None:
+        keys = ("pixel_values_videos", "video_grid_thw") if video else ("pixel_values", "image_grid_thw")
+        visual = {keys[0]: batch["pixels"], keys[1]: batch["grid"]}
+    return dict(tokens=batch["input_ids"], visual_inputs=visual, **batch)
+
+
+class _Audit:
+    def __init__(self):
+        from megatron_mm_balance.testing.dist_audit import DistAudit
+        self.audit = DistAudit().install()
+        self.audit.training()
+
+    def stop(self) -> dict:
+        """``{call: n}`` of the calls of our code on the training thread."""
+        self.audit.uninstall()
+        out = {}
+        for row in self.audit.summary()["rows"]:
+            if row["ours"] and row["thread"] == "training":
+                out[row["call"]] = out.get(row["call"], 0) + row["n"]
+        return out
+
+
+def _audit():
+    """Every torch.distributed call from now until ``stop()``, by stack."""
+    return _Audit()
 
 
 def _provider():
@@ -244,7 +325,7 @@ def _run(model, batch, dtype, step):
     import torch
     import torch.distributed as dist
     model.zero_grad(set_to_none=True)
-    pixels = None if batch["pixels"] is None else batch["pixels"].detach().to(dtype).clone().requires_grad_(True)
+    pixels = None if batch["pixels"] is None else batch["pixels"].detach().to(dtype).clone()
     kwargs = dict(input_ids=batch["input_ids"], labels=batch["labels"], loss_mask=None, attention_mask=None,
                   position_ids=None)
     if pixels is not None:
@@ -266,8 +347,7 @@ def _run(model, batch, dtype, step):
     if seen:                                              # the outermost call: what Bridge received
         embeddings, deepstack = seen[-1]
         vision = [embeddings.detach().clone()] + [d.detach().clone() for d in deepstack]
-    return dict(losses=losses.detach().clone(), vision=vision, grads=grads, vision_calls=len(seen),
-                pixel_grad=None if pixels is None else pixels.grad.detach().clone())
+    return dict(losses=losses.detach().clone(), vision=vision, grads=grads, vision_calls=len(seen), pixel_grad=None)
 
 
 def _diffs(ref, got):
@@ -287,35 +367,12 @@ def _diffs(ref, got):
     return out
 
 
-class _Collectives:
-    def __init__(self):
-        import torch.distributed as dist
-        self.dist, self.counts = dist, {"all_gather": 0, "batch_isend_irecv": 0}
-        self.saved = {name: getattr(dist, name) for name in self.counts}
-        for name, fn in self.saved.items():
-            setattr(dist, name, self._counting(name, fn))
-
-    def _counting(self, name, fn):
-        def call(*a, **k):
-            self.counts[name] += 1
-            return fn(*a, **k)
-        return call
-
-    def stop(self):
-        for name, fn in self.saved.items():
-            setattr(self.dist, name, fn)
-        return dict(self.counts)
-
-
-def _count_collectives():
-    """Counts the vision exchange's collectives (all-gathers, batched point-to-point) until stopped."""
-    return _Collectives()
-
-
-def _evaluation(model, hooked, batch):
-    """An evaluation forward (eval(), no grad) with the hooks on: nothing collective, and the
-    unbalanced outputs."""
+def _evaluation(h, batch):
+    """An evaluation forward (eval(), no grad) with the hooks on: no call of ours to
+    torch.distributed, and the unbalanced outputs."""
     import torch
+    from megatron_mm_balance.runtime.frame_ahead import StepFrames
+    model = h.model
     model.eval()
     with torch.no_grad():
         kwargs = dict(input_ids=batch["input_ids"], labels=batch["labels"], loss_mask=None,
@@ -323,13 +380,14 @@ def _evaluation(model, hooked, batch):
         if batch["pixels"] is not None:
             kwargs.update(pixel_values=batch["pixels"], image_grid_thw=batch["grid"])
         ref = model(**kwargs)
-        balanced = hooked()
-        calls = _count_collectives()
+        balanced = h.hooked(StepFrames("unused"))
+        audit = _audit()
         got = model(**kwargs)
-        counts = calls.stop()
+        calls = audit.stop()
+        left = len(balanced.steps.relay)
         balanced.remove()
     model.train()
-    return dict(collectives=counts, bit_equal=bool(ref.equal(got)))
+    return dict(calls=calls, bit_equal=bool(ref.equal(got)), frames_left=left)
 
 
 def _per_frame_claim(tower):
@@ -350,7 +408,7 @@ def _per_frame_claim(tower):
                 outputs=len(flat(video)))
 
 
-def _context_parallel(model, provider, cfg, core, args):
+def _context_parallel(model, provider, mm, core, args):
     """Context parallel 2 x data parallel 2: Bridge's vision block under ``vision_dp_when_cp``
     (model.py after ``reorganize_inputs``: ``qwen3vl_cp_split`` (by cost, as
     ``mm_balance.cp_split=cost`` installs it), ``get_vision_cp_data``, ``collapse_thw``, the
@@ -358,7 +416,9 @@ def _context_parallel(model, provider, cfg, core, args):
     ``AllGatherVisionEmbeddings`` per output, then ``language_model.embedding``), by the names
     Bridge's model module holds, unbalanced and with the glue's hooks, a fixed linear loss of
     the gathered outputs and the text embeddings; the language model is not run (megatron-core's
-    context-parallel attention needs transformer-engine)."""
+    context-parallel attention needs transformer-engine). The exchange thread reads each pack's
+    share of this context-parallel rank with the same split and plans it in the data-parallel
+    group of that rank."""
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -368,37 +428,48 @@ def _context_parallel(model, provider, cfg, core, args):
     from megatron_mm_balance.bridge.cp_split import install_cp_split
     from megatron_mm_balance.bridge.model_spec import ModelSpec
     from megatron_mm_balance.bridge.vision import install_frame_balance
+    from megatron_mm_balance.runtime.meeting import MeetingGroups
 
     ps.destroy_model_parallel()
     ps.initialize_model_parallel(context_parallel_size=2)
     cp_group, pg = ps.get_context_parallel_group(), ProcessGroupCollection.use_mpu_process_groups()
     provider.context_parallel_size, provider.vision_dp_when_cp = 2, True
-    spec = ModelSpec.read(provider)
-    assert install_cp_split(cfg.mm_balance, spec)
-    hooks = install_frame_balance(model, cfg.mm_balance, spec, core, args, pg)
-    assert len(hooks) == 1 and qmodel.AllGatherVisionEmbeddings.mm_balance_wraps is not None
-    balanced = hooks[0]
-    balanced.remove()
+    spec = _with_expert_parallelism(ModelSpec.read(provider))
+    assert install_cp_split(mm, spec)
+    dp_ranks = dist.get_process_group_ranks(ps.get_data_parallel_group())
+    every = [None] * WORLD
+    dist.all_gather_object(every, sorted(dp_ranks))
+    exchange = None
+    for ranks in sorted({tuple(r) for r in every}):                # collective over the world
+        group = dist.new_group(list(ranks), backend="gloo")
+        exchange = group if RANK in ranks else exchange
+    meetings = MeetingGroups.everyone_meets(dp_ranks, rank=RANK)
+    balance = install_frame_balance(model, mm, spec, core, args, pg, types.SimpleNamespace(meetings=meetings))
+    assert balance is not None and qmodel.AllGatherVisionEmbeddings.mm_balance_wraps is not None
+    h = Harness(model, balance, exchange, meetings.steps)
     dp_rank, cp_rank = ps.get_data_parallel_rank(), ps.get_context_parallel_rank()
     out = dict(dp_rank=dp_rank, cp_rank=cp_rank, steps=[])
+    packs = []
     for step, grids_by_dp in enumerate(CP_STEPS):
         grids = grids_by_dp[dp_rank]
         gen = torch.Generator().manual_seed(500 + 10 * step + dp_rank)  # the same on both CP ranks
         rows = sum(t * h * w for t, h, w in grids)
         pixels = torch.randn(rows, IN_DIM, generator=gen) if rows else None
         input_ids = torch.randint(16, 256, (1, 40), generator=gen)
-        entry = dict(step=step)
+        visual = {} if pixels is None else dict(pixel_values=pixels, image_grid_thw=torch.tensor(grids))
+        packs.append(dict(tokens=input_ids, visual_inputs=visual, pixels=pixels, grids=grids))
+    for step, (pack, frames) in enumerate(h.frames(packs, len(packs))):
+        entry = dict(step=step, plan=frames.plan)
         for dtype, key in ((torch.float32, "fp32"), (torch.float64, "fp64")):
             model.to(dtype)
-            ref = _cp_block(model, qmodel, pixels, grids, input_ids, cp_group, dtype, None, step)
-            balanced = type(balanced)(model, balanced.group, frame_cost=balanced.frame_cost, report=None)
-            got = _cp_block(model, qmodel, pixels, grids, input_ids, cp_group, dtype, balanced, step)
+            ref = _cp_block(model, qmodel, pack["pixels"], pack["grids"], pack["tokens"], cp_group, dtype, None, step)
+            balanced = h.hooked(frames, dtype=dtype)
+            got = _cp_block(model, qmodel, pack["pixels"], pack["grids"], pack["tokens"], cp_group, dtype, balanced,
+                            step)
             balanced.remove()
             entry[key] = _diffs(ref, got)
             if key == "fp32":
-                entry.update(shares=got["shares"], vision_calls=got["vision_calls"],
-                             plan=None if balanced.last_plan is None else
-                             {k: [int(x) for x in v] for k, v in balanced.last_plan.items()})
+                entry.update(shares=got["shares"], vision_calls=got["vision_calls"])
         out["steps"].append(entry)
     model.to(torch.float32)
     dist.barrier()
@@ -424,7 +495,7 @@ def _cp_block(model, qmodel, pixels, grids, input_ids, cp_group, dtype, balanced
         data, thw, seqlens = qmodel.get_vision_cp_data(data, thw, merge2, cp_img_num, padded, cp_rank, cp_size)
         thw = qmodel.collapse_thw(thw)
         shares = list(cp_img_num)
-        share = data = data.detach().clone().requires_grad_(True)       # this rank's pixel gradients
+        share = data = data.detach().clone()                            # data: no pixel gradients
         if data.shape[0] > 0:
             embeds, deepstack = model.vision_model(hidden_states=data, grid_thw=thw)
         else:                                              # Bridge's empty-share placeholders

@@ -8,7 +8,7 @@ rows), empty packs, micro-steps where a group holds no unit, packs moved across 
 rank that sends a unit's rows ahead is not the rank that computes its pack): the outputs every
 rank receives equal the unbalanced encoder's on its own pack, and the data-parallel sums of the
 encoder's gradients equal the unbalanced run's (fp64: rounding only), with and without the
-exchange thread. All forwards of a batch run before its backwards (as pipeline warm-up does),
+exchange thread (and then with one encoder call per micro-step instead of two). All forwards of a batch run before its backwards (as pipeline warm-up does),
 so the rows sent ahead must live until their micro-step's backward: alive after the forward,
 freed after it. Counted by stack (``testing/dist_audit.py``): no collective of ours on the
 training thread, rows sent and received only by the exchange thread, no plan on the training
@@ -186,7 +186,8 @@ def _train(rank, encoder, group, exchange, overlap: bool, balanced: bool):
     audit.training()
     it = BalancedDataIterator(source, num_microbatches=G, exchange_group=exchange, cost_fn=cost_fn,
                               overlap=overlap, timeout=30, frames=ahead)
-    steps = FrameSteps(ahead.relay, group, encode=encode, empty=empty, timeout=30) if balanced else None
+    steps = FrameSteps(ahead.relay, group, encode=encode, empty=empty, timeout=30,
+                       overlap=overlap) if balanced else None     # without the thread: one encoder call
     encoder.zero_grad(set_to_none=True)
     out_diff, moved = 0.0, 0
     cases = dict(no_units_but_encodes=0, group_without_units=0, sent_by_non_owner=0)
@@ -252,7 +253,7 @@ def _stalled_peer(rank, group):
     frames = StepFrames("global batch 9, micro-step 0", balanced=True, group=(0, 1), local_rows=4,
                         sends_away=True, recv_out={1: (0, 2)}, arrived_rows=2)
     try:
-        encode_step(frames, torch.zeros(4, IN, dtype=torch.float64), lambda r, a: r,
+        encode_step(frames, torch.zeros(4, IN, dtype=torch.float64), lambda r, a, c: r,
                     lambda: torch.zeros((0, OUT), dtype=torch.float64), group, timeout=2.0)
     except Exception as e:                       # the error under test
         return f"{type(e).__name__}: {e}"

@@ -217,6 +217,13 @@ class TimingRecorder:
         features = queue.popleft() if queue else None
         return features if features is not None else read_call()
 
+    def add_backward_detail(self, name: str, value: float) -> None:
+        """:meth:`add_detail` for the micro-batch whose backward is running (what a component
+        inside the model does in backward, e.g. the vision exchange's gradient transfers)."""
+        rec = self._backward
+        if rec is not None:
+            rec.details[name] = rec.details.get(name, 0.0) + float(value)
+
     def skip(self) -> None:
         """A forward that is not a training micro-batch (evaluation): nothing recorded."""
         self._current = None

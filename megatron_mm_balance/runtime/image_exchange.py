@@ -60,6 +60,9 @@ class _Flight:
         self.rows = 0
         self.waited_s = 0.0
         self.received_bytes = 0
+        #: backward: seconds posting the gradients and waiting for them; called when it is done
+        self.backward_s = self.grad_waited_s = 0.0
+        self.on_backward: Optional[Callable[["_Flight"], None]] = None
         self._posted: Optional[_Posted] = None
 
     def launch(self, x: torch.Tensor) -> None:
@@ -68,7 +71,18 @@ class _Flight:
 
     def launch_backward(self, grad: torch.Tensor) -> None:
         """The gradients of the rows that arrived go back; those of the rows sent land."""
+        started = time.perf_counter()
         self._posted = self._post(grad.contiguous(), self.recv, self.send, self.rows, " gradients")
+        self.backward_s += time.perf_counter() - started
+
+    def land_backward(self) -> torch.Tensor:
+        started = time.perf_counter()
+        out = self.land()
+        self.backward_s += time.perf_counter() - started
+        self.grad_waited_s = self.waited_s
+        if self.on_backward is not None:
+            self.on_backward(self)
+        return out
 
     def land(self) -> torch.Tensor:
         posted, self._posted = self._posted, None
@@ -127,7 +141,7 @@ class _Launch(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, _token):
-        return ctx.flight.land(), None
+        return ctx.flight.land_backward(), None
 
 
 class _Land(torch.autograd.Function):
@@ -210,17 +224,21 @@ class FrameSteps:
     ``empty()``: an output of no row; ``rates``: where the tower's and the link's measured
     rates go (read by the exchange thread at the next meeting); ``flops_per_unit``: the
     forward FLOPs of one unit of cost (None: the tower is not timed); ``detail(name, ms)``: the
-    timing records' sink; ``overlap`` False: one encoder call per micro-step
+    timing records' sink (``detail_backward``: the same for the micro-batch whose backward runs:
+    ``vision_grad_exchange_ms``, the gradients' transfers, of which ``vision_grad_wait_ms``
+    waiting); ``overlap`` False: one encoder call per micro-step
     (:func:`encode_step`); ``report(frames)``: each micro-step's :class:`StepFrames` (its
     ``figures`` and ``group``), at its forward."""
 
     def __init__(self, relay: FrameRelay, group, *, encode: Callable, empty: Callable[[], torch.Tensor],
                  timeout: float, rates: Optional[MeasuredRates] = None, flops_per_unit: Optional[float] = None,
-                 detail: Optional[Callable[[str, float], None]] = None, report: Optional[Callable] = None,
+                 detail: Optional[Callable[[str, float], None]] = None,
+                 detail_backward: Optional[Callable[[str, float], None]] = None, report: Optional[Callable] = None,
                  device_type: str = "cpu", overlap: bool = True):
         from .rates import RateMeter
         self.relay, self.group, self._encode, self.empty = relay, group, encode, empty
         self.timeout, self.rates, self.detail, self.report = timeout, rates, detail, report
+        self.detail_backward = detail_backward
         self.flops_per_unit = flops_per_unit
         self._meter = RateMeter(device_type)
         self.overlap = overlap
@@ -279,6 +297,12 @@ class FrameSteps:
         self._note("vision_wait_ms", flight.waited_s * 1e3)
         if self.rates is not None and flight.waited_s > 0:
             self.rates.link.add(flight.received_bytes, flight.waited_s)
+        flight.on_backward = self._backward_done
+
+    def _backward_done(self, flight: _Flight) -> None:
+        if self.detail_backward is not None:
+            self.detail_backward("vision_grad_exchange_ms", flight.backward_s * 1e3)
+            self.detail_backward("vision_grad_wait_ms", flight.grad_waited_s * 1e3)
 
     def _note(self, name: str, value: float) -> None:
         if self.detail is not None:

@@ -61,15 +61,21 @@ def test_off_on_equal(runner, layout):
             assert f"validation loss at iteration {iters}" in run.log, "no final validation"
 
 
-@pytest.mark.parametrize("layout", ["dp2_ep2", "pp2_dp2"])
+#: images mode balances tiles inside the expert-parallel groups: DP=4 x EP=2 (two groups of 2)
+#: and PP=2 x DP=2 x EP=2 (the encoder on the first stage, one group per stage)
+IMAGE_LAYOUTS = {"dp2_ep2": LAYOUTS["dp2_ep2"], "pp2_ep2": (3, {"PP": 2})}
+
+
+@pytest.mark.parametrize("layout", list(IMAGE_LAYOUTS))
 def test_vision_images_off_on_equal(runner, layout):
-    """``--mm-balance --mm-balance-vision images`` (tiles also balanced across ranks every
-    micro-step, embeddings and their gradients sent back) against the same layout's off run:
-    lm loss equal every iteration, packs and tiles moved, the busiest rank's tile count per
-    micro-step never raised, exit 0. Under PP=2 the encoder is on the first stage only."""
+    """``--mm-balance --mm-balance-vision images`` (tiles also balanced inside each expert-
+    parallel group every micro-step: planned and sent ahead on the exchange thread, embeddings
+    and their gradients sent back point to point) against the same layout's off run: lm loss
+    equal every iteration, packs and tiles moved, the busiest rank's tile count per micro-step
+    never raised, exit 0. Under PP=2 the encoder is on the first stage only."""
     from megatron_mm_balance.bench.realpath import parse_vision
 
-    iters, env = LAYOUTS[layout]
+    iters, env = IMAGE_LAYOUTS[layout]
     off = runner(layout, False, iters, **env)
     on = runner(f"{layout}-images", True, iters, extra=["--mm-balance-vision", "images"], **env)
     _check_pair(off, on, iters, f"{layout} --mm-balance-vision images")

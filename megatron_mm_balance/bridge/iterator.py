@@ -28,7 +28,8 @@ What Bridge relies on, and how it is kept:
   ``timing_dir``, the provider's FLOP-derived model is written beside the records
   (:func:`save_flops_model`) for ``mm-balance replay``.
 * ``mm_balance.vision=images``: after the packs, each training micro-step's frames are
-  spread across the data-parallel group by hooks on the Qwen3-VL model
+  spread inside its expert-parallel group: the vision chunk's iterator plans them and sends
+  their pixel rows ahead on its exchange thread, hooks on the Qwen3-VL model encode them
   (:func:`~.vision.install_frame_balance`; its groups are created here, collectively);
   the packs are placed on their heaviest frame first (``image_pack_cost``,
   :func:`~.vision.pack_cost_for`).
@@ -148,6 +149,8 @@ def wrap_train_data_iterator(train_data_iterator, cfg, pg_collection, *, state=N
     from .timing import install_bridge_timing
     from .vision import install_frame_balance, pack_cost_for
 
+    from ..runtime.dist_audit import install_from_env
+    audit = install_from_env()          # MM_BALANCE_DIST_AUDIT (a test hook): calls counted by stack
     spec = ModelSpec.read(cfg.model)                    # the provider, read once
     args = as_args(mm, cfg, spec, train_state=getattr(state, "train_state", None))
     core_cfg = checked_config(args)
@@ -163,7 +166,7 @@ def wrap_train_data_iterator(train_data_iterator, cfg, pg_collection, *, state=N
     groups = init_exchange_groups(process_group_layout(pg_collection), num_chunks=len(iterators),
                                   timeout=core_cfg.timeout)
     core_cfg = with_job_meetings(core_cfg, groups)         # auto sync: the job's meeting groups
-    install_frame_balance(model, mm, spec, core_cfg, args, pg_collection, state, timing)   # vision=images
+    frames = install_frame_balance(model, mm, spec, core_cfg, args, pg_collection, groups, state, timing)
     tb = getattr(state, "tensorboard_logger", None) if state is not None else None
     wandb = getattr(state, "wandb_logger", None) if state is not None else None
     cost_fn = pack_cost_for(mm, spec, cost_fn_for(core_cfg, spec))    # vision=images: heaviest frame
@@ -172,6 +175,12 @@ def wrap_train_data_iterator(train_data_iterator, cfg, pg_collection, *, state=N
                                     auto_features=auto_features_for(spec))
     reporter = StopReporter(live_iteration(args))       # one line per rank when training stops
     wrapped = [it if it is None or group is None
-               else coordinator.wrap(_unwrap(it), group, chunk, node_ids=groups.node_ids, reporter=reporter)
+               else coordinator.wrap(_unwrap(it), group, chunk, node_ids=groups.node_ids, reporter=reporter,
+                                     frames=None if frames is None else frames.frames_for(chunk))
                for chunk, (it, group) in enumerate(zip(iterators, groups))]
+    if frames is not None and (frames.chunk >= len(iterators) or iterators[frames.chunk] is None):
+        raise RuntimeError("mm_balance.vision=images: the model chunk with the vision tower has no train "
+                           "iterator on this rank")
+    if audit is not None:
+        audit.training()
     return wrapped if is_list else wrapped[0]

@@ -381,6 +381,8 @@ def wrap_train_data_iterator(train_data_iterator, args=None, *, exchange_groups=
         from megatron.training import get_args
         args = get_args()
     cfg = checked_config(args)
+    from ..runtime.dist_audit import install_from_env
+    audit = install_from_env()          # MM_BALANCE_DIST_AUDIT (a test hook): calls counted by stack
     timing = _install_timing(model, cfg, args)
     if not cfg.enabled:
         if cfg.record_samples or timing is not None:
@@ -410,6 +412,8 @@ def wrap_train_data_iterator(train_data_iterator, args=None, *, exchange_groups=
     if vision is not None and (vision[1] >= len(iterators) or iterators[vision[1]] is None):
         raise RuntimeError("--mm-balance-vision images: the model chunk with the vision encoder has no train "
                            "iterator on this rank")
+    if audit is not None:
+        audit.training()
     return wrapped if is_list else wrapped[0]
 
 

@@ -278,7 +278,7 @@ def vision_balance_for(model, cfg, exchange_groups, *, rank: Optional[int] = Non
     if model is None:
         raise ValueError("--mm-balance-vision images needs the model chunks (model=...)")
     if cfg.megatron.expert_model_parallel_size <= 1:
-        if (dist.get_rank() if rank is None else rank) == 0:
+        if (rank if rank is not None else dist.get_rank() if dist.is_initialized() else 0) == 0:
             emit_line(NOTHING_TO_BALANCE)
         return None
     group = init_vision_groups(cfg.timeout)

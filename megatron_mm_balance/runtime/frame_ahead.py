@@ -281,6 +281,8 @@ class StepFrames:
     #: the integer cost of the units this rank keeps and of those it encodes for others
     kept_cost: int = 0
     received_cost: int = 0
+    #: the integer cost of all of this rank's units (what its tower computes unbalanced)
+    local_cost: int = 0
     kept_rows: Optional[torch.Tensor] = None
     kept_args: tuple = ()
     sends_away: bool = False
@@ -580,6 +582,7 @@ class FrameAhead:
         into = np.flatnonzero(plan.moved & (plan.encoder == me))
         in_rows, out_rows, meta = table.in_rows[plan.unit], table.out_rows[plan.unit], table.meta[plan.unit]
         frames.local_rows = int(in_rows[local].sum())
+        frames.local_cost = int(table.cost[plan.unit[local]].sum())
         if away.size == 0 and into.size == 0:
             return                                                  # nothing crosses this rank
         frames.balanced = True

@@ -268,6 +268,17 @@ class FrameSteps:
         self._note("vision_exchange_ms", (time.perf_counter() - began) * 1e3)
         return out
 
+    def plain(self, run: Callable[[], object]):
+        """The encoder run as it is (nothing crosses this rank at this micro-step): ``run()``,
+        timed for the tower's measured rate when the micro-step was planned."""
+        frames = self.current
+        if frames is None or not frames.planned or self.flops_per_unit is None or self.rates is None:
+            return run()
+        started = self._meter.start()
+        out = run()
+        self._meter.stop(started, self.flops_per_unit * frames.local_cost, self.rates.tower)
+        return out
+
     def take_part(self) -> Optional[torch.Tensor]:
         """Where a rank whose encoder is not called would have called it: its (empty) outputs,
         for the caller to join to the graph, or None when nothing crosses this rank."""

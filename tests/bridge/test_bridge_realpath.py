@@ -36,17 +36,18 @@ BAND_LAYOUT = dict(nproc_per_node=4, ep=2, iters=4)
 
 @pytest.fixture(scope="module")
 def runner(bridge_python, bridge_trees, bridge_dataset, bridge_runs_dir):
-    """``runner(name, layout, mm_balance, extra=(), output=None, data=None)`` -> :class:`bu.Run`,
-    cached by name; ``layout`` names a LAYOUTS entry or is a dict of its own."""
+    """``runner(name, layout, mm_balance, extra=(), output=None, data=None, env=None)`` ->
+    :class:`bu.Run`, cached by name; ``layout`` names a LAYOUTS entry or is a dict of its own;
+    ``env``: more of the launcher's environment."""
     cache = {}
 
-    def go(name, layout, mm_balance, extra=(), output=None, data=None):
+    def go(name, layout, mm_balance, extra=(), output=None, data=None, env=None):
         if name not in cache:
             lay = dict(LAYOUTS[layout] if isinstance(layout, str) else layout)
             iters = lay.pop("iters")
-            env = bu.launcher_env(bridge_trees, data or bridge_dataset, bridge_python, mm_balance=mm_balance,
-                                  output_dir=output or bridge_runs_dir / name, train_iters=iters, **lay)
-            cache[name] = bu.run(env, list(extra), log_path=bridge_runs_dir / f"{name}.log")
+            launch = bu.launcher_env(bridge_trees, data or bridge_dataset, bridge_python, mm_balance=mm_balance,
+                                     output_dir=output or bridge_runs_dir / name, train_iters=iters, **lay)
+            cache[name] = bu.run({**launch, **(env or {})}, list(extra), log_path=bridge_runs_dir / f"{name}.log")
         return cache[name]
 
     return go
@@ -374,25 +375,33 @@ def test_killed_rank_then_resumed_equals_uninterrupted(runner, bridge_python, br
         assert got and got == want, f"{key} of the resumed global batches: {got} vs {want}"
 
 
-# -- mm_balance.vision=images: packs first, then frames across the data-parallel group -------------
+# -- mm_balance.vision=images: packs first, then frames inside each expert-parallel group ----------
 
 IMAGES = ["mm_balance.vision=images"]
-#: the layouts of the images runs: DP=2 x EP=2 (the layout tests' fp32 one, whose off and control
-#: runs are reused) and DP=4 without expert parallelism, fp32, 4 micro-batches per rank (the toy
-#: data set's samples rarely hold two large images; with GBS 8 its first 3 iterations at DP=4
-#: give no frame to move)
-IMAGE_LAYOUTS = {"dp2_ep2_fp32": LAYOUTS["dp2_ep2_fp32"], "dp4": LAYOUTS["dp4"]}
-#: the DP=4 run charges moves at the rates it measures (``mm_balance.image_rates=measured``)
-IMAGE_EXTRA = {"dp2_ep2_fp32": IMAGES, "dp4": IMAGES + ["mm_balance.image_rates=measured"]}
+#: the layout of the images runs: DP=4 x EP=2, two step groups of 2 (the layout tests' fp32 one,
+#: whose off and control runs are reused); without expert parallelism images mode balances
+#: nothing per micro-step (tests/bridge/test_vision_images_units.py)
+IMAGE_LAYOUTS = {"dp2_ep2_fp32": LAYOUTS["dp2_ep2_fp32"]}
+
+
+def _images_run(runner, runs_dir):
+    """The DP=4 x EP=2 fp32 images run, with the timing hooks (``timing_dir``) and the count of
+    torch.distributed calls by stack (``MM_BALANCE_DIST_AUDIT``) writing into its output."""
+    out = runs_dir / "dp2_ep2_fp32-images"
+    return runner("dp2_ep2_fp32-images", IMAGE_LAYOUTS["dp2_ep2_fp32"], True,
+                  extra=IMAGES + [f"mm_balance.timing_dir={out / 'timing'}"],
+                  env={"MM_BALANCE_DIST_AUDIT": str(out / "audit")})
 
 
 def _vision_lines(run) -> dict:
-    """``{iteration: {figure: value}}`` of the ``[mm-balance-vision] iteration N | ...`` lines."""
+    """``{(iteration, step group): {figure: value}}`` of the ``[mm-balance-vision] iteration N |
+    step_group: G | ...`` lines (one per step group and log interval)."""
     out = {}
     for line in run.log.splitlines():
         if line.startswith("[mm-balance-vision] iteration "):
             head, *parts = line.split(" | ")
-            out[int(head.split()[-1])] = {k: float(v) for k, v in (p.split(": ", 1) for p in parts)}
+            figures = {k: float(v) for k, v in (p.split(": ", 1) for p in parts)}
+            out[(int(head.split()[-1]), int(figures.pop("step_group")))] = figures
     return out
 
 
@@ -401,70 +410,71 @@ def _planned_figures(lines: dict) -> dict:
     return {i: {k: v for k, v in fig.items() if not k.endswith("_measured")} for i, fig in lines.items()}
 
 
-@pytest.mark.parametrize("layout", list(IMAGE_LAYOUTS))
-def test_images_mode_trains_as_off_within_the_control_band(runner, layout, bridge_runs_dir):
-    """``mm_balance.vision=images`` through the launcher, fp32: frames move, every iteration's
-    loss is off's (compare-logs against the control run: EQUAL or WITHIN BAND), and the final
-    checkpoint is within the control's band of off's (``megatron/checkpoints.py``, every model
-    tensor). Not bit-identical: a rank encodes other frames than unbalanced, so the tower's
-    GEMMs run over other row counts (tests/bridge/test_vision_images_realpath.py shows it is
-    rounding: the same comparison in fp64 falls to 1e-16)."""
+def test_images_mode_trains_as_off_within_the_control_band(runner, bridge_runs_dir):
+    """``mm_balance.vision=images`` through the launcher, fp32, DP=4 x EP=2: frames move inside
+    each expert-parallel group, every iteration's loss is off's (compare-logs against the control
+    run: EQUAL or WITHIN BAND), and the final checkpoint is within the control's band of off's
+    (``megatron/checkpoints.py``, every model tensor). Not bit-identical: a rank encodes other
+    frames than unbalanced, so the tower's GEMMs run over other row counts
+    (tests/bridge/test_vision_images_realpath.py shows it is rounding: the same comparison in fp64
+    falls to 1e-16). Counted by stack on every rank (``MM_BALANCE_DIST_AUDIT``): no collective of
+    ours on the training thread outside the data iterator's ``next()``; the timing records split
+    the exchange's forward and backward."""
+    import json
+
     from megatron_mm_balance.megatron.band import DEFAULT_K
     from megatron_mm_balance.megatron.checkpoints import compare_checkpoints
+    layout = "dp2_ep2_fp32"
     lay = IMAGE_LAYOUTS[layout]
-    timing_dir = bridge_runs_dir / f"{layout}-images-timing"       # DP=4: with the timing hooks
     off = runner(f"{layout}-off", lay, False)
-    images = runner(f"{layout}-images", lay, True,
-                    extra=IMAGE_EXTRA[layout] + ([f"mm_balance.timing_dir={timing_dir}"] if layout == "dp4" else []))
+    images = _images_run(runner, bridge_runs_dir)
     ctl = runner(f"{layout}-control", lay, True, extra=["mm_balance.mode=control"])
     report = bu.check_band(off, images, ctl, f"Bridge fp32 {layout}, vision=images")
     vision = _vision_lines(images)
     iters = lay["iters"]
-    assert sorted(vision) == list(range(1, iters)), images.tail()       # one line per log interval
-    moved = {i: int(v["frames_moved"]) for i, v in vision.items()}
+    assert sorted({i for i, _ in vision}) == list(range(1, iters)), images.tail()   # one line per interval ...
+    assert {g for _, g in vision} == {0, 1}, sorted(vision)                         # ... and step group
+    moved = {key: int(v["frames_moved"]) for key, v in vision.items()}
     assert sum(moved.values()) > 0, f"no frame moved: {vision}"
     for v in vision.values():
         assert v["vision_max_after"] <= v["vision_max_before"] and v["patches_max_after"] <= v["patches_max_before"]
     assert not _vision_lines(off) and not _vision_lines(ctl)
     last = vision[max(vision)]
     assert last["tower_tflops_measured"] > 0, last          # every rank times its tower
-    if layout in ("dp4",):                                   # image_rates=measured: the plan's rates
-        assert last["tower_tflops"] == pytest.approx(last["tower_tflops_measured"], rel=1e-9), last
-    # the reporting rank (the group's first) has no Bridge writer: its own events file
+    # each step group's first rank has no Bridge writer: its own events file
     events = list((images.output_dir / "tensorboard").glob("*.mm_balance_vision"))     # every line's scalars
     written = sum(p.read_bytes().count(b"mm-balance-vision/imbalance_after\x15") for p in events)
     assert events and written == len(vision), (events, written, sorted(vision))
+    audits = [json.loads(p.read_text()) for p in sorted((images.output_dir / "audit").glob("dist-audit-rank*.json"))]
+    assert len(audits) == 4 and all(a["our_collectives_in_step"] == 0 for a in audits), audits
     ckpt = {name: str(r.output_dir / "checkpoints") for name, r in (("off", off), ("images", images), ("control", ctl))}
     img_off, ctl_off = compare_checkpoints(ckpt["off"], ckpt["images"]), compare_checkpoints(ckpt["off"], ckpt["control"])
-    print(f"\n{layout} vision=images ({' '.join(IMAGE_EXTRA[layout][1:]) or 'rates: settings'}): frames moved "
-          f"per iteration {moved}; rates used / measured at the last line (GB/s, TFLOP/s): "
-          f"{last['link_gbps']:.4g}, {last['tower_tflops']:.4g} / {last['link_gbps_measured']:.4g}, "
-          f"{last['tower_tflops_measured']:.4g}; final checkpoints (model tensors): "
-          f"images vs off {img_off.summary()}; control vs off {ctl_off.summary()}\n"
+    print(f"\n{layout} vision=images: frames moved per (iteration, step group) {moved}; final checkpoints (model "
+          f"tensors): images vs off {img_off.summary()}; control vs off {ctl_off.summary()}\n"
           f"{bu.loss_table({'off': off, 'images': images, 'control': ctl})}\n{report}")
     assert img_off.same and not (img_off.only_a or img_off.only_b), img_off.summary()
     band = max(ctl_off.norm_relative_difference, FP32_CHECKPOINT_FLOOR)
     assert img_off.norm_relative_difference <= DEFAULT_K * band, (img_off.summary(), ctl_off.summary())
-    if layout == "dp4":
-        _check_exchange_details(bu.timing_records(timing_dir), iters)
+    _check_exchange_details(bu.timing_records(images.output_dir / "timing"), iters)
 
 
 def _check_exchange_details(records: dict, iters: int) -> None:
-    """Every micro-batch record of every rank splits its exchange's forward (``details``): the
-    all-gathers took time, the parts never exceed the whole, and over the run every rank
-    called the tower."""
+    """Every rank's micro-batch records split the exchange where its frames crossed it
+    (``details``): the forward's whole holds its tower time and its wait for the outputs, the
+    backward's gradient transfers their wait; over the run every rank's frames crossed."""
     assert sorted(records) == [0, 1, 2, 3], sorted(records)
     for rank, recs in records.items():
-        assert len(recs) == iters * 4 and all("details" in r for r in recs), (rank, recs[:1])
-        for r in recs:
-            d = r["details"]
-            parts = d["vision_gather_ms"] + d.get("vision_plan_ms", 0.0) + d.get("vision_tower_ms", 0.0)
-            assert d["vision_gather_ms"] > 0 and parts <= d["vision_exchange_ms"] + 1e-3, (rank, r)
-        assert sum(r["details"].get("vision_tower_calls", 0) for r in recs) > 0, rank
-    every = [r["details"] for recs in records.values() for r in recs]
-    print("exchange forward per micro-batch, mean over ranks (ms): " + ", ".join(
+        assert len(recs) == iters * 2, (rank, len(recs))
+        crossed = [r["details"] for r in recs if "vision_exchange_ms" in r.get("details", {})]
+        assert crossed, rank
+        for d in crossed:
+            assert d["vision_exchange_ms"] + 1e-3 >= d.get("vision_tower_ms", 0.0) + d["vision_wait_ms"], (rank, d)
+            assert d["vision_grad_exchange_ms"] + 1e-3 >= d["vision_grad_wait_ms"], (rank, d)
+    every = [d for recs in records.values() for r in recs for d in [r.get("details", {})]]
+    print("exchange per micro-batch, mean over ranks (ms): " + ", ".join(
         f"{k[len('vision_'):]} {sum(d.get(k, 0.0) for d in every) / len(every):.1f}"
-        for k in ("vision_exchange_ms", "vision_gather_ms", "vision_plan_ms", "vision_tower_ms")))
+        for k in ("vision_exchange_ms", "vision_tower_ms", "vision_wait_ms", "vision_grad_exchange_ms",
+                  "vision_grad_wait_ms")))
 
 
 def test_images_mode_resume_equals_uninterrupted(runner, bridge_runs_dir):
@@ -474,7 +484,7 @@ def test_images_mode_resume_equals_uninterrupted(runner, bridge_runs_dir):
     the data, so every frame is encoded where it was)."""
     from megatron_mm_balance.megatron.checkpoints import compare_checkpoints
     layout = "dp2_ep2_fp32"
-    full = runner(f"{layout}-images", IMAGE_LAYOUTS[layout], True, extra=IMAGES)
+    full = _images_run(runner, bridge_runs_dir)
     out = bridge_runs_dir / f"{layout}-images-resume"
     first = runner("images-resume-first", layout, True, extra=IMAGES + ["train.exit_interval=4"], output=out)
     second = runner("images-resume-second", layout, True, extra=IMAGES, output=out)
@@ -485,7 +495,7 @@ def test_images_mode_resume_equals_uninterrupted(runner, bridge_runs_dir):
     assert {**first.losses, **second.losses} == full.losses, table
     full_vision = _vision_lines(full)
     assert _planned_figures(_vision_lines(second)) == {i: v for i, v in _planned_figures(full_vision).items()
-                                                       if i >= 5}, second.tail()
+                                                       if i[0] >= 5}, second.tail()
     same = compare_checkpoints(str(full.output_dir / "checkpoints"), str(out / "checkpoints"))
     print(f"\nvision=images resume ({layout}): final checkpoint vs the uninterrupted run's: {same.summary()}; "
           f"wall first {first.wall_s:.0f}s resumed {second.wall_s:.0f}s\n{table}")

@@ -71,23 +71,17 @@ def test_refusals_name_the_setting_in_one_line(mm, model, match):
     assert "\n" not in str(err.value)
 
 
-def test_crossover_balances_the_frames_at_the_packs_parity_only():
-    """``mm_balance.mode=crossover-*`` with images: the frames are balanced at the iterations
-    whose packs move (the runtime's own parity rule), the plain tower runs at the others; every
-    other mode balances every iteration (no callable)."""
-    from megatron_mm_balance.bridge.vision import balanced_iterations
-    from megatron_mm_balance.runtime.config import BalancerConfig
-    from megatron_mm_balance.runtime.engine import delivery_mode
-    _as_args(MMBalanceBridgeConfig(enabled=True, vision="images", mode="crossover-odd"), _cfg())
-    for parity in ("even", "odd"):
-        at = {"now": None}
-        now = balanced_iterations(f"crossover-{parity}", lambda: at["now"])
-        assert now() is False                                     # before training: nothing balanced
-        for iteration in range(1, 9):
-            at["now"] = iteration
-            packs_move = delivery_mode(BalancerConfig(crossover=parity), iteration) == "exchange"
-            assert now() is packs_move is (iteration % 2 == (0 if parity == "even" else 1))
-    assert balanced_iterations("exchange", lambda: 1) is None and balanced_iterations("auto", lambda: 2) is None
+def test_without_expert_parallelism_one_line_and_nothing_installed(capsys):
+    """Without expert parallelism no rank waits for another within an iteration: images mode
+    says so in one line (global rank 0; here no process group) and installs nothing, before any
+    group is made."""
+    from megatron_mm_balance.bridge.model_spec import ModelSpec
+    from megatron_mm_balance.bridge.vision import NOTHING_TO_BALANCE, install_frame_balance
+    cfg = _cfg(expert_model_parallel_size=1)
+    mm = MMBalanceBridgeConfig(enabled=True, vision="images")
+    spec = ModelSpec.read(cfg.model)
+    assert install_frame_balance(object(), mm, spec, None, None, None, None) is None
+    assert capsys.readouterr().out.strip() == NOTHING_TO_BALANCE
 
 
 def test_transfer_rates_are_the_settings_else_the_devices_nominal_ones():

@@ -15,7 +15,7 @@ fixed loss of the per-token losses, and the results are compared: the per-token 
 vision outputs Bridge receives (main and deepstack) and the model's parameter gradients summed
 over the ranks (the data-parallel reduction); then with the model cast to fp64. Also recorded:
 each micro-step's plan, its figures, every torch.distributed call of the balanced forward and
-backward by stack (``testing/dist_audit.py``), and of an evaluation forward. Each rank writes
+backward by stack (``runtime/dist_audit.py``), and of an evaluation forward. Each rank writes
 its JSON.
 """
 from __future__ import annotations
@@ -74,7 +74,7 @@ class Harness:
         from megatron_mm_balance.runtime.iterator import BalancedDataIterator
         ahead = FrameAhead(self.reader, self.step_groups, prices=self.prices if prices is None else prices,
                            rates=rates if rates is not None else MeasuredRates())
-        it = BalancedDataIterator(iter(packs), num_microbatches=G, exchange_group=self.exchange,
+        it = BalancedDataIterator(iter(packs), num_microbatches=G, group=self.exchange, exchange_group=self.exchange,
                                   cost_fn=lambda pack: 0, config=config or BalancerConfig(overlap=False, timeout=60),
                                   first_iteration=first_iteration, frames=ahead)
         with it:
@@ -263,17 +263,18 @@ def _pack(grids, step, ids, *, video):
 
 class _Audit:
     def __init__(self):
-        from megatron_mm_balance.testing.dist_audit import DistAudit
+        from megatron_mm_balance.runtime.dist_audit import DistAudit
         self.audit = DistAudit().install()
         self.audit.training()
 
     def stop(self) -> dict:
-        """``{call: n}`` of the calls of our code on the training thread."""
+        """``{"call from": n}`` of the calls of our code on the training thread."""
         self.audit.uninstall()
         out = {}
         for row in self.audit.summary()["rows"]:
             if row["ours"] and row["thread"] == "training":
-                out[row["call"]] = out.get(row["call"], 0) + row["n"]
+                key = f"{row['call']} from {row['ours']}"
+                out[key] = out.get(key, 0) + row["n"]
         return out
 
 

@@ -10,7 +10,7 @@ rank receives equal the unbalanced encoder's on its own pack, and the data-paral
 encoder's gradients equal the unbalanced run's (fp64: rounding only), with and without the
 exchange thread (and then with one encoder call per micro-step instead of two). All forwards of a batch run before its backwards (as pipeline warm-up does),
 so the rows sent ahead must live until their micro-step's backward: alive after the forward,
-freed after it. Counted by stack (``testing/dist_audit.py``): no collective of ours on the
+freed after it. Counted by stack (``runtime/dist_audit.py``): no collective of ours on the
 training thread, rows sent and received only by the exchange thread, no plan on the training
 thread. A peer that never sends its outputs ends the wait with an error naming it."""
 import os
@@ -167,7 +167,7 @@ def _train(rank, encoder, group, exchange, overlap: bool, balanced: bool):
     from megatron_mm_balance.runtime.frame_ahead import FrameAhead
     from megatron_mm_balance.runtime.image_exchange import FrameSteps
     from megatron_mm_balance.runtime.iterator import BalancedDataIterator
-    from megatron_mm_balance.testing.dist_audit import DistAudit
+    from megatron_mm_balance.runtime.dist_audit import DistAudit
 
     encode = lambda rows, args: torch.tanh(encoder(rows.reshape(-1, 2 * IN)))      # noqa: E731
     empty = lambda: torch.zeros((0, OUT), dtype=torch.float64, requires_grad=True)  # noqa: E731

@@ -7,8 +7,12 @@ any process group) and records each call under four keys:
 * the call (``all_gather``, ``isend``, ...) and whether it is a collective;
 * the thread (``training`` for the main thread, else the thread's name, e.g.
   ``mm-balance-exchange``);
-* ``ours``: the innermost frame of this package on the stack (``module:function``), or
-  ``""`` when no frame of ours is there (the framework's own calls);
+* ``ours``: the frame that issued the call (the innermost frame outside torch itself: a
+  module's ``__call__``, autograd, ``torch.distributed`` and torch function modes are passed
+  through) when it is
+  this package's (``module:function``), else ``""``: the framework's own calls, even those
+  made inside code of ours that calls the framework (a tower called from our hook, a training
+  loop started by our harness), are not ours;
 * where the training thread stands: ``setup`` before :meth:`DistAudit.training` is called,
   ``next`` inside a data iterator's ``__next__`` of ours (a global batch's meeting without
   the exchange thread runs there, before the micro-step's forward), else ``step``.
@@ -40,13 +44,22 @@ NEXT_FRAMES = ("megatron_mm_balance/runtime/iterator.py:__next__", "megatron_mm_
 _SELF = os.path.abspath(__file__)
 
 
+def _torch_dir() -> str:
+    import torch
+    return os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+
+
+_TORCH = _torch_dir()
+#: torch function / dispatch modes a call passes through (a CPU harness's): not its issuer
+_MODES = ("__torch_function__", "__torch_dispatch__")
+
+
 class DistAudit:
     """See the module docstring. ``install()`` wraps, ``uninstall()`` restores, ``counts()``
     returns the records as ``{(call, collective, thread, ours, place): n}``."""
 
     def __init__(self, package_dir: Optional[str] = None):
-        import megatron_mm_balance
-        self.package_dir = package_dir or os.path.dirname(os.path.abspath(megatron_mm_balance.__file__))
+        self.package_dir = os.path.join(package_dir or os.path.dirname(os.path.dirname(_SELF)), "")
         self.records: Dict[tuple, int] = collections.Counter()
         self.in_training = False
         self._saved: Dict[tuple, object] = {}
@@ -86,16 +99,19 @@ class DistAudit:
         return call
 
     def _record(self, name: str, collective: bool) -> None:
-        ours, in_next = "", False
+        ours, in_next, caller = "", False, None
         frame = sys._getframe(2)
         while frame is not None:
             path = os.path.abspath(frame.f_code.co_filename)
-            if path.startswith(self.package_dir) and path != _SELF:
+            passing = path.startswith(_TORCH) or path == _SELF or frame.f_code.co_name in _MODES
+            if caller is None and not passing:
+                caller = path                               # the code that issued the call
+                if path.startswith(self.package_dir):
+                    ours = f"{PACKAGE}/{os.path.relpath(path, self.package_dir)}:{frame.f_code.co_name}"
+                    ours = ours.replace("/", ".").replace(".py:", ":")
+            if path.startswith(self.package_dir):
                 where = f"{PACKAGE}/{os.path.relpath(path, self.package_dir)}:{frame.f_code.co_name}"
-                if not ours:
-                    ours = where.replace("/", ".").replace(".py:", ":")
-                if where in NEXT_FRAMES:
-                    in_next = True
+                in_next = in_next or where in NEXT_FRAMES
             frame = frame.f_back
         thread = threading.current_thread()
         main = thread is threading.main_thread()

@@ -421,13 +421,13 @@ class Engine:
         in both directions, share the link instead of taking turns."""
         t0, cpu0 = time.perf_counter(), time.thread_time()
         G = plan.num_microbatches
-        frames = self.frames.post(plan, k) if self.frames is not None else None
+        frames = [self.frames.post(plan, k) for k in range(G)] if self.frames is not None else []
         with nvtx_range("mm-balance exchange"):
-            sends = self._post_sends(plan, k)
-            item = self._take(plan, k, place=True)
+            sends = [s for k in range(G) for s in self._post_sends(plan, k)]
+            items = [self._take(plan, k, place=False) for k in range(G)]
             self._finish_sends(plan, sends)
-        if frames is not None:
-            item.frames = self.frames.complete(frames)
+        for item, posted in zip(items, frames):
+            item.frames = self.frames.complete(posted)
         self._account(plan, t0, cpu0)
         return items
 

@@ -541,11 +541,10 @@ class FrameAhead:
             s = int(table.source[mine.unit[i]])
             if s != self.me:
                 by_source.setdefault(s, []).append(i)
-        pin = self.mover is not None
         for s in sorted(by_source):
             units = by_source[s]
             n = int(table.in_rows[mine.unit[units]].sum())
-            buf = torch.empty((n, *table.row_shape), dtype=table.row_dtype, pin_memory=pin)
+            buf = self._host_rows(n, table)
             work = self.transport.post(lambda buf=buf, s=s: dist.irecv(buf, src=self.ranks[s], group=self.transport.group,
                                                                        tag=AHEAD_TAG),
                                        "receiving frames ahead", gb, (self.ranks[s],), k)
@@ -634,8 +633,16 @@ class FrameAhead:
                 pieces[int(i)] = buf[offsets[j]: offsets[j + 1]]
         if len(posted.recvs) == 1 and not posted.local:
             return posted.recvs[0][2]                               # one message, already in order
-        out = torch.cat([pieces[int(i)] for i in into.tolist()])
-        return out.pin_memory() if self.mover is not None else out
+        order = [pieces[int(i)] for i in into.tolist()]
+        return torch.cat(order, out=self._host_rows(sum(int(p.shape[0]) for p in order), table))
+
+    def _host_rows(self, n: int, table: BatchUnits) -> torch.Tensor:
+        """Host memory for ``n`` rows of the batch's kind: on a CUDA encoder from the transport's
+        capped pinned pool (pageable when it is full), else plain."""
+        pool = getattr(self.transport, "pool", None) if self.mover is not None else None
+        if pool is None:
+            return torch.empty((n, *table.row_shape), dtype=table.row_dtype)
+        return pool.take(n * table.row_bytes).view(table.row_dtype).view(n, *table.row_shape)
 
     def _place(self, frames: StepFrames, host: dict) -> None:
         """On a CUDA encoder, every tensor the training thread reads goes to the device on the
@@ -648,15 +655,20 @@ class FrameAhead:
                 setattr(frames, name, t)
             return
         names += list(host)
+        pool = getattr(self.transport, "pool", None)
         with torch.cuda.stream(self.mover.stream):
             for name in names:
                 t = tensors[name]
                 setattr(frames, name, (t if t.is_pinned() else t.pin_memory()).to(self.device, non_blocking=True))
+                if pool is not None:                # the pool's buffer is free once the copy is done
+                    tensors[name] = t
             for name, values in args.items():
                 setattr(frames, name, tuple((v if v.is_pinned() else v.pin_memory()).to(self.device, non_blocking=True)
                                             for v in values))
             event = torch.cuda.Event()
             event.record(self.mover.stream)
+        if pool is not None and frames.received is not None:
+            pool.release_after(tensors["received"], event)
         frames.event = event
         frames.buffers = tuple(getattr(frames, n) for n in names) + frames.kept_args + frames.received_args
 

@@ -38,8 +38,6 @@ bytes of rows (without the thread, where a batch's rows all arrive at its first 
 """
 from __future__ import annotations
 
-import time
-import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -389,8 +387,6 @@ class FrameAhead:
         self.relay = FrameRelay()
         self.mover = None
         self.transport = None
-        #: every row tensor delivered, weakly (tests: freed after its micro-step's backward)
-        self.delivered: "weakref.WeakSet" = weakref.WeakSet()
         #: what this rank sent ahead: units, rows, bytes, and units of packs another rank computes
         self.sent = dict(units=0, rows=0, bytes=0, units_of_others_packs=0)
 
@@ -600,7 +596,6 @@ class FrameAhead:
         if into.size:
             frames.received = self._received(posted, into, table)
             frames.received_args = tuple(self.reader.encode_args(meta[into]))
-            self.delivered.add(frames.received)
             start = 0
             for o in sorted(set(plan.owner[into].tolist())):
                 n = int(out_rows[into[plan.owner[into] == o]].sum())

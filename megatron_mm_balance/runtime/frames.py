@@ -2,9 +2,11 @@
 
 Image-level vision balancing of native-resolution encoders (Qwen-VL: a frame of
 ``h x w`` patches is encoded on its own) moves whole frames between the ranks of a
-data-parallel group. Every rank all-gathers the micro-step's frames (their owners,
-integer costs and patch counts, :func:`~.image_exchange.gather_unit_table`) and calls
-:func:`plan_frame_encoders` on the same numbers: the same assignment everywhere.
+per-micro-step meeting group. Every rank knows the global batch's frames (their owners,
+integer costs and patch counts, gathered once at the batch's meeting,
+:mod:`~.frame_ahead`) and calls :func:`plan_frame_encoders` on the same numbers: the same
+assignment everywhere. :func:`within_receive_budget` then bounds the rows each rank
+receives ahead of a micro-step.
 
 :func:`plan_frame_encoders` is the single place the planner is called:
 ``solver/frames.py::plan_frames``, which plans from where the frames are: it lowers the

@@ -87,10 +87,14 @@ def test_outputs_and_gradients_equal_the_unbalanced_encoder(results):
 
 
 def test_rows_sent_ahead_live_until_their_backward(results):
+    """The rows a rank received ahead are held by its micro-step's graph until that backward,
+    and freed by it. (With one encoder call, ``image_overlap=false``, where a rank also keeps
+    units, they are copied into the call's input and may go at once: only freed is asserted.)"""
     for res in results:
         for mode in ("thread", "no_thread"):
             life = res[mode]["received_life"]
-            assert life["alive_before_backward"] == life["steps"], (res["rank"], mode, life)
+            if mode == "thread":
+                assert life["alive_before_backward"] == life["steps"], (res["rank"], mode, life)
             assert life["freed_after_backward"] == life["steps"], (res["rank"], mode, life)
     assert sum(r["thread"]["received_life"]["steps"] for r in results) > 0
 

@@ -223,6 +223,15 @@ def native_rows(args):
                   f"{_pct(b_ms, 50):11.2f} {max(b_ms):7.2f}")
 
 
+def _timed_plan(owner, patches, parts, alpha, capped):
+    """One micro-step's frame plan over ``parts`` ranks at cost ``p * (p + alpha)``: its CPU
+    time in ms and its largest load over the lower bound."""
+    cap = default_patch_cap(owner, patches, parts) if capped else None
+    t0 = time.thread_time()
+    pl = plan_frames(owner, patches * (patches + alpha), parts, patches=patches, patch_cap=cap)
+    return (time.thread_time() - t0) * 1e3, pl.max_after / pl.lower_bound
+
+
 def group_rows(args):
     """``--group N`` (module docstring): each micro-step planned over all ranks and inside
     every group of ``N`` consecutive ranks."""
@@ -242,25 +251,18 @@ def group_rows(args):
             wide_ms, wide_gap, nf, g_ms, g_gap, g_nf = [], [], [], [], [], []
             for _ in range(args.steps):
                 owner, p = micro_step_frames(rng, D)
-                cost = p * (p + alpha)
-                cap = default_patch_cap(owner, p, D) if args.cap else None
-                t0 = time.thread_time()
-                pl = plan_frames(owner, cost, D, patches=p, patch_cap=cap)
-                wide_ms.append((time.thread_time() - t0) * 1e3)
-                wide_gap.append(pl.max_after / pl.lower_bound)
+                ms, gap = _timed_plan(owner, p, D, alpha, args.cap)
+                wide_ms.append(ms)
+                wide_gap.append(gap)
                 nf.append(len(p))
                 for lo in range(0, D, N):
                     mine = (owner >= lo) & (owner < lo + N)
                     if not mine.any():
                         continue
-                    o, q = owner[mine] - lo, p[mine]
-                    c = q * (q + alpha)
-                    gcap = default_patch_cap(o, q, N) if args.cap else None
-                    t0 = time.thread_time()
-                    gp = plan_frames(o, c, N, patches=q, patch_cap=gcap)
-                    g_ms.append((time.thread_time() - t0) * 1e3)
-                    g_gap.append(gp.max_after / gp.lower_bound)
-                    g_nf.append(len(q))
+                    ms, gap = _timed_plan(owner[mine] - lo, p[mine], N, alpha, args.cap)
+                    g_ms.append(ms)
+                    g_gap.append(gap)
+                    g_nf.append(int(mine.sum()))
             print(f"{D:>5} {alpha:>5} | {int(np.mean(nf)):>6} {_pct(wide_ms, 50):8.2f} {max(wide_ms):8.2f} "
                   f"{np.mean(wide_gap):7.4f} | {N:>5} {int(np.mean(g_nf)):>6} {_pct(g_ms, 50):8.2f} "
                   f"{max(g_ms):8.2f} {np.mean(g_gap):7.4f}", flush=True)

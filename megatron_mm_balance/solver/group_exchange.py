@@ -48,6 +48,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .pairing import pair_heavy_with_light
 from .sorting import lex_argsort
 
 #: composite keys (group, cost) and the swap keys need every profile below this.
@@ -201,15 +202,10 @@ def exchange_between_groups(costs: np.ndarray, group: np.ndarray, *, tolerance: 
         pool = pool[E * prof[pool] < total]
         if len(pool) == 0:
             break
-        heavy = heavy[attempt[heavy] < len(pool)]
-        if len(heavy) == 0:
+        pairs = pair_heavy_with_light(heavy, pool, attempt)
+        if pairs is None:
             break
-        light = pool[(np.arange(len(heavy)) + attempt[heavy]) % len(pool)]
-        _, first = np.unique(light, return_index=True)
-        keep = np.zeros(len(heavy), dtype=bool)
-        keep[first] = True
-        attempt[heavy[~keep]] += 1
-        h, l = heavy[keep], light[keep]
+        h, l = pairs
         px, py = _best_swaps(state, h, l, limit, home)
         ok = px >= 0
         attempt[h[~ok]] += 1

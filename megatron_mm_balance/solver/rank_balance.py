@@ -40,6 +40,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .pairing import pair_heavy_with_light
 from .sorting import lex_argsort, stable_argsort
 from .topology import INTER_NODE_WEIGHT
 
@@ -307,15 +308,10 @@ def balance_node_totals(rules: SwapRules, src_rank: np.ndarray, src_index: np.nd
         pool = pool[D * nt[pool] < mean_d[pool]]
         if len(pool) == 0:
             break
-        heavy = heavy[attempt[heavy] < len(pool)]
-        if len(heavy) == 0:
+        pairs = pair_heavy_with_light(heavy, pool, attempt)
+        if pairs is None:
             break
-        light = pool[(np.arange(len(heavy)) + attempt[heavy]) % len(pool)]
-        _, first = np.unique(light, return_index=True)
-        keep = np.zeros(len(heavy), dtype=bool)
-        keep[first] = True
-        attempt[heavy[~keep]] += 1
-        h, l = heavy[keep], light[keep]
+        h, l = pairs
         P = len(h)
         mh, ml = members[h], members[l]
         sr = np.take_along_axis(mh, np.argmax(np.where(mh >= 0, totals[mh], -1), axis=1)[:, None],

@@ -46,6 +46,37 @@ def megatron_lm_dir(tag: str = TAG) -> Optional[Path]:
     return megatron_tree.user_tree(tag) if tag == TAG else megatron_tree.patched_tree(tag)
 
 
+def release_tree_or_skip(tag: str) -> Path:
+    """The patched tree of Megatron-LM release ``tag`` (:func:`megatron_lm_dir`); the test is
+    skipped, naming the archive to provide, when there is none."""
+    t = megatron_lm_dir(tag)
+    if t is None:
+        import pytest
+        pytest.skip(f"no Megatron-LM {tag}: provide {archive(tag)}")
+    return t
+
+
+def cached_launcher_runs(tree: Path, data: Dict[str, str], runs_dir: Path, *, tag: str, iters: int,
+                         python: str, timeout: float):
+    """``go(name, mm_balance, extra=(), output=None, mlm=None, **env)``: the launcher's run
+    ``name`` on ``tree`` (``mlm``: another tree), ``iters`` iterations, every rank's samples
+    recorded; each name runs once and its :class:`Run` is shared by the tests that ask again."""
+    cache = {}
+
+    def go(name, mm_balance, extra=(), output=None, mlm=None, **env):
+        if name not in cache:
+            out = output or runs_dir / f"{tag}-{name}"
+            e = launcher_env(mlm or tree, data, mm_balance=mm_balance, output_dir=out, train_iters=iters,
+                             python=python)
+            e.update(env)
+            cache[name] = run(e, [*extra, "--mm-balance-record-samples", str(out / "samples")],
+                              log_path=runs_dir / f"{tag}-{name}.log", timeout=timeout,
+                              samples_dir=out / "samples")
+        return cache[name]
+
+    return go
+
+
 def make_dataset(out: Path, samples: Optional[int] = 128, seed: Optional[int] = 0,
                  python: str = sys.executable) -> Dict[str, str]:
     """``mm-balance make-dataset OUT [--samples N] [--seed S]`` (None: the command's default);

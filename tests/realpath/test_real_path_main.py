@@ -41,10 +41,7 @@ AUTO = ["--mm-balance-cost", "auto", "--mm-balance-calibration-iters", "3"]
 
 @pytest.fixture(scope="module")
 def tree() -> Path:
-    t = rp.megatron_lm_dir(TAG)
-    if t is None:
-        pytest.skip(f"no Megatron-LM {TAG}: provide {rp.archive(TAG)}")
-    return t
+    return rp.release_tree_or_skip(TAG)
 
 
 @pytest.fixture(scope="module")
@@ -61,20 +58,8 @@ def read_only_tree(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def runner(py312, tree, dataset, runs_dir):
-    cache = {}
-
-    def go(name, mm_balance, extra=(), output=None, mlm=None, **env):
-        if name not in cache:
-            out = output or runs_dir / f"{TAG}-{name}"
-            e = rp.launcher_env(mlm or tree, dataset, mm_balance=mm_balance, output_dir=out, train_iters=ITERS,
-                                python=py312)
-            e.update(env)
-            cache[name] = rp.run(e, [*extra, "--mm-balance-record-samples", str(out / "samples")],
-                                 log_path=runs_dir / f"{TAG}-{name}.log", timeout=RUN_TIMEOUT_S,
-                                 samples_dir=out / "samples")
-        return cache[name]
-
-    return go
+    return rp.cached_launcher_runs(tree, dataset, runs_dir, tag=TAG, iters=ITERS, python=py312,
+                                   timeout=RUN_TIMEOUT_S)
 
 
 def test_off_on_within_the_control_band_and_timing_hooks(runner, runs_dir):

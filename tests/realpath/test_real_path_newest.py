@@ -34,27 +34,13 @@ RUN_TIMEOUT_S = 900
 
 @pytest.fixture(scope="module")
 def tree() -> Path:
-    t = rp.megatron_lm_dir(TAG)
-    if t is None:
-        pytest.skip(f"no Megatron-LM {TAG}: provide {rp.archive(TAG)}")
-    return t
+    return rp.release_tree_or_skip(TAG)
 
 
 @pytest.fixture(scope="module")
 def runner(py312, tree, dataset, runs_dir):
-    cache = {}
-
-    def go(name, mm_balance, extra=(), output=None):
-        if name not in cache:
-            out = output or runs_dir / f"{TAG}-{name}"
-            env = rp.launcher_env(tree, dataset, mm_balance=mm_balance, output_dir=out, train_iters=ITERS,
-                                  python=py312)
-            cache[name] = rp.run(env, [*extra, "--mm-balance-record-samples", str(out / "samples")],
-                                 log_path=runs_dir / f"{TAG}-{name}.log", timeout=RUN_TIMEOUT_S,
-                                 samples_dir=out / "samples")
-        return cache[name]
-
-    return go
+    return rp.cached_launcher_runs(tree, dataset, runs_dir, tag=TAG, iters=ITERS, python=py312,
+                                   timeout=RUN_TIMEOUT_S)
 
 
 def test_dp2_ep2_off_on_equal(runner):
